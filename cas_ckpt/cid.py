@@ -1,0 +1,150 @@
+"""CIDs and hashing.
+
+The public CID type is :class:`multiformats.CID`. Inside the library a CID travels as its binary form
+(``bytes``): building a ``multiformats.CID`` costs ~100 us and its ``str()`` ~150 us, a large fraction of
+hashing a 1 MiB chunk. The fast path here (a fixed prefix plus the digest, and base32 through the
+standard library) is tested to give exactly what ``multiformats`` gives.
+
+Only the CIDs cas_ckpt writes are accepted: version 1, codec ``raw`` (0x55) or ``messagepack``
+(0x0201), multihash ``sha2-256`` (0x12) or ``blake3`` (0x1e), 32-byte digests, nothing trailing.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Callable
+
+import blake3 as _blake3_module
+from multiformats import CID
+
+from cas_ckpt.errors import InvalidCID
+
+RAW = 0x55
+MSGPACK = 0x0201
+SHA2_256 = 0x12
+BLAKE3 = 0x1E
+DIGEST_SIZE = 32
+
+CODEC_NAMES = {RAW: "raw", MSGPACK: "messagepack"}
+HASH_NAMES = {SHA2_256: "sha2-256", BLAKE3: "blake3"}
+HASH_CODES = {name: code for code, name in HASH_NAMES.items()}
+
+CIDLike = CID | str | bytes
+
+# Varint encodings of the codec codes (0x0201 needs two bytes).
+_CODEC_VARINT = {RAW: b"\x55", MSGPACK: b"\x81\x04"}
+_VARINT_CODEC = {v: k for k, v in _CODEC_VARINT.items()}
+
+
+def _sha256(data: object) -> bytes:
+    return hashlib.sha256(data).digest()  # type: ignore[arg-type]
+
+
+def _blake3(data: object) -> bytes:
+    # max_threads=1: callers already hash chunks in parallel threads.
+    return _blake3_module.blake3(data).digest()  # type: ignore[arg-type]
+
+
+_DIGEST_FUNCTIONS: dict[int, Callable[[object], bytes]] = {SHA2_256: _sha256, BLAKE3: _blake3}
+
+
+def prefix(codec: int, hash_code: int) -> bytes:
+    """The bytes a binary CID starts with, before the digest."""
+    return b"\x01" + _CODEC_VARINT[codec] + bytes([hash_code, DIGEST_SIZE])
+
+
+class Hasher:
+    """Makes binary CIDs for one hash function; the per-block hot path."""
+
+    __slots__ = ("_digest", "_node_prefix", "_raw_prefix", "hash_code", "name")
+
+    def __init__(self, name: str = "sha2-256") -> None:
+        if name not in HASH_CODES:
+            raise ValueError(f"unsupported hash {name!r}; choose one of {sorted(HASH_CODES)}")
+        self.name = name
+        self.hash_code = HASH_CODES[name]
+        self._digest = _DIGEST_FUNCTIONS[self.hash_code]
+        self._raw_prefix = prefix(RAW, self.hash_code)
+        self._node_prefix = prefix(MSGPACK, self.hash_code)
+
+    def raw(self, data: object) -> bytes:
+        """Binary CID of a raw chunk block (releases the GIL while hashing large buffers)."""
+        return self._raw_prefix + self._digest(data)
+
+    def node(self, data: object) -> bytes:
+        """Binary CID of a msgpack node block."""
+        return self._node_prefix + self._digest(data)
+
+
+def digest_of(cid: bytes, data: object) -> bytes:
+    """Hash ``data`` with the hash function ``cid`` names."""
+    return _DIGEST_FUNCTIONS[cid[-DIGEST_SIZE - 2]](data)
+
+
+def matches(cid: bytes, data: object) -> bool:
+    """True when ``data`` hashes to ``cid``'s digest."""
+    return digest_of(cid, data) == cid[-DIGEST_SIZE:]
+
+
+def codec_of(cid: bytes) -> int:
+    """The content codec of a binary CID that passed :func:`check_binary`."""
+    return _VARINT_CODEC[cid[1:-DIGEST_SIZE - 2]]
+
+
+def is_node(cid: bytes) -> bool:
+    return cid[1:3] == b"\x81\x04"
+
+
+def check_binary(data: bytes) -> bytes:
+    """Validate a binary CID strictly and return it as ``bytes``."""
+    data = bytes(data)
+    if len(data) < 4 or data[0] != 1:
+        raise InvalidCID(f"not a CIDv1: {data[:8].hex()}...")
+    codec = _VARINT_CODEC.get(data[1:2]) or _VARINT_CODEC.get(data[1:3])
+    if codec is None:
+        raise InvalidCID(f"unsupported codec in CID {data.hex()}")
+    rest = data[1 + len(_CODEC_VARINT[codec]) :]
+    if len(rest) < 2 or rest[0] not in HASH_NAMES:
+        raise InvalidCID(f"unsupported multihash in CID {data.hex()}")
+    if rest[1] != DIGEST_SIZE or len(rest) != 2 + DIGEST_SIZE:
+        raise InvalidCID(
+            f"CID {data.hex()} must carry exactly a {DIGEST_SIZE}-byte digest and nothing after it"
+        )
+    return data
+
+
+def to_bytes(cid: CIDLike) -> bytes:
+    """Parse a CID given as ``multiformats.CID``, multibase string or binary, strictly."""
+    if isinstance(cid, (bytes, bytearray, memoryview)):
+        return check_binary(bytes(cid))
+    if isinstance(cid, CID):
+        return check_binary(bytes(cid))
+    if isinstance(cid, str):
+        return check_binary(_decode_string(cid))
+    raise InvalidCID(f"expected a CID, got {type(cid).__name__}")
+
+
+def _decode_string(text: str) -> bytes:
+    if text.startswith("b") and text.isascii():
+        body = text[1:].upper()
+        try:
+            return base64.b32decode(body + "=" * (-len(body) % 8))
+        except ValueError as exc:
+            raise InvalidCID(f"invalid base32 CID {text!r}: {exc}") from None
+    if text.startswith(("Qm", "1")):
+        raise InvalidCID(f"{text!r} is a CIDv0; only CIDv1 is used here")
+    try:
+        return bytes(CID.decode(text))
+    except Exception as exc:  # multiformats raises several unrelated types
+        raise InvalidCID(f"invalid CID {text!r}: {exc}") from None
+
+
+def to_str(cid: bytes) -> str:
+    """Base32 multibase text of a binary CID, equal to ``str(multiformats.CID.decode(cid))``."""
+    return "b" + base64.b32encode(cid).decode("ascii").lower().rstrip("=")
+
+
+def to_cid(cid: CIDLike) -> CID:
+    """A ``multiformats.CID`` (base32) for any accepted CID form."""
+    return CID.decode(to_bytes(cid)).set(base="base32")

@@ -1,0 +1,171 @@
+"""Node encoding: msgpack with links.
+
+A node is one msgpack value. Links to other blocks are msgpack extension values, like CBOR tag 42 in
+DAG-CBOR:
+
+* ext 42 ``Link``: a strong link, payload = the binary CID. Reachability (GC, export, fsck) follows it.
+* ext 43 ``HistoryLink``: a weak link to a previous commit. ``log`` follows it, GC keeps the commit node
+  but not what the commit points at, export does not follow it.
+
+Other extension codes carry typed values (tuples, arrays, ...); the tree layer gives them meaning. Their
+payload is itself a msgpack value, decoded here with the same limits, so links inside them are found.
+
+Encoding is deterministic: msgpack's shortest forms, floats always as float64, dict insertion order.
+Decoding never trusts the input: any malformed, over-deep or over-long input raises :class:`DecodeError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt.errors import DecodeError, InvalidCID
+
+LINK = 42
+HISTORY_LINK = 43
+MAX_DEPTH = 512
+MAX_NODE_SIZE = 64 * 1024 * 1024
+
+
+class Link:
+    """A strong link to a block, by binary CID."""
+
+    __slots__ = ("cid",)
+
+    def __init__(self, cid: bytes) -> None:
+        self.cid = cid
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.cid == self.cid  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.cid))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({cidlib.to_str(self.cid)})"
+
+
+class HistoryLink(Link):
+    """A weak link to a previous commit."""
+
+    __slots__ = ()
+
+
+class Tagged:
+    """An extension value other than a link: ``code`` plus its decoded payload."""
+
+    __slots__ = ("code", "value")
+
+    def __init__(self, code: int, value: Any) -> None:
+        self.code = code
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Tagged) and (other.code, other.value) == (self.code, self.value)
+
+    def __hash__(self) -> int:
+        return hash((self.code, repr(self.value)))
+
+    def __repr__(self) -> str:
+        return f"Tagged({self.code}, {self.value!r})"
+
+
+def _default(obj: object) -> msgpack.ExtType:
+    if isinstance(obj, Link):
+        return msgpack.ExtType(HISTORY_LINK if isinstance(obj, HistoryLink) else LINK, obj.cid)
+    if isinstance(obj, Tagged):
+        return msgpack.ExtType(obj.code, encode(obj.value))
+    raise TypeError(f"cannot encode {type(obj).__name__} in a node")
+
+
+def packer() -> msgpack.Packer:
+    """A packer with the node settings. Not re-entrant: ``encode`` makes its own each time."""
+    return msgpack.Packer(use_bin_type=True, default=_default, datetime=False)
+
+
+def encode(value: Any) -> bytes:
+    """Encode a value made of msgpack types, :class:`Link` and :class:`Tagged`."""
+    return msgpack.packb(value, use_bin_type=True, default=_default, datetime=False)
+
+
+def ext(code: int, payload: bytes) -> bytes:
+    """The msgpack encoding of an extension value with an already encoded payload."""
+    return msgpack.packb(msgpack.ExtType(code, payload))
+
+
+def link(cid: bytes) -> bytes:
+    return ext(LINK, cid)
+
+
+class _Decoder:
+    __slots__ = ("cid", "depth")
+
+    def __init__(self, cid: str | None) -> None:
+        self.cid = cid
+        self.depth = 0
+
+    def unpack(self, data: bytes) -> Any:
+        # An Unpacker keeps its parse stack on the heap. ``unpackb`` puts ~40 KiB of it on the C
+        # stack, and ext values nested inside ext payloads (ext_hook -> unpack -> ...) a couple of
+        # hundred deep (e.g. a state of nested tuples) overflowed the thread's stack: a segfault.
+        unpacker = msgpack.Unpacker(
+            ext_hook=self.ext_hook,
+            raw=False,
+            strict_map_key=False,
+            use_list=True,
+            max_buffer_size=max(len(data), 1),  # the limits unpackb derives from the input size
+        )
+        unpacker.feed(data)
+        value = unpacker.unpack()
+        if unpacker.tell() != len(data):
+            raise msgpack.ExtraData(value, data[unpacker.tell() :])
+        return value
+
+    def ext_hook(self, code: int, payload: bytes) -> Any:
+        if code in (LINK, HISTORY_LINK):
+            try:
+                target = cidlib.check_binary(payload)
+            except InvalidCID as exc:
+                raise DecodeError(f"bad link: {exc}", cid=self.cid) from None
+            return HistoryLink(target) if code == HISTORY_LINK else Link(target)
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise DecodeError(f"nesting deeper than {MAX_DEPTH}", cid=self.cid)
+        try:
+            return Tagged(code, self.unpack(payload))
+        finally:
+            self.depth -= 1
+
+
+def decode(data: bytes, *, cid: bytes | None = None) -> Any:
+    """Decode a node, raising :class:`DecodeError` (naming ``cid``) on anything malformed."""
+    name = cidlib.to_str(cid) if cid is not None else None
+    if len(data) > MAX_NODE_SIZE:
+        raise DecodeError(f"node of {len(data)} bytes exceeds {MAX_NODE_SIZE}", cid=name)
+    try:
+        return _Decoder(name).unpack(bytes(data))
+    except DecodeError:
+        raise
+    except RecursionError:
+        raise DecodeError("nesting too deep", cid=name) from None
+    except (ValueError, TypeError, msgpack.UnpackException, UnicodeDecodeError, OverflowError) as e:
+        raise DecodeError(f"malformed msgpack node: {type(e).__name__}: {e}", cid=name) from None
+
+
+def links(value: Any) -> list[Link]:
+    """All links (strong and history) inside a decoded value, in encounter order."""
+    found: list[Link] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Link):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+        elif isinstance(item, Tagged):
+            stack.append(item.value)
+    return found

@@ -1,0 +1,128 @@
+"""The exception hierarchy. Every error cas_ckpt raises on purpose derives from CasCkptError.
+
+Errors carry the CID, ref, file or state path they concern as attributes, and name it in the message.
+Lookup failures also subclass KeyError and parse failures ValueError, so generic handlers still work.
+"""
+
+from __future__ import annotations
+
+
+class CasCkptError(Exception):
+    """Base of every cas_ckpt error."""
+
+    def __str__(self) -> str:
+        # KeyError.__str__ quotes its argument; the messages here are sentences.
+        return str(self.args[0]) if self.args else self.__class__.__name__
+
+
+class InvalidCID(CasCkptError, ValueError):
+    """A CID failed strict parsing (wrong version, codec, hash, digest length, trailing bytes)."""
+
+
+class DecodeError(CasCkptError, ValueError):
+    """A stored node could not be decoded: malformed msgpack, unknown type, or over a limit."""
+
+    def __init__(self, message: str, *, cid: str | None = None) -> None:
+        super().__init__(f"{message} (block {cid})" if cid else message)
+        self.cid = cid
+
+
+class BlockNotFound(CasCkptError, KeyError):
+    """No block with this CID is in the store."""
+
+    def __init__(self, cid: object) -> None:
+        super().__init__(f"block {cid} not found")
+        self.cid = str(cid)
+
+
+class CorruptBlock(CasCkptError):
+    """A block's bytes do not hash to its CID."""
+
+    def __init__(self, cid: object, detail: str = "content does not match its hash") -> None:
+        super().__init__(f"corrupt block {cid}: {detail}")
+        self.cid = str(cid)
+
+
+class CorruptStore(CasCkptError):
+    """A store file (pack, index, ref, reflog, config) is damaged."""
+
+    def __init__(self, path: object, detail: str) -> None:
+        super().__init__(f"corrupt {path}: {detail}")
+        self.path = str(path)
+
+
+class RepositoryError(CasCkptError):
+    """The repository cannot be opened or used as asked (missing, newer format, read-only...)."""
+
+
+class RefError(CasCkptError):
+    """Base of ref errors."""
+
+
+class InvalidRefName(RefError, ValueError):
+    """A ref name is not acceptable (empty segment, '..', absolute, control characters...)."""
+
+    def __init__(self, name: object, reason: str) -> None:
+        super().__init__(f"invalid ref name {name!r}: {reason}")
+        self.ref = name
+
+
+class RefNotFound(RefError, KeyError):
+    """The ref does not exist."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"ref {name!r} not found")
+        self.ref = name
+
+
+class RefConflict(RefError):
+    """A compare-and-swap on a ref lost: the ref no longer holds the expected value."""
+
+    def __init__(self, name: str, expected: object, actual: object) -> None:
+        super().__init__(
+            f"ref {name!r} changed concurrently: expected {expected or 'no ref'}, "
+            f"found {actual or 'no ref'}; nothing was lost, reload and retry"
+        )
+        self.ref = name
+        self.expected = expected
+        self.actual = actual
+
+
+class RefLocked(RefError):
+    """The ref's lock is held by someone else and did not free up in time."""
+
+    def __init__(self, name: str, lock_path: str, holder: str) -> None:
+        super().__init__(
+            f"ref {name!r} is locked by {holder}; if that process is gone and the lock stays, "
+            f"remove {lock_path}"
+        )
+        self.ref = name
+        self.lock_path = lock_path
+
+
+class CheckpointExpired(CasCkptError):
+    """A commit is still in the history but its data was removed by retention and GC."""
+
+    def __init__(self, cid: object, missing: object) -> None:
+        super().__init__(
+            f"checkpoint {cid} is in the history but its data was garbage collected "
+            f"(block {missing} is gone)"
+        )
+        self.cid = str(cid)
+
+
+class StateTypeError(CasCkptError, TypeError):
+    """A value in the state cannot be saved; names the path inside the state."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path or '<root>'}: {message}")
+        self.path = path
+
+
+class PathNotFound(CasCkptError, KeyError):
+    """A sub-tree path given to load() does not exist in the checkpoint."""
+
+    def __init__(self, path: str, cid: object) -> None:
+        super().__init__(f"path {path!r} not found in checkpoint {cid}")
+        self.path = path
+        self.cid = str(cid)

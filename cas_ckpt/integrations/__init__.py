@@ -1,0 +1,1 @@
+"""Training-framework integrations. Each imports its framework lazily: none is required."""

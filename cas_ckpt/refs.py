@@ -1,0 +1,428 @@
+"""Refs: named, mutable pointers to root CIDs, moved only by compare-and-swap.
+
+A ref store also keeps each ref's reflog, the pin set, the repository config and the save/GC lock:
+the small mutable state of a repository, as opposed to the immutable blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cas_ckpt import _fs
+from cas_ckpt import cid as cidlib
+from cas_ckpt.errors import CorruptStore, InvalidRefName, RefLocked
+
+_FORBIDDEN = set(' \\*?[]:~^"<>|')
+MAX_REF_LENGTH = 1024
+
+
+def check_ref_name(name: object) -> str:
+    """Return ``name`` if it is a valid ref name, else raise :class:`InvalidRefName`.
+
+    Names are ``/``-separated segments; no empty, ``.`` or ``..`` segment, none starting with ``.``
+    or ending in ``.lock``, no control characters, whitespace or ``\\*?[]:~^"<>|``.
+    """
+    if not isinstance(name, str):
+        raise InvalidRefName(name, "must be a string")
+    if not name or len(name) > MAX_REF_LENGTH:
+        raise InvalidRefName(name, f"must be 1 to {MAX_REF_LENGTH} characters")
+    for ch in name:
+        if ord(ch) < 32 or ord(ch) == 127 or ch.isspace():
+            raise InvalidRefName(name, "contains a control or whitespace character")
+        if ch in _FORBIDDEN:
+            raise InvalidRefName(name, f"contains {ch!r}")
+    for segment in name.split("/"):
+        if not segment:
+            raise InvalidRefName(name, "has an empty segment (leading, trailing or double '/')")
+        if segment.startswith("."):
+            raise InvalidRefName(name, "has a segment starting with '.' (including '..')")
+        if segment.endswith(".lock"):
+            raise InvalidRefName(name, "has a segment ending in '.lock'")
+    return name
+
+
+@dataclass(frozen=True)
+class ReflogEntry:
+    """One ref update: old and new binary CIDs (None = absent), unix time, message."""
+
+    old: bytes | None
+    new: bytes | None
+    time: float
+    message: str
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "old": cidlib.to_str(self.old) if self.old else None,
+                "new": cidlib.to_str(self.new) if self.new else None,
+                "time": self.time,
+                "message": self.message,
+            },
+            ensure_ascii=True,
+        )
+
+    @classmethod
+    def from_json(cls, line: str) -> ReflogEntry:
+        obj = json.loads(line)
+        return cls(
+            old=cidlib.to_bytes(obj["old"]) if obj["old"] else None,
+            new=cidlib.to_bytes(obj["new"]) if obj["new"] else None,
+            time=float(obj["time"]),
+            message=str(obj["message"]),
+        )
+
+
+class RefStore(ABC):
+    """Refs, reflogs, pins, config and the save/GC lock of one repository."""
+
+    @abstractmethod
+    def get(self, name: str) -> bytes | None:
+        """The ref's binary CID, or None if it does not exist."""
+
+    @abstractmethod
+    def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
+        """Atomically: if ``check(current)`` set the ref to ``new`` (None deletes) and log it."""
+
+    def set_if_equals(
+        self, name: str, old: bytes | None, new: bytes, *, message: str = ""
+    ) -> bool:
+        """Move ``name`` to ``new`` if it holds ``old``; ``old=None`` sets unconditionally.
+
+        Returns False when another writer got there first.
+        """
+        check_ref_name(name)
+        return self._swap(name, (lambda cur: True) if old is None else old.__eq__, new, message)
+
+    def add_if_new(self, name: str, new: bytes, *, message: str = "") -> bool:
+        """Create ``name`` pointing at ``new``; False if it already exists."""
+        check_ref_name(name)
+        return self._swap(name, lambda cur: cur is None, new, message)
+
+    def remove_if_equals(self, name: str, old: bytes | None, *, message: str = "") -> bool:
+        """Delete ``name`` if it holds ``old`` (``None``: whatever it holds); False otherwise."""
+        check_ref_name(name)
+
+        def check(cur: bytes | None) -> bool:
+            return cur is not None and (old is None or cur == old)
+
+        return self._swap(name, check, None, message)
+
+    @abstractmethod
+    def names(self) -> list[str]:
+        """Every ref name, sorted."""
+
+    @abstractmethod
+    def reflog(self, name: str) -> list[ReflogEntry]:
+        """Every recorded update of ``name``, oldest first (also after the ref was deleted)."""
+
+    @abstractmethod
+    def reflog_names(self) -> list[str]:
+        """Names that have a reflog (including deleted refs)."""
+
+    @abstractmethod
+    def pins(self) -> set[bytes]: ...
+
+    @abstractmethod
+    def pin(self, cid: bytes) -> None: ...
+
+    @abstractmethod
+    def unpin(self, cid: bytes) -> bool: ...
+
+    @abstractmethod
+    def read_config(self) -> dict[str, Any] | None: ...
+
+    @abstractmethod
+    def init_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Store ``config`` unless one exists; return the one in force."""
+
+    @abstractmethod
+    def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        """Saves hold this shared, GC exclusive, so GC never sweeps under a save in progress."""
+
+
+class MemoryRefStore(RefStore):
+    """Refs in dicts, guarded by one lock."""
+
+    def __init__(self) -> None:
+        self._refs: dict[str, bytes] = {}
+        self._logs: dict[str, list[ReflogEntry]] = {}
+        self._pins: set[bytes] = set()
+        self._config: dict[str, Any] | None = None
+        self._mutex = threading.Lock()
+        self._rw = _SharedExclusive()
+
+    def get(self, name: str) -> bytes | None:
+        return self._refs.get(check_ref_name(name))
+
+    def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
+        with self._mutex:
+            current = self._refs.get(name)
+            if not check(current):
+                return False
+            self._logs.setdefault(name, []).append(ReflogEntry(current, new, time.time(), message))
+            if new is None:
+                self._refs.pop(name, None)
+            else:
+                self._refs[name] = new
+            return True
+
+    def names(self) -> list[str]:
+        return sorted(self._refs)
+
+    def reflog(self, name: str) -> list[ReflogEntry]:
+        return list(self._logs.get(name, []))
+
+    def reflog_names(self) -> list[str]:
+        return sorted(self._logs)
+
+    def pins(self) -> set[bytes]:
+        return set(self._pins)
+
+    def pin(self, cid: bytes) -> None:
+        self._pins.add(cid)
+
+    def unpin(self, cid: bytes) -> bool:
+        present = cid in self._pins
+        self._pins.discard(cid)
+        return present
+
+    def read_config(self) -> dict[str, Any] | None:
+        return dict(self._config) if self._config else None
+
+    def init_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        with self._mutex:
+            if self._config is None:
+                self._config = dict(config)
+            return dict(self._config)
+
+    def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        return self._rw.hold(exclusive)
+
+
+class _SharedExclusive:
+    """A readers-writer lock for threads (the memory backend's save/GC lock)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextlib.contextmanager
+    def hold(self, exclusive: bool) -> Iterator[None]:
+        with self._cond:
+            if exclusive:
+                self._cond.wait_for(lambda: not self._writer and self._readers == 0)
+                self._writer = True
+            else:
+                self._cond.wait_for(lambda: not self._writer)
+                self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                if exclusive:
+                    self._writer = False
+                else:
+                    self._readers -= 1
+                self._cond.notify_all()
+
+
+class LocalRefStore(RefStore):
+    """Refs as files under ``refs/``, reflogs under ``logs/``, pins under ``pins/``.
+
+    An update takes ``<ref>.lock`` with ``O_EXCL`` (holding pid, host, time), re-reads the ref under
+    it, appends the reflog line (fsynced), writes the new value to a temp file, fsyncs it, renames it
+    over the ref, fsyncs the directory and drops the lock. A lock whose holder process is gone (same
+    host) is broken safely; any other lock that outlives ``lock_timeout`` raises :class:`RefLocked`.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, lock_timeout: float = 10.0) -> None:
+        self.root = Path(root)
+        self.refs_dir = self.root / "refs"
+        self.logs_dir = self.root / "logs"
+        self.pins_dir = self.root / "pins"
+        self.locks_dir = self.root / "locks"
+        self.config_path = self.root / "config.json"
+        self.lock_timeout = lock_timeout
+
+    def ensure_dirs(self) -> None:
+        for d in (self.refs_dir, self.logs_dir, self.pins_dir, self.locks_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, base: Path, name: str) -> Path:
+        return base.joinpath(*check_ref_name(name).split("/"))
+
+    def get(self, name: str) -> bytes | None:
+        return self._read(self._path(self.refs_dir, name))
+
+    def _read(self, path: Path) -> bytes | None:
+        try:
+            if path.is_symlink():
+                raise CorruptStore(path, "ref file is a symlink; refusing to follow it")
+            text = path.read_text(encoding="ascii").strip()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        except UnicodeDecodeError:
+            raise CorruptStore(path, "ref file is not ASCII") from None
+        try:
+            return cidlib.to_bytes(text)
+        except ValueError as exc:
+            raise CorruptStore(path, f"ref file does not hold a valid CID: {exc}") from None
+
+    def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
+        path = self._path(self.refs_dir, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._ref_lock(name, path):
+            current = self._read(path)
+            if not check(current):
+                return False
+            self._append_log(name, ReflogEntry(current, new, time.time(), message))
+            if new is None:
+                path.unlink()
+                _fs.fsync_dir(path.parent)
+            else:
+                _fs.atomic_write(path, (cidlib.to_str(new) + "\n").encode("ascii"))
+            return True
+
+    @contextlib.contextmanager
+    def _ref_lock(self, name: str, path: Path) -> Iterator[None]:
+        lock = path.with_name(path.name + ".lock")
+        deadline = time.monotonic() + self.lock_timeout
+        delay = 0.001
+        while True:
+            try:
+                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                break
+            except FileExistsError:
+                holder = self._lock_text(lock)
+                if holder is not None and _fs.holder_is_dead(holder):
+                    self._break_stale(lock, holder)
+                    continue
+                if time.monotonic() > deadline:
+                    raise RefLocked(name, str(lock), holder or "an unknown process") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        try:
+            _fs.write_all(fd, _fs.lock_holder_text())
+        finally:
+            os.close(fd)
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
+
+    @staticmethod
+    def _lock_text(lock: Path) -> str | None:
+        try:
+            return lock.read_text(errors="replace")
+        except FileNotFoundError:
+            return None
+
+    def _break_stale(self, lock: Path, seen: str) -> None:
+        # Re-check under a kernel lock: two breakers must not remove a lock a live writer just took.
+        self.locks_dir.mkdir(parents=True, exist_ok=True)
+        with _fs.flocked(self.locks_dir / "refs.breaker", exclusive=True):
+            if self._lock_text(lock) == seen:
+                lock.unlink(missing_ok=True)
+
+    def _append_log(self, name: str, entry: ReflogEntry) -> None:
+        path = self._path(self.logs_dir, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            _fs.write_all(fd, (entry.to_json() + "\n").encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _walk(self, base: Path, suffix_skip: tuple[str, ...] = (".lock", ".tmp")) -> list[str]:
+        names = []
+        for dirpath, _dirs, files in os.walk(base):
+            for f in files:
+                if f.endswith(suffix_skip) or f.startswith("."):
+                    continue
+                rel = Path(dirpath, f).relative_to(base).as_posix()
+                with contextlib.suppress(InvalidRefName):
+                    names.append(check_ref_name(rel))
+        return sorted(names)
+
+    def names(self) -> list[str]:
+        return [n for n in self._walk(self.refs_dir) if self.get(n) is not None]
+
+    def reflog(self, name: str) -> list[ReflogEntry]:
+        path = self._path(self.logs_dir, name)
+        try:
+            lines = path.read_bytes().split(b"\n")
+        except FileNotFoundError:
+            return []
+        entries = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                entries.append(ReflogEntry.from_json(line.decode("ascii")))
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+                if number == len(lines) - 1 or number == len(lines):
+                    continue  # a torn last line: the update it began never happened
+                raise CorruptStore(path, f"line {number}: {exc}") from None
+        return entries
+
+    def reflog_names(self) -> list[str]:
+        return self._walk(self.logs_dir)
+
+    def pins(self) -> set[bytes]:
+        try:
+            return {cidlib.to_bytes(n) for n in os.listdir(self.pins_dir) if n.startswith("b")}
+        except FileNotFoundError:
+            return set()
+
+    def pin(self, cid: bytes) -> None:
+        path = self.pins_dir / cidlib.to_str(cid)
+        _fs.atomic_write(path, b"")
+
+    def unpin(self, cid: bytes) -> bool:
+        path = self.pins_dir / cidlib.to_str(cid)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        _fs.fsync_dir(self.pins_dir)
+        return True
+
+    def read_config(self) -> dict[str, Any] | None:
+        try:
+            text = self.config_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        try:
+            config = json.loads(text)
+        except ValueError as exc:
+            raise CorruptStore(self.config_path, f"not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise CorruptStore(self.config_path, "not a JSON object")
+        return config
+
+    def init_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.ensure_dirs()
+        data = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+        _fs.create_exclusive(self.config_path, data, tmp_dir=self.root)
+        return self.read_config() or config
+
+    def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        return _flock_none(self.locks_dir / "gc.lock", exclusive)
+
+
+@contextlib.contextmanager
+def _flock_none(path: Path, exclusive: bool) -> Iterator[None]:
+    with _fs.flocked(path, exclusive=exclusive):
+        yield

@@ -1,0 +1,532 @@
+"""The repository: save, load and history on top of a block store and a ref store.
+
+The write order is the whole crash-safety argument: every block of a checkpoint (chunks, nodes,
+then the commit) is durable before the ref moves, and the ref moves only by compare-and-swap. A
+crash at any point leaves the ref at the old checkpoint or the new one, never at a torn one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from multiformats import CID
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt import codec
+from cas_ckpt.codec import HistoryLink, Link
+from cas_ckpt.diff import DiffReport, compare
+from cas_ckpt.errors import (
+    BlockNotFound,
+    CheckpointExpired,
+    DecodeError,
+    InvalidCID,
+    InvalidRefName,
+    RefConflict,
+    RefNotFound,
+    RepositoryError,
+    StateTypeError,
+)
+from cas_ckpt.fsck import FsckReport
+from cas_ckpt.fsck import check as fsck_check
+from cas_ckpt.gc import GCReport
+from cas_ckpt.gc import collect as gc_collect
+from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore, check_ref_name
+from cas_ckpt.stores.base import BlockStore, WriteStats
+from cas_ckpt.stores.local import LocalStore
+from cas_ckpt.stores.memory import MemoryStore
+from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter
+from cas_ckpt.usage import Usage, usage
+
+FORMAT = "cas_ckpt"
+FORMAT_VERSION = 1
+COMMIT_TYPE = "cas_ckpt.commit"
+
+Target = CID | str | bytes
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One checkpoint as recorded in its commit node."""
+
+    cid: CID
+    tree: CID
+    parents: tuple[CID, ...]
+    step: int | None
+    time: float
+    metadata: dict[str, Any]
+    message: str | None
+
+
+@dataclass
+class SaveReport:
+    """What a save did: the figures for dedup accounting."""
+
+    cid: CID
+    ref: str
+    logical_bytes: int
+    blocks_written: int
+    bytes_written: int
+    blocks_reused: int
+    bytes_reused: int
+    seconds: float
+
+
+@dataclass
+class _Config:
+    hash: str
+    chunk_size: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Repository:
+    """Checkpoints as content-addressed blocks, with named refs to the latest ones.
+
+    Thread-safe: threads may share one repository (each save takes the shared save lock and moves
+    its ref by compare-and-swap, exactly as separate processes do).
+    """
+
+    def __init__(
+        self,
+        blocks: BlockStore,
+        refs: RefStore,
+        *,
+        hash: str = "sha2-256",
+        chunk_size: int = MAX_CHUNK,
+        create: bool = True,
+        location: str = "",
+    ) -> None:
+        self.blocks = blocks
+        self.refs_store = refs
+        self.location = location
+        config = refs.read_config()
+        if config is None:
+            if not create:
+                raise RepositoryError(f"no cas_ckpt repository at {location or 'this store'}")
+            config = refs.init_config(
+                {
+                    "format": FORMAT,
+                    "version": FORMAT_VERSION,
+                    "hash": hash,
+                    "chunk_size": chunk_size,
+                }
+            )
+        self.config = _check_config(config, location)
+        self.hasher = cidlib.Hasher(self.config.hash)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._local = threading.local()
+
+    # -- plumbing ------------------------------------------------------------------------------
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """Worker threads for hashing and reads (hashlib and blake3 release the GIL)."""
+        if self._pool is None:
+            with self._pool_lock:
+                if self._pool is None:
+                    workers = max(2, os.cpu_count() or 2)
+                    self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cas_ckpt")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.blocks.close()
+
+    def __enter__(self) -> Repository:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<cas_ckpt.Repository {self.location or type(self.blocks).__name__}>"
+
+    # -- saving --------------------------------------------------------------------------------
+    def save(
+        self,
+        state: Any,
+        *,
+        ref: str = "main",
+        step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        message: str | None = None,
+    ) -> CID:
+        """Store ``state`` as a new checkpoint and move ``ref`` to it; return its root CID.
+
+        Raises :class:`RefConflict` if ``ref`` moved while saving (the blocks stay stored; load
+        the new head and save again), :class:`StateTypeError` naming the path of a value that
+        cannot be saved.
+        """
+        check_ref_name(ref)
+        if step is not None and type(step) is not int:
+            raise StateTypeError("step", f"step must be an int, not {type(step).__name__}")
+        meta = _plain(dict(metadata or {}), "metadata")
+        if message is not None and not isinstance(message, str):
+            raise StateTypeError("message", "message must be a str")
+        started = time.perf_counter()
+        with self.refs_store.lock(exclusive=False):
+            self.blocks.refresh()
+            old = self.refs_store.get(ref)
+            commit_cid, stats, logical = self._write(state, old, step, meta, message)
+            self._move_ref(ref, old, commit_cid, f"save step={step}" if step is not None else "save")
+        cid = cidlib.to_cid(commit_cid)
+        self._local.last_save = SaveReport(
+            cid, ref, logical, stats.blocks_written, stats.bytes_written,
+            stats.blocks_reused, stats.bytes_reused, time.perf_counter() - started,
+        )
+        return cid
+
+    @property
+    def last_save(self) -> SaveReport | None:
+        """The report of this thread's latest successful save."""
+        return getattr(self._local, "last_save", None)
+
+    def _write(
+        self,
+        state: Any,
+        parent: bytes | None,
+        step: int | None,
+        metadata: dict[str, Any],
+        message: str | None,
+    ) -> tuple[bytes, WriteStats, int]:
+        with self.blocks.writer() as writer:
+            tree_writer = TreeWriter(
+                writer, self.hasher, self.pool, chunk_size=self.config.chunk_size
+            )
+            tree = tree_writer.write(state)
+            commit = codec.encode(
+                {
+                    "type": COMMIT_TYPE,
+                    "version": FORMAT_VERSION,
+                    "tree": Link(tree),
+                    "parents": [HistoryLink(parent)] if parent else [],
+                    "step": step,
+                    "time": time.time(),
+                    "metadata": metadata,
+                    "message": message,
+                }
+            )
+            commit_cid = self.hasher.node(commit)
+            writer.put(commit_cid, commit)
+        return commit_cid, writer.stats, tree_writer.logical_bytes
+
+    def _move_ref(self, ref: str, old: bytes | None, new: bytes, message: str) -> None:
+        if old is None:
+            moved = self.refs_store.add_if_new(ref, new, message=message)
+        else:
+            moved = self.refs_store.set_if_equals(ref, old, new, message=message)
+        if not moved:
+            actual = self.refs_store.get(ref)
+            raise RefConflict(
+                ref,
+                cidlib.to_str(old) if old else None,
+                cidlib.to_str(actual) if actual else None,
+            )
+
+    # -- loading -------------------------------------------------------------------------------
+    def resolve(self, target: Target = "main") -> CID:
+        """The root CID a ref (or CID, in any form) stands for."""
+        return cidlib.to_cid(self._resolve(target))
+
+    def _resolve(self, target: Target) -> bytes:
+        if isinstance(target, (CID, bytes, bytearray, memoryview)):
+            return cidlib.to_bytes(target)
+        if not isinstance(target, str):
+            raise InvalidCID(f"expected a ref name or CID, got {type(target).__name__}")
+        try:
+            found = self.refs_store.get(target)
+        except InvalidRefName:
+            found = None
+        if found is not None:
+            return found
+        try:
+            return cidlib.to_bytes(target)
+        except InvalidCID:
+            check_ref_name(target)
+            raise RefNotFound(target) from None
+
+    def load(
+        self,
+        target: Target = "main",
+        *,
+        path: str | Sequence[Any] | None = None,
+        verify: bool | None = None,
+        map_location: Any = None,
+    ) -> Any:
+        """Load a checkpoint (or the sub-tree at ``path``, e.g. ``"optimizer.state.3"``).
+
+        ``target`` is a ref name or a CID. Only the blocks of the requested sub-tree are read.
+        Torch tensors come back as torch tensors (on ``map_location`` if given), numpy as numpy.
+        """
+        root = self._resolve(target)
+        reader = self._reader(verify, map_location)
+        tree = self._tree_of(root, reader)
+        try:
+            if path is None:
+                return reader.load(Link(tree))
+            segments = path.split(".") if isinstance(path, str) else list(path)
+            return reader.load(reader.select(Link(tree), segments, cidlib.to_str(root)))
+        except BlockNotFound as exc:
+            if tree != root:
+                raise CheckpointExpired(cidlib.to_str(root), exc.cid) from None
+            raise
+
+    def _reader(self, verify: bool | None, map_location: Any) -> TreeReader:
+        factory = None
+        if map_location is not None:
+            from cas_ckpt.integrations.torch import numpy_to_tensor
+
+            def factory(array: Any, header: dict[str, Any]) -> Any:
+                return numpy_to_tensor(array, header, map_location=map_location)
+
+        return TreeReader(self.blocks, self.pool, verify=verify, tensor_factory=factory)
+
+    def _tree_of(self, root: bytes, reader: TreeReader) -> bytes:
+        """The state tree a root names: the commit's tree, or the node itself if not a commit."""
+        if not cidlib.is_node(root):
+            raise RepositoryError(f"{cidlib.to_str(root)} is a raw chunk, not a checkpoint")
+        node = reader.node(root)
+        if isinstance(node, dict) and node.get("type") == COMMIT_TYPE:
+            return _parse_commit(root, node).tree_bytes
+        return root
+
+    def commit(self, target: Target = "main") -> Commit:
+        """The commit record a ref or CID names."""
+        cid = self._resolve(target)
+        node = codec.decode(self.blocks.get(cid), cid=cid)
+        if not (isinstance(node, dict) and node.get("type") == COMMIT_TYPE):
+            raise DecodeError("not a commit node", cid=cidlib.to_str(cid))
+        return _parse_commit(cid, node).commit
+
+    # -- history and refs ----------------------------------------------------------------------
+    def log(self, ref: Target = "main", *, limit: int | None = None) -> Iterator[Commit]:
+        """Commits newest first, following each commit's first parent.
+
+        Stops quietly where history was garbage collected.
+        """
+        cid: bytes | None = self._resolve(ref)
+        seen: set[bytes] = set()
+        count = 0
+        while cid is not None and cid not in seen and (limit is None or count < limit):
+            seen.add(cid)
+            try:
+                commit = self.commit(cid)
+            except BlockNotFound:
+                return
+            yield commit
+            count += 1
+            cid = cidlib.to_bytes(commit.parents[0]) if commit.parents else None
+
+    def refs(self, prefix: str = "") -> dict[str, CID]:
+        """Every ref (optionally only those under ``prefix``) and the root CID it holds."""
+        result = {}
+        for name in self.refs_store.names():
+            if name.startswith(prefix):
+                value = self.refs_store.get(name)
+                if value is not None:
+                    result[name] = cidlib.to_cid(value)
+        return result
+
+    def reflog(self, ref: str = "main") -> list[ReflogEntry]:
+        """Every update of ``ref``, oldest first."""
+        return self.refs_store.reflog(check_ref_name(ref))
+
+    def set_ref(self, ref: str, target: Target, *, expected: Target | None = None) -> CID:
+        """Point ``ref`` at ``target`` (compare-and-swap against ``expected`` when given)."""
+        new = self._resolve(target)
+        self.blocks.get(new)  # never point a ref at a block that is not stored
+        old = self._resolve(expected) if expected is not None else self.refs_store.get(ref)
+        self._move_ref(ref, old, new, f"set to {cidlib.to_str(new)}")
+        return cidlib.to_cid(new)
+
+    def delete_ref(self, ref: str, *, expected: Target | None = None) -> None:
+        """Delete ``ref`` (only if it still holds ``expected``, when given)."""
+        old = self._resolve(expected) if expected is not None else self.refs_store.get(ref)
+        if old is None:
+            raise RefNotFound(ref)
+        if not self.refs_store.remove_if_equals(ref, old, message="delete"):
+            actual = self.refs_store.get(ref)
+            raise RefConflict(ref, cidlib.to_str(old), cidlib.to_str(actual) if actual else None)
+
+
+    # -- maintenance ---------------------------------------------------------------------------
+    def pin(self, target: Target) -> CID:
+        """Keep ``target`` and everything it reaches through GC, without a ref."""
+        cid = self._resolve(target)
+        self.blocks.get(cid)
+        self.refs_store.pin(cid)
+        return cidlib.to_cid(cid)
+
+    def unpin(self, target: Target) -> bool:
+        """Drop a pin; False if it was not pinned."""
+        return self.refs_store.unpin(self._resolve(target))
+
+    def pins(self) -> list[CID]:
+        return sorted((cidlib.to_cid(c) for c in self.refs_store.pins()), key=str)
+
+    def gc(
+        self,
+        *,
+        grace: float = 0.0,
+        reflog_expiry: float = 0.0,
+        dry_run: bool = False,
+        progress: Callable[[str, int], None] | None = None,
+    ) -> GCReport:
+        """Remove blocks no ref, pin or reflog entry newer than ``reflog_expiry`` s reaches.
+
+        Blocks stored less than ``grace`` seconds ago are kept. Waits for saves in progress and
+        blocks new ones while it runs. See ``docs/gc.md``.
+        """
+        return gc_collect(
+            self.blocks, self.refs_store, grace=grace, reflog_expiry=reflog_expiry,
+            dry_run=dry_run, progress=progress,
+        )
+
+    def fsck(
+        self,
+        *,
+        sample: float | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> FsckReport:
+        """Re-hash every block (or a ``sample`` fraction) and resolve every link from refs."""
+        return fsck_check(self.blocks, self.refs_store, sample=sample, progress=progress)
+
+    def stats(self) -> Usage:
+        """Logical versus stored bytes, per ref and for the repository (shared bytes once)."""
+        return usage(self.blocks, self.refs_store)
+
+    def diff(self, a: Target, b: Target) -> DiffReport:
+        """Values added, removed and changed from checkpoint ``a`` to ``b``, and bytes shared."""
+        reader = TreeReader(self.blocks, self.pool, tensor_factory=lambda array, _: array)
+        tree_a = self._tree_of(self._resolve(a), reader)
+        tree_b = self._tree_of(self._resolve(b), reader)
+        return compare(reader, self.blocks, tree_a, tree_b)
+
+
+@dataclass(frozen=True)
+class _ParsedCommit:
+    commit: Commit
+    tree_bytes: bytes
+
+
+def _parse_commit(cid: bytes, node: dict[str, Any]) -> _ParsedCommit:
+    name = cidlib.to_str(cid)
+    version = node.get("version")
+    if type(version) is not int or version > FORMAT_VERSION:
+        raise RepositoryError(
+            f"commit {name} has format version {version!r}; this cas_ckpt reads up to "
+            f"{FORMAT_VERSION}: upgrade cas_ckpt"
+        )
+    tree, parents = node.get("tree"), node.get("parents", [])
+    if not isinstance(tree, Link) or isinstance(tree, HistoryLink):
+        raise DecodeError("commit has no tree link", cid=name)
+    if not isinstance(parents, list) or not all(isinstance(p, Link) for p in parents):
+        raise DecodeError("commit parents are malformed", cid=name)
+    step, stamp = node.get("step"), node.get("time")
+    metadata, message = node.get("metadata") or {}, node.get("message")
+    if step is not None and type(step) is not int:
+        raise DecodeError("commit step is not an int", cid=name)
+    if not isinstance(stamp, (int, float)) or not isinstance(metadata, dict):
+        raise DecodeError("commit time or metadata is malformed", cid=name)
+    if message is not None and not isinstance(message, str):
+        raise DecodeError("commit message is not a string", cid=name)
+    commit = Commit(
+        cid=cidlib.to_cid(cid),
+        tree=cidlib.to_cid(tree.cid),
+        parents=tuple(cidlib.to_cid(p.cid) for p in parents),
+        step=step,
+        time=float(stamp),
+        metadata=metadata,
+        message=message,
+    )
+    return _ParsedCommit(commit, tree.cid)
+
+
+def _plain(value: Any, path: str) -> Any:
+    """Check metadata holds only plain msgpack values (str-keyed dicts, lists, scalars)."""
+    if value is None or type(value) in (bool, float, str, bytes):
+        return value
+    if type(value) is int:
+        if not -(2**63) <= value < 2**64:
+            raise StateTypeError(path, "metadata ints must fit 64 bits")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{path}.{i}") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, str):
+                raise StateTypeError(f"{path}.{key}", "metadata keys must be str")
+        return {k: _plain(v, f"{path}.{k}") for k, v in value.items()}
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars in metrics
+        return _plain(value.item(), path)
+    raise StateTypeError(path, f"metadata cannot hold {type(value).__name__}")
+
+
+def _check_config(config: dict[str, Any], location: str) -> _Config:
+    if config.get("format") != FORMAT:
+        raise RepositoryError(f"{location or 'store'} is not a cas_ckpt repository")
+    version = config.get("version")
+    if type(version) is not int or version > FORMAT_VERSION:
+        raise RepositoryError(
+            f"repository {location} has format version {version!r}; this cas_ckpt supports up "
+            f"to {FORMAT_VERSION}: upgrade cas_ckpt to open it"
+        )
+    hash_name, chunk_size = config.get("hash"), config.get("chunk_size", MAX_CHUNK)
+    if hash_name not in cidlib.HASH_CODES:
+        raise RepositoryError(f"repository {location} uses unknown hash {hash_name!r}")
+    if type(chunk_size) is not int or not 4096 <= chunk_size <= MAX_CHUNK:
+        raise RepositoryError(f"repository {location} has invalid chunk_size {chunk_size!r}")
+    extra = {k: v for k, v in config.items() if k not in ("format", "version", "hash", "chunk_size")}
+    return _Config(hash_name, chunk_size, extra)
+
+
+MEMORY = "memory://"
+
+
+def open(
+    path: str | os.PathLike[str] = "cas-ckpt-repo",
+    *,
+    create: bool = True,
+    hash: str = "sha2-256",
+    chunk_size: int = MAX_CHUNK,
+    verify: bool = True,
+    read_only: bool = False,
+) -> Repository:
+    """Open the repository at ``path``, creating it if missing (unless ``create=False``).
+
+    ``path`` is a directory, or ``"memory://"`` for a throwaway in-memory repository. ``hash``
+    (``"sha2-256"`` or ``"blake3"``) and ``chunk_size`` apply when creating; an existing repository
+    keeps its own. ``verify=False`` skips re-hashing blocks on reads.
+    """
+    if str(path) == MEMORY:
+        return Repository(
+            MemoryStore(verify=verify), MemoryRefStore(), hash=hash, chunk_size=chunk_size,
+            location=MEMORY,
+        )
+    root = Path(path)
+    refs = LocalRefStore(root)
+    if refs.read_config() is None:
+        if not create or read_only:
+            raise RepositoryError(f"no cas_ckpt repository at {root}")
+        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+            raise RepositoryError(
+                f"{root} exists and is not an empty directory or a cas_ckpt repository"
+            )
+        if hash not in cidlib.HASH_CODES:
+            raise ValueError(f"unsupported hash {hash!r}; choose one of {sorted(cidlib.HASH_CODES)}")
+        refs.init_config(
+            {"format": FORMAT, "version": FORMAT_VERSION, "hash": hash, "chunk_size": chunk_size}
+        )
+    _check_config(refs.read_config() or {}, str(root))
+    if not read_only:
+        refs.ensure_dirs()
+    store = LocalStore(root, verify=verify, read_only=read_only)
+    return Repository(store, refs, create=False, location=str(root))

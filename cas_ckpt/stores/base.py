@@ -1,0 +1,192 @@
+"""The block store interface.
+
+A block store maps binary CIDs to immutable bytes. It knows nothing of nodes, trees or refs. Writes go
+through a :class:`BlockWriter` (a batch): blocks added to a writer become visible together, and only
+once they are durable, when the writer commits. Reads verify each block against its CID unless the
+store was opened with ``verify=False``.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+
+from multiformats import CID
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt.errors import BlockNotFound, CorruptBlock, RepositoryError
+
+
+@dataclass
+class WriteStats:
+    """What one writer did: the figures every save reports."""
+
+    blocks_written: int = 0
+    bytes_written: int = 0
+    blocks_reused: int = 0
+    bytes_reused: int = 0
+
+    def add(self, other: WriteStats) -> None:
+        self.blocks_written += other.blocks_written
+        self.bytes_written += other.bytes_written
+        self.blocks_reused += other.blocks_reused
+        self.bytes_reused += other.bytes_reused
+
+
+class BlockWriter(ABC):
+    """A batch of new blocks, made visible together by :meth:`commit`.
+
+    ``put`` skips blocks the store already has or this batch already holds, and counts them as
+    reused. Thread-safe: several threads may ``put`` into one writer.
+    """
+
+    def __init__(self, store: BlockStore) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._pending: set[bytes] = set()
+        self.stats = WriteStats()
+        self.closed = False
+
+    def put(self, cid: bytes, data: bytes | memoryview) -> bool:
+        """Add a block; return False (and write nothing) if it is already stored."""
+        size = memoryview(data).nbytes
+        with self._lock:
+            if self.closed:
+                raise RepositoryError("block writer is already closed")
+            if cid in self._pending or self._store.has(cid):
+                self.stats.blocks_reused += 1
+                self.stats.bytes_reused += size
+                return False
+            self._pending.add(cid)
+            self._append(cid, data)
+            self.stats.blocks_written += 1
+            self.stats.bytes_written += size
+            return True
+
+    @abstractmethod
+    def _append(self, cid: bytes, data: bytes | memoryview) -> None:
+        """Write one new block into the batch (called with the writer's lock held)."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make every block of the batch durable, then visible."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard the batch; nothing of it becomes visible."""
+
+    def __enter__(self) -> BlockWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.closed:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class BlockStore(ABC):
+    """Content-addressed block storage.
+
+    Subclasses implement ``_read``, ``_read_into``, ``has``, ``keys``, ``size``, ``delete`` and
+    ``writer``; verification and the CID-typed public helpers are written once here.
+    """
+
+    def __init__(self, *, verify: bool = True, read_only: bool = False) -> None:
+        self.verify = verify
+        self.read_only = read_only
+
+    # -- reads ---------------------------------------------------------------------------------
+    @abstractmethod
+    def _read(self, cid: bytes) -> bytes | None:
+        """The stored bytes, or None when absent."""
+
+    def _read_into(self, cid: bytes, out: memoryview) -> bool:
+        """Fill ``out`` (exactly the block's size) with the block; False when absent."""
+        data = self._read(cid)
+        if data is None:
+            return False
+        if len(data) != out.nbytes:
+            raise CorruptBlock(cidlib.to_str(cid), f"size {len(data)} != expected {out.nbytes}")
+        out[:] = data
+        return True
+
+    def get(self, cid: cidlib.CIDLike, *, verify: bool | None = None) -> bytes:
+        """The block's bytes; :class:`BlockNotFound` if absent, :class:`CorruptBlock` if damaged."""
+        key = cidlib.to_bytes(cid)
+        data = self._read(key)
+        if data is None:
+            raise BlockNotFound(cidlib.to_str(key))
+        if (self.verify if verify is None else verify) and not cidlib.matches(key, data):
+            raise CorruptBlock(cidlib.to_str(key))
+        return data
+
+    def get_into(self, cid: bytes, out: memoryview, *, verify: bool | None = None) -> None:
+        """Read a block straight into a caller's buffer (no intermediate copy where possible)."""
+        if not self._read_into(cid, out):
+            raise BlockNotFound(cidlib.to_str(cid))
+        if (self.verify if verify is None else verify) and not cidlib.matches(cid, out):
+            raise CorruptBlock(cidlib.to_str(cid))
+
+    @abstractmethod
+    def has(self, cid: bytes) -> bool:
+        """True if the block is stored."""
+
+    @abstractmethod
+    def size(self, cid: bytes) -> int:
+        """Stored size of the block; :class:`BlockNotFound` if absent."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[bytes]:
+        """Binary CIDs of every stored block."""
+
+    def __iter__(self) -> Iterator[CID]:
+        return (cidlib.to_cid(key) for key in self.keys())
+
+    def __contains__(self, cid: object) -> bool:
+        return self.has(cidlib.to_bytes(cid))  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.keys())
+
+    # -- writes --------------------------------------------------------------------------------
+    @abstractmethod
+    def writer(self) -> BlockWriter:
+        """Start a batch of writes."""
+
+    def put(self, cid: cidlib.CIDLike, data: bytes) -> bool:
+        """Store one block durably (a batch of one); False if it was already there."""
+        key = cidlib.to_bytes(cid)
+        if not cidlib.matches(key, data):
+            raise CorruptBlock(cidlib.to_str(key), "refusing to store bytes that do not match")
+        with self.writer() as w:
+            return w.put(key, data)
+
+    @abstractmethod
+    def delete(self, cids: set[bytes], *, min_age: float = 0.0) -> tuple[int, int]:
+        """Remove these blocks, sparing any stored less than ``min_age`` seconds ago.
+
+        Returns (blocks removed, bytes of storage freed). Only GC calls this, under the
+        exclusive repository lock.
+        """
+
+    def clean_temp(self) -> int:
+        """Remove leftovers of writers that died; return how many."""
+        return 0
+
+    def refresh(self) -> None:  # noqa: B027 - optional hook, most stores see writes at once
+        """Pick up blocks other processes have committed since this store was opened."""
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise RepositoryError("store is read-only")
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release open files."""

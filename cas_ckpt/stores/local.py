@@ -1,0 +1,371 @@
+"""The local-filesystem block store: blocks packed into few large files.
+
+Creating a file costs far more than writing a megabyte, so blocks are appended to pack files (as git,
+restic and Xet do) and a pack holds its own index in a trailer. A pack is written under ``tmp/``,
+fsynced, linked into ``packs/`` (never replacing an existing file), and the directory fsynced; only
+then are its blocks visible. The format is specified in ``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import msgpack
+
+from cas_ckpt import _fs
+from cas_ckpt import cid as cidlib
+from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore
+from cas_ckpt.stores.base import BlockStore, BlockWriter
+
+PACK_MAGIC = b"CASPACK1"
+FOOTER_MAGIC = b"CASPKEND"
+FOOTER = struct.Struct("<Q32s8s")  # trailer length, sha256(trailer), magic
+DEFAULT_PACK_SIZE = 256 * 1024 * 1024
+SMALL_BLOCK = 256 * 1024  # blocks below this are buffered before the write syscall
+
+
+class Location(NamedTuple):
+    pack: str
+    offset: int
+    length: int
+
+
+def encode_trailer(entries: list[tuple[bytes, int, int]]) -> bytes:
+    trailer = msgpack.packb(entries, use_bin_type=True)
+    return trailer + FOOTER.pack(len(trailer), hashlib.sha256(trailer).digest(), FOOTER_MAGIC)
+
+
+def read_trailer(fd: int, path: Path) -> list[tuple[bytes, int, int]]:
+    """Read and check a pack's index; :class:`CorruptStore` naming the file if damaged."""
+    size = os.fstat(fd).st_size
+    if size < len(PACK_MAGIC) + FOOTER.size or os.pread(fd, 8, 0) != PACK_MAGIC:
+        raise CorruptStore(path, "not a cas_ckpt pack (bad header or too short)")
+    length, digest, magic = FOOTER.unpack(os.pread(fd, FOOTER.size, size - FOOTER.size))
+    start = size - FOOTER.size - length
+    if magic != FOOTER_MAGIC or start < len(PACK_MAGIC):
+        raise CorruptStore(path, "bad pack footer")
+    trailer = os.pread(fd, length, start)
+    if hashlib.sha256(trailer).digest() != digest:
+        raise CorruptStore(path, "pack index checksum mismatch")
+    try:
+        entries = msgpack.unpackb(trailer, raw=False, use_list=False, max_buffer_size=length)
+        result = [(cidlib.check_binary(c), int(o), int(n)) for c, o, n in entries]
+    except Exception as exc:
+        raise CorruptStore(path, f"unreadable pack index: {exc}") from None
+    for _, offset, n in result:
+        if offset < len(PACK_MAGIC) or n < 0 or offset + n > start:
+            raise CorruptStore(path, "pack index points outside the pack")
+    return result
+
+
+class _PackWriter(BlockWriter):
+    """Appends blocks to a temp pack; rolls to a new pack past the store's pack size."""
+
+    def __init__(self, store: LocalStore) -> None:
+        super().__init__(store)
+        self._local = store
+        self._fd: int | None = None
+        self._tmp: Path | None = None
+        self._entries: list[tuple[bytes, int, int]] = []
+        self._offset = 0
+        self._buffer = bytearray()
+
+    def _open(self) -> int:
+        self._tmp = _fs.temp_name(self._local.tmp_dir, ".pack.tmp")
+        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # Held until the pack is published: GC removes only temp packs whose writer is gone.
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._fd = fd
+        self._buffer[:] = PACK_MAGIC
+        self._offset = len(PACK_MAGIC)
+        self._entries = []
+        return fd
+
+    def _flush(self) -> None:
+        if self._buffer and self._fd is not None:
+            _fs.write_all(self._fd, self._buffer)
+            self._buffer.clear()
+
+    def _append(self, cid: bytes, data: bytes | memoryview) -> None:
+        size = memoryview(data).nbytes
+        if self._fd is not None and self._offset + size > self._local.pack_size and self._entries:
+            self._publish()
+        fd = self._fd if self._fd is not None else self._open()
+        if size < SMALL_BLOCK:
+            self._buffer += data
+            if len(self._buffer) >= SMALL_BLOCK:
+                self._flush()
+        else:
+            self._flush()
+            _fs.write_all(fd, data)
+        self._entries.append((cid, self._offset, size))
+        self._offset += size
+
+    def _publish(self) -> None:
+        """Seal the current pack: trailer, fsync, link into packs/, fsync dir, index it."""
+        assert self._fd is not None and self._tmp is not None
+        trailer = encode_trailer(self._entries)
+        self._buffer += trailer
+        self._flush()
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        name = f"{hashlib.sha256(trailer).hexdigest()}.pack"
+        # An existing file of that name is an identical pack (same blocks, same offsets).
+        with contextlib.suppress(FileExistsError):
+            os.link(self._tmp, self._local.pack_dir / name)
+        self._tmp.unlink()
+        self._tmp = None
+        _fs.fsync_dir(self._local.pack_dir)
+        self._local._add_pack(name, self._entries)
+        self._entries = []
+
+    def commit(self) -> None:
+        with self._lock:
+            try:
+                if self._fd is not None:
+                    self._publish()
+            finally:
+                self.closed = True
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            if self._tmp is not None:
+                self._tmp.unlink(missing_ok=True)
+                self._tmp = None
+            self.closed = True
+
+
+class LocalStore(BlockStore):
+    """Packed block storage in a directory (``packs/`` and ``tmp/`` below ``root``)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        read_only: bool = False,
+        pack_size: int = DEFAULT_PACK_SIZE,
+    ) -> None:
+        super().__init__(verify=verify, read_only=read_only)
+        self.root = Path(root)
+        self.pack_dir = self.root / "packs"
+        self.tmp_dir = self.root / "tmp"
+        self.pack_size = pack_size
+        if not read_only:
+            self.pack_dir.mkdir(parents=True, exist_ok=True)
+            self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._index: dict[bytes, Location] = {}
+        self._packs: dict[str, list[tuple[bytes, int, int]]] = {}
+        self._fds: dict[str, int] = {}
+        self.corrupt_packs: dict[str, str] = {}
+        self.refresh()
+
+    # -- index ---------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        with self._lock:
+            try:
+                names = {n for n in os.listdir(self.pack_dir) if n.endswith(".pack")}
+            except FileNotFoundError:
+                names = set()
+            for gone in set(self._packs) - names:
+                self._drop_pack(gone)
+            for name in sorted(names - set(self._packs) - set(self.corrupt_packs)):
+                self._load_pack(name)
+
+    def _load_pack(self, name: str) -> None:
+        path = self.pack_dir / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            entries = read_trailer(fd, path)
+        except CorruptStore as exc:
+            os.close(fd)
+            self.corrupt_packs[name] = str(exc)
+            return
+        self._fds[name] = fd
+        self._add_pack(name, entries)
+
+    def _add_pack(self, name: str, entries: list[tuple[bytes, int, int]]) -> None:
+        with self._lock:
+            self._packs[name] = list(entries)
+            for cid, offset, length in entries:
+                self._index.setdefault(cid, Location(name, offset, length))
+
+    def _drop_pack(self, name: str) -> None:
+        entries = self._packs.pop(name, [])
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+        for cid, _, _ in entries:
+            loc = self._index.get(cid)
+            if loc is not None and loc.pack == name:
+                del self._index[cid]
+                self._relocate(cid)
+
+    def _relocate(self, cid: bytes) -> None:
+        for name, entries in self._packs.items():
+            for other, offset, length in entries:
+                if other == cid:
+                    self._index[cid] = Location(name, offset, length)
+                    return
+
+    def _fd(self, pack: str) -> int:
+        fd = self._fds.get(pack)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(pack)
+                if fd is None:
+                    fd = self._fds[pack] = os.open(self.pack_dir / pack, os.O_RDONLY)
+        return fd
+
+    def _locate(self, cid: bytes) -> Location | None:
+        loc = self._index.get(cid)
+        if loc is None:
+            self.refresh()  # another process may have published it
+            loc = self._index.get(cid)
+        return loc
+
+    def locate(self, cid: bytes) -> tuple[Path, int, int]:
+        """Pack file, offset and length of a block (for mmap-style readers and fsck)."""
+        loc = self._locate(cid)
+        if loc is None:
+            raise BlockNotFound(cidlib.to_str(cid))
+        return self.pack_dir / loc.pack, loc.offset, loc.length
+
+    # -- reads ---------------------------------------------------------------------------------
+    def _read(self, cid: bytes) -> bytes | None:
+        for _ in range(2):
+            loc = self._locate(cid)
+            if loc is None:
+                return None
+            try:
+                data = os.pread(self._fd(loc.pack), loc.length, loc.offset)
+            except FileNotFoundError:
+                self.refresh()  # the pack was compacted away under us
+                continue
+            if len(data) != loc.length:
+                raise CorruptBlock(cidlib.to_str(cid), f"pack {loc.pack} is truncated")
+            return data
+        return None
+
+    def _read_into(self, cid: bytes, out: memoryview) -> bool:
+        for _ in range(2):
+            loc = self._locate(cid)
+            if loc is None:
+                return False
+            if loc.length != out.nbytes:
+                raise CorruptBlock(
+                    cidlib.to_str(cid), f"stored size {loc.length} != expected {out.nbytes}"
+                )
+            try:
+                n = _fs.pread_into(self._fd(loc.pack), out, loc.offset)
+            except FileNotFoundError:
+                self.refresh()
+                continue
+            if n != loc.length:
+                raise CorruptBlock(cidlib.to_str(cid), f"pack {loc.pack} is truncated")
+            return True
+        return False
+
+    def has(self, cid: bytes) -> bool:
+        return cid in self._index
+
+    def size(self, cid: bytes) -> int:
+        return self.locate(cid)[2]
+
+    def keys(self) -> Iterator[bytes]:
+        self.refresh()
+        with self._lock:
+            return iter(list(self._index))
+
+    def packs(self) -> dict[str, list[tuple[bytes, int, int]]]:
+        """Each pack's entries (binary CID, offset, length); for GC and fsck."""
+        self.refresh()
+        with self._lock:
+            return {name: list(entries) for name, entries in self._packs.items()}
+
+    # -- writes --------------------------------------------------------------------------------
+    def writer(self) -> BlockWriter:
+        self._check_writable()
+        return _PackWriter(self)
+
+    def delete(self, cids: set[bytes], *, min_age: float = 0.0) -> tuple[int, int]:
+        """Remove blocks; packs younger than ``min_age`` seconds are left alone.
+
+        A pack with no block left is unlinked; a pack with some is rewritten with the survivors
+        (new pack durable first, then the old one removed). Returns (blocks removed, bytes freed).
+        """
+        self._check_writable()
+        removed = freed = 0
+        now = time.time()
+        for name, entries in self.packs().items():
+            dead = [e for e in entries if e[0] in cids]
+            if not dead:
+                continue
+            path = self.pack_dir / name
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            if now - stat.st_mtime < min_age:
+                continue
+            live = [e for e in entries if e[0] not in cids]
+            if live:
+                self._rewrite(name, live)
+            path.unlink(missing_ok=True)
+            with self._lock:
+                self._drop_pack(name)
+            _fs.fsync_dir(self.pack_dir)
+            removed += len(dead)
+            freed += stat.st_size - (sum(n for _, _, n in live) if live else 0)
+        return removed, freed
+
+    def _rewrite(self, name: str, live: list[tuple[bytes, int, int]]) -> None:
+        fd = self._fd(name)
+        writer = _PackWriter(self)
+        with self._lock:
+            for cid, offset, length in live:
+                writer._pending.add(cid)
+                writer._append(cid, os.pread(fd, length, offset))
+            writer._publish()
+            writer.closed = True
+
+    def clean_temp(self) -> int:
+        """Remove temp files whose writer is gone (its lock is free); return how many."""
+        removed = 0
+        for path in self.tmp_dir.glob("*.pack.tmp"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live writer holds it
+            finally:
+                os.close(fd)
+            path.unlink(missing_ok=True)
+            removed += 1
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

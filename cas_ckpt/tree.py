@@ -1,0 +1,589 @@
+"""Training state <-> a tree of blocks.
+
+Saving walks the state twice. The first walk checks every value (errors name the path inside the
+state before anything is written), cuts large arrays and byte strings into chunks and queues their
+hashes on a thread pool. The second walk encodes nodes bottom-up, writing each chunk as its hash
+arrives, so hashing, encoding and writing overlap and no tensor byte is copied on the way.
+
+Typed values are msgpack extension values (see ``docs/format.md``):
+
+====  ==========  ==========================================================================
+code  name        payload
+====  ==========  ==========================================================================
+1     tuple       array of values
+2     bigint      bin: signed big-endian two's complement (ints outside int64/uint64)
+3     ndarray     map: dtype, shape, order, and data (inline) or chunk_size + chunks
+4     blob        map: size, chunks (content-defined chunks of a large bytes or str value)
+5     scalar      map: dtype, data (a numpy scalar)
+6     pages       map: kind ("map"/"list"/"tuple"), pages (links to nodes holding the parts)
+42    link        a sub-tree stored as its own node
+====  ==========  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from fastcdc.fastcdc_cy import fastcdc_cy
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt import codec
+from cas_ckpt.codec import Link, Tagged
+from cas_ckpt.errors import DecodeError, PathNotFound, StateTypeError
+from cas_ckpt.stores.base import BlockStore, BlockWriter
+
+TUPLE, BIGINT, NDARRAY, BLOB, SCALAR, PAGES = 1, 2, 3, 4, 5, 6
+
+MAX_CHUNK = 1024 * 1024  # IPFS moves blocks of at most 1 MiB
+INLINE_LIMIT = 16 * 1024  # arrays and bytes up to this size live inside their node
+SPLIT_LIMIT = 64 * 1024  # containers whose encoding is larger get a node of their own
+PAGE_LIMIT = MAX_CHUNK - 64  # nodes are cut into pages below this size
+MAX_LINKS = 16384  # chunk links kept in one descriptor before they move into link pages
+MAX_DEPTH = 256
+MAX_KEY = 64 * 1024
+MAX_BIGINT_BYTES = 64 * 1024
+CDC_MIN, CDC_AVG, CDC_MAX = 64 * 1024, 256 * 1024, MAX_CHUNK
+
+_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+_NUMPY_DTYPE = re.compile(r"^[<>|](b1|[iu][1248]|f[248]|c(8|16))$")
+ML_DTYPES = {
+    name: np.dtype(getattr(ml_dtypes, name))
+    for name in (
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e4m3b11fnuz",
+        "float8_e3m4",
+        "float8_e4m3",
+        "float8_e8m0fnu",
+        "float4_e2m1fn",
+        "float6_e2m3fn",
+        "float6_e3m2fn",
+        "int4",
+        "uint4",
+        "int2",
+        "uint2",
+    )
+    if hasattr(ml_dtypes, name)
+}
+_ML_BY_DTYPE = {dt: name for name, dt in ML_DTYPES.items()}
+
+
+def dtype_name(dtype: np.dtype[Any]) -> str | None:
+    """The stored name of a dtype, or None if it cannot be saved."""
+    if dtype in _ML_BY_DTYPE:
+        return _ML_BY_DTYPE[dtype]
+    name = dtype.str
+    return name if _NUMPY_DTYPE.match(name) else None
+
+
+def parse_dtype(name: object) -> np.dtype[Any]:
+    """The dtype for a stored name; never evaluates anything but the allow-listed names."""
+    if isinstance(name, str):
+        if name in ML_DTYPES:
+            return ML_DTYPES[name]
+        if _NUMPY_DTYPE.match(name):
+            return np.dtype(name)
+    raise DecodeError(f"unknown dtype {name!r}")
+
+
+def join_path(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _Chunked:
+    """A value cut into chunks whose hashes are being computed."""
+
+    header: dict[str, Any]
+    chunks: list[memoryview]
+    hashes: list[Future[bytes]]
+    owner: Any = None  # keeps the array (or a contiguous copy) alive until written
+
+
+class TreeWriter:
+    """Encodes one state into blocks written through a :class:`BlockWriter`."""
+
+    def __init__(
+        self,
+        writer: BlockWriter,
+        hasher: cidlib.Hasher,
+        pool: Executor,
+        *,
+        chunk_size: int = MAX_CHUNK,
+    ) -> None:
+        if not 4096 <= chunk_size <= MAX_CHUNK:
+            raise ValueError(f"chunk_size must be between 4 KiB and {MAX_CHUNK} bytes")
+        self.writer = writer
+        self.hasher = hasher
+        self.pool = pool
+        self.chunk_size = chunk_size
+        self.logical_bytes = 0
+        self._packer = codec.packer()
+
+    def write(self, state: Any) -> bytes:
+        """Store the whole state; return the binary CID of its root node."""
+        plan = self._prepare(state, "", 0)
+        try:
+            return self._put_node(self._body(plan, ""))
+        finally:
+            _release(plan)
+
+    # -- first walk: check types, start hashing ------------------------------------------------
+    def _prepare(self, value: Any, path: str, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise StateTypeError(path, f"nesting deeper than {MAX_DEPTH} levels")
+        kind = type(value)
+        if value is None or kind in (bool, float):
+            return value
+        if kind is int:
+            if not _INT64_MIN <= value <= _UINT64_MAX:
+                size = (value.bit_length() + 8) // 8
+                if size > MAX_BIGINT_BYTES:
+                    raise StateTypeError(path, f"int of {value.bit_length()} bits is too large")
+            return value
+        if kind is str:
+            if len(value) > INLINE_LIMIT:
+                return self._chunk_blob(_utf8(value, path), {"str": True})
+            _utf8(value, path)
+            return value
+        if kind is bytes:
+            return self._chunk_blob(value, {}) if len(value) > INLINE_LIMIT else value
+        if isinstance(value, dict):
+            out = {}
+            for key, item in value.items():
+                if type(key) not in (str, int):
+                    raise StateTypeError(
+                        join_path(path, key),
+                        f"dict keys must be str or int, not {type(key).__name__}",
+                    )
+                if type(key) is str and len(key) > MAX_KEY:
+                    raise StateTypeError(join_path(path, key[:40]), "dict key is too long")
+                if type(key) is int and not _INT64_MIN <= key <= _UINT64_MAX:
+                    raise StateTypeError(join_path(path, key), "int dict keys must fit 64 bits")
+                out[key] = self._prepare(item, join_path(path, key), depth + 1)
+            return out
+        if kind in (list, tuple):
+            items = [self._prepare(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
+            return items if kind is list else Tagged(TUPLE, items)
+        if isinstance(value, np.ndarray):
+            return self._prepare_array(value, path, "numpy")
+        if isinstance(value, np.generic):
+            return self._scalar(value, path)
+        if _is_torch_tensor(value):
+            from cas_ckpt.integrations.torch import tensor_to_numpy
+
+            array, kind_name = tensor_to_numpy(value, path)
+            return self._prepare_array(array, path, kind_name)
+        raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}")
+
+    def _scalar(self, value: np.generic, path: str) -> Tagged:
+        name = dtype_name(value.dtype)
+        if name is None:
+            raise StateTypeError(path, f"unsupported numpy scalar dtype {value.dtype}")
+        return Tagged(SCALAR, {"dtype": name, "data": np.asarray(value).tobytes()})
+
+    def _prepare_array(self, array: np.ndarray[Any, Any], path: str, kind: str) -> Any:
+        name = dtype_name(array.dtype)
+        if name is None:
+            raise StateTypeError(path, f"unsupported array dtype {array.dtype}")
+        order = "C"
+        if array.flags.c_contiguous:
+            flat = array
+        elif array.flags.f_contiguous:
+            order, flat = "F", array.T
+        else:
+            flat = np.ascontiguousarray(array)  # strided views: the one unavoidable copy
+        data = memoryview(flat.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+        header: dict[str, Any] = {"dtype": name, "shape": list(array.shape)}
+        if order == "F":
+            header["order"] = "F"
+        if kind != "numpy":
+            header["kind"] = kind
+        self.logical_bytes += data.nbytes
+        if data.nbytes <= INLINE_LIMIT:
+            return Tagged(NDARRAY, {**header, "data": bytes(data)})
+        size = self.chunk_size
+        chunks = [data[i : i + size] for i in range(0, data.nbytes, size)]
+        header["chunk_size"] = size
+        return self._submit(header, chunks, flat)
+
+    def _chunk_blob(self, data: bytes, header: dict[str, Any]) -> _Chunked:
+        self.logical_bytes += len(data)
+        view = memoryview(data)
+        cuts = fastcdc_cy(view, CDC_MIN, CDC_AVG, CDC_MAX, False, None)
+        chunks = [view[c.offset : c.offset + c.length] for c in cuts]
+        return self._submit({**header, "size": len(data)}, chunks, data, blob=True)
+
+    def _submit(
+        self, header: dict[str, Any], chunks: list[memoryview], owner: Any, *, blob: bool = False
+    ) -> _Chunked:
+        hashes = [self.pool.submit(self.hasher.raw, chunk) for chunk in chunks]
+        header["_blob"] = blob
+        return _Chunked(header, chunks, hashes, owner)
+
+    # -- second walk: encode bottom-up, write ---------------------------------------------------
+    def _encode(self, value: Any, path: str) -> bytes:
+        """The encoding of ``value`` inside its parent: a link if it was given a node of its own."""
+        body = self._body(value, path)
+        if len(body) > SPLIT_LIMIT and isinstance(value, (dict, list, Tagged)):
+            return codec.link(self._put_node(body))
+        return body
+
+    def _body(self, value: Any, path: str) -> bytes:
+        if isinstance(value, dict):
+            items = [self._pack(k) + self._encode(v, join_path(path, k)) for k, v in value.items()]
+            return self._container(items, "map")
+        if isinstance(value, list):
+            return self._container(
+                [self._encode(v, join_path(path, i)) for i, v in enumerate(value)], "list"
+            )
+        if isinstance(value, Tagged) and value.code == TUPLE:
+            return self._container(
+                [self._encode(v, join_path(path, i)) for i, v in enumerate(value.value)], "tuple"
+            )
+        if isinstance(value, _Chunked):
+            return self._write_chunked(value)
+        if type(value) is int and not _INT64_MIN <= value <= _UINT64_MAX:
+            return codec.encode(Tagged(BIGINT, _bigint_bytes(value)))
+        return self._pack(value)
+
+    def _pack(self, value: Any) -> bytes:
+        return self._packer.pack(value)  # type: ignore[no-any-return]
+
+    def _container(self, items: list[bytes], kind: str) -> bytes:
+        """Encode a map/list/tuple from its encoded items, cut into pages if too large."""
+        total = sum(map(len, items))
+        if total + 16 <= PAGE_LIMIT:
+            return self._frame(items, kind)
+        pages: list[list[bytes]] = [[]]
+        size = 0
+        for item in items:
+            if size + len(item) > PAGE_LIMIT - 16 and pages[-1]:
+                pages.append([])
+                size = 0
+            pages[-1].append(item)
+            size += len(item)
+        links = [Link(self._put_node(self._frame(page, "list" if kind == "tuple" else kind)))
+                 for page in pages]
+        return codec.encode(Tagged(PAGES, {"kind": kind, "pages": links}))
+
+    def _frame(self, items: list[bytes], kind: str) -> bytes:
+        if kind == "map":
+            return b"".join([self._packer.pack_map_header(len(items)), *items])
+        body = b"".join([self._packer.pack_array_header(len(items)), *items])
+        return codec.ext(TUPLE, body) if kind == "tuple" else body
+
+    def _write_chunked(self, plan: _Chunked) -> bytes:
+        cids = []
+        for chunk, future in zip(plan.chunks, plan.hashes, strict=True):
+            cid = future.result()
+            self.writer.put(cid, chunk)
+            cids.append(cid)
+        header = dict(plan.header)
+        blob = header.pop("_blob")
+        links = [Link(c) for c in cids]
+        if len(links) > MAX_LINKS:
+            pages = [links[i : i + MAX_LINKS] for i in range(0, len(links), MAX_LINKS)]
+            header["chunk_pages"] = [Link(self._put_node(codec.encode(p))) for p in pages]
+        else:
+            header["chunks"] = links
+        plan.chunks, plan.hashes, plan.owner = [], [], None
+        return codec.encode(Tagged(BLOB if blob else NDARRAY, header))
+
+    def _put_node(self, data: bytes) -> bytes:
+        cid = self.hasher.node(data)
+        self.writer.put(cid, data)
+        return cid
+
+
+def _release(plan: Any) -> None:
+    """Cancel hashes still queued (after an error) so the pool does not keep working for nothing."""
+    stack = [plan]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _Chunked):
+            for f in item.hashes:
+                f.cancel()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, Tagged):
+            stack.append(item.value)
+
+
+def _utf8(text: str, path: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise StateTypeError(path, f"string is not valid Unicode text: {exc.reason}") from None
+
+
+def _bigint_bytes(value: int) -> bytes:
+    return value.to_bytes((value.bit_length() + 8) // 8, "big", signed=True)
+
+
+def _is_torch_tensor(value: object) -> bool:
+    module = type(value).__module__
+    if not module.startswith("torch"):
+        return False
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+TensorFactory = Callable[[np.ndarray[Any, Any], dict[str, Any]], Any]
+
+
+class TreeReader:
+    """Reads a tree back, fetching only the blocks of the part that is asked for."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        pool: Executor,
+        *,
+        verify: bool | None = None,
+        tensor_factory: TensorFactory | None = None,
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.verify = store.verify if verify is None else verify
+        self.tensor_factory = tensor_factory
+
+    def node(self, cid: bytes) -> Any:
+        return codec.decode(self.store.get(cid, verify=self.verify), cid=cid)
+
+    # -- navigation ----------------------------------------------------------------------------
+    def resolve(self, value: Any, depth: int = 0) -> Any:
+        """Follow links and pages until a value with content is at hand (metadata only)."""
+        while True:
+            if depth > MAX_DEPTH:
+                raise DecodeError(f"links nested deeper than {MAX_DEPTH}")
+            if isinstance(value, Link):
+                value = self.node(value.cid)
+                depth += 1
+            elif isinstance(value, Tagged) and value.code == PAGES:
+                return self._join_pages(value.value)
+            else:
+                return value
+
+    def _join_pages(self, spec: Any) -> Any:
+        if not isinstance(spec, dict) or spec.get("kind") not in ("map", "list", "tuple"):
+            raise DecodeError("malformed page set")
+        pages = [self.node(_link(p).cid) for p in _seq(spec.get("pages"), "pages")]
+        if spec["kind"] == "map":
+            joined: dict[Any, Any] = {}
+            for page in pages:
+                if not isinstance(page, dict):
+                    raise DecodeError("map page is not a map")
+                for key in page:
+                    if key in joined:
+                        raise DecodeError(f"key {key!r} appears in two pages")
+                joined.update(page)
+            return joined
+        items: list[Any] = []
+        for page in pages:
+            if not isinstance(page, list):
+                raise DecodeError("list page is not a list")
+            items.extend(page)
+        return Tagged(TUPLE, items) if spec["kind"] == "tuple" else items
+
+    def select(self, root: Any, path: Sequence[Any], root_cid: str) -> Any:
+        """The raw (unmaterialised) value at ``path`` below ``root``."""
+        value = self.resolve(root)
+        rest = list(path)
+        done: list[str] = []
+        while rest:
+            if isinstance(value, dict):
+                key, used = _match_key(value, rest)
+            elif isinstance(value, list) or (isinstance(value, Tagged) and value.code == TUPLE):
+                items = value if isinstance(value, list) else value.value
+                key, used = _index(rest[0]), 1
+                if key is None or not -len(items) <= key < len(items):
+                    raise PathNotFound(".".join(map(str, [*done, rest[0]])), root_cid)
+                value = items
+            else:
+                key = None
+            if key is None or (isinstance(value, dict) and key not in value):
+                raise PathNotFound(".".join(map(str, [*done, *rest[:1]])), root_cid)
+            done.extend(str(r) for r in rest[:used])
+            rest = rest[used:]
+            value = self.resolve(value[key])
+        return value
+
+    # -- materialising -------------------------------------------------------------------------
+    def load(self, value: Any, depth: int = 0) -> Any:
+        """Turn a decoded value into Python objects, reading what it links to."""
+        if depth > MAX_DEPTH:
+            raise DecodeError(f"state nested deeper than {MAX_DEPTH}")
+        value = self.resolve(value, depth)
+        if isinstance(value, dict):
+            return {k: self.load(v, depth + 1) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.load(v, depth + 1) for v in value]
+        if isinstance(value, Tagged):
+            return self._load_tagged(value, depth)
+        if value is None or isinstance(value, (bool, int, float, str, bytes)):
+            return value
+        raise DecodeError(f"unexpected {type(value).__name__} in a state node")
+
+    def _load_tagged(self, value: Tagged, depth: int) -> Any:
+        code, body = value.code, value.value
+        if code == TUPLE:
+            return tuple(self.load(v, depth + 1) for v in _seq(body, "tuple"))
+        if code == BIGINT:
+            if not isinstance(body, bytes) or not body:
+                raise DecodeError("malformed bigint")
+            return int.from_bytes(body, "big", signed=True)
+        if code == NDARRAY:
+            return self._load_array(_map(body, "ndarray"))
+        if code == BLOB:
+            return self._load_blob(_map(body, "blob"))
+        if code == SCALAR:
+            body = _map(body, "scalar")
+            dtype = parse_dtype(body.get("dtype"))
+            data = body.get("data")
+            if not isinstance(data, bytes) or len(data) != dtype.itemsize:
+                raise DecodeError("malformed numpy scalar")
+            return np.frombuffer(data, dtype=dtype)[0]
+        raise DecodeError(f"unknown extension type {code}")
+
+    def _chunk_links(self, header: dict[str, Any]) -> list[bytes]:
+        if "chunk_pages" in header:
+            links: list[Any] = []
+            for page in _seq(header["chunk_pages"], "chunk_pages"):
+                links.extend(_seq(self.node(_link(page).cid), "chunk page"))
+        else:
+            links = list(_seq(header.get("chunks"), "chunks"))
+        return [_link(x).cid for x in links]
+
+    def _fill(self, cids: list[bytes], sizes: list[int], out: memoryview) -> None:
+        """Read chunks into consecutive slices of ``out`` in parallel threads."""
+        offsets = [0]
+        for s in sizes:
+            offsets.append(offsets[-1] + s)
+        if offsets[-1] != out.nbytes:
+            raise DecodeError(f"chunks hold {offsets[-1]} bytes, expected {out.nbytes}")
+
+        def read(i: int) -> None:
+            self.store.get_into(cids[i], out[offsets[i] : offsets[i + 1]], verify=self.verify)
+
+        if len(cids) == 1:
+            read(0)
+            return
+        for future in [self.pool.submit(read, i) for i in range(len(cids))]:
+            future.result()
+
+    def _sizes(self, cids: list[bytes]) -> list[int]:
+        return [self.store.size(c) for c in cids]
+
+    def _load_array(self, header: dict[str, Any]) -> Any:
+        dtype = parse_dtype(header.get("dtype"))
+        shape = header.get("shape")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise DecodeError(f"malformed array shape {shape!r}")
+        if len(shape) > 64:
+            raise DecodeError("array has more than 64 dimensions")
+        order = header.get("order", "C")
+        if order not in ("C", "F"):
+            raise DecodeError(f"unknown array order {order!r}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if "data" in header:
+            data = header["data"]
+            if not isinstance(data, bytes) or len(data) != nbytes:
+                raise DecodeError("inline array data does not match its shape")
+            flat = np.frombuffer(data, dtype=np.uint8).copy()
+        else:
+            cids = self._chunk_links(header)
+            sizes = self._sizes(cids)  # bounds the allocation by what is really stored
+            if sum(sizes) != nbytes:
+                raise DecodeError(f"array chunks hold {sum(sizes)} bytes, shape needs {nbytes}")
+            flat = np.empty(nbytes, dtype=np.uint8)
+            self._fill(cids, sizes, memoryview(flat))
+        array = flat.view(dtype)
+        array = array.reshape(shape[::-1]).T if order == "F" else array.reshape(shape)
+        kind = header.get("kind", "numpy")
+        if kind == "numpy":
+            return array
+        if self.tensor_factory is None:
+            from cas_ckpt.integrations.torch import numpy_to_tensor
+
+            return numpy_to_tensor(array, header)
+        return self.tensor_factory(array, header)
+
+    def _load_blob(self, header: dict[str, Any]) -> bytes | str:
+        size = header.get("size")
+        if type(size) is not int or size < 0:
+            raise DecodeError("malformed blob size")
+        cids = self._chunk_links(header)
+        sizes = self._sizes(cids)
+        if sum(sizes) != size:
+            raise DecodeError(f"blob chunks hold {sum(sizes)} bytes, header says {size}")
+        buffer = bytearray(size)
+        self._fill(cids, sizes, memoryview(buffer))
+        if header.get("str"):
+            try:
+                return buffer.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DecodeError("text blob is not UTF-8") from None
+        return bytes(buffer)
+
+
+def _link(value: Any) -> Link:
+    if not isinstance(value, Link):
+        raise DecodeError("expected a link")
+    return value
+
+
+def _seq(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise DecodeError(f"malformed {what}: expected a list")
+    return value
+
+
+def _map(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise DecodeError(f"malformed {what}: expected a map")
+    return value
+
+
+def _index(segment: Any) -> int | None:
+    if type(segment) is int:
+        return int(segment)
+    if isinstance(segment, str) and re.fullmatch(r"-?\d+", segment):
+        return int(segment)
+    return None
+
+
+def _match_key(mapping: dict[Any, Any], rest: list[Any]) -> tuple[Any, int]:
+    """Match the longest run of path segments that names a key (keys may contain dots)."""
+    for used in range(len(rest), 0, -1):
+        parts = rest[:used]
+        if used == 1 and not isinstance(parts[0], str):
+            if parts[0] in mapping:
+                return parts[0], 1
+            continue
+        candidate = ".".join(map(str, parts))
+        if candidate in mapping:
+            return candidate, used
+        if used == 1 and _index(candidate) is not None and _index(candidate) in mapping:
+            return _index(candidate), 1
+    return None, 1
+

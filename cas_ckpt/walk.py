@@ -1,0 +1,169 @@
+"""Reachability: which blocks a set of roots needs, with the state path that needs each one.
+
+Two ways a block can be reached:
+
+* **data**: through strong links (ext 42) from a ref, pin or live reflog entry. Everything below is
+  needed to load the checkpoint.
+* **lineage**: through a commit's history links (ext 43). Only the commit nodes themselves are
+  kept, so ``log`` still shows expired checkpoints without pinning their data.
+
+Raw chunks are leaves: the walk never reads them, it only notes that they are needed. Memory grows
+with the number of reachable blocks (one set entry each), never with anything larger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt import codec
+from cas_ckpt.codec import HistoryLink, Link, Tagged
+from cas_ckpt.errors import BlockNotFound, CasCkptError, CorruptBlock
+from cas_ckpt.stores.base import BlockStore
+from cas_ckpt.tree import BLOB, NDARRAY, PAGES, join_path
+
+COMMIT_TYPE = "cas_ckpt.commit"
+
+
+@dataclass(frozen=True)
+class Where:
+    """Who needs a block: the root's name (a ref, ``pin``, ``reflog:<ref>``) and the state path."""
+
+    root: str
+    path: str
+
+    def __str__(self) -> str:
+        return f"{self.root}:{self.path or '<root>'}"
+
+
+@dataclass
+class Problem:
+    """A reachable block that is missing, corrupt or undecodable."""
+
+    cid: str
+    kind: str  # "missing" | "corrupt" | "undecodable"
+    detail: str
+    needed_by: list[Where] = field(default_factory=list)
+
+
+@dataclass
+class Reach:
+    """The outcome of a walk."""
+
+    data: set[bytes] = field(default_factory=set)
+    lineage: set[bytes] = field(default_factory=set)
+    problems: dict[bytes, Problem] = field(default_factory=dict)
+    where: dict[bytes, Where] = field(default_factory=dict)
+
+    @property
+    def live(self) -> set[bytes]:
+        return self.data | self.lineage
+
+
+def child_links(value: Any, path: str = "") -> Iterator[tuple[Link, str]]:
+    """Every link in a decoded node with the state path it sits at (chunks as ``path[i]``)."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, Link):
+            yield item, where
+        elif isinstance(item, dict):
+            stack.extend((v, join_path(where, k)) for k, v in reversed(list(item.items())))
+        elif isinstance(item, list):
+            stack.extend((v, join_path(where, i)) for i, v in reversed(list(enumerate(item))))
+        elif isinstance(item, Tagged):
+            if item.code in (NDARRAY, BLOB, PAGES) and isinstance(item.value, dict):
+                yield from _sequence_links(item.value, where)
+            else:
+                stack.append((item.value, where))
+
+
+def _sequence_links(header: dict[Any, Any], where: str) -> Iterator[tuple[Link, str]]:
+    """Links of an array's or blob's chunks, or of a container's pages: ``path[i]``."""
+    for key in ("chunks", "chunk_pages", "pages"):
+        links = header.get(key)
+        if isinstance(links, list):
+            for i, link in enumerate(links):
+                if isinstance(link, Link):
+                    # Pages continue their container: their entries keep the container's path.
+                    yield link, f"{where}[{i}]" if key == "chunks" else where
+
+
+def walk(
+    store: BlockStore,
+    roots: dict[bytes, str],
+    *,
+    check_raw: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> Reach:
+    """Mark everything ``roots`` (binary CID -> root name) reach; record problems, never raise.
+
+    ``check_raw`` also checks that raw chunks exist (fsck); GC does not need to.
+    """
+    reach = Reach()
+    # (cid, root name, path, data?) ; data=False means lineage-only
+    stack: list[tuple[bytes, str, str, bool]] = [(c, name, "", True) for c, name in roots.items()]
+    visited = 0
+    while stack:
+        cid, root, path, data = stack.pop()
+        seen = reach.data if data else reach.lineage
+        if cid in seen or (not data and cid in reach.data):
+            continue
+        seen.add(cid)
+        reach.where.setdefault(cid, Where(root, path))
+        visited += 1
+        if progress is not None and visited % 1024 == 0:
+            progress(visited)
+        if not cidlib.is_node(cid):
+            if check_raw and not store.has(cid):
+                _problem(reach, cid, "missing", "block not found", Where(root, path))
+            continue
+        node = _read_node(store, reach, cid, Where(root, path))
+        if node is None:
+            continue
+        is_commit = isinstance(node, dict) and node.get("type") == COMMIT_TYPE
+        for link, where in child_links(node, "" if is_commit else path):
+            if isinstance(link, HistoryLink):
+                stack.append((link.cid, root, "<history>", False))
+            elif data:
+                stack.append((link.cid, root, "" if is_commit else where, True))
+    return reach
+
+
+def _read_node(store: BlockStore, reach: Reach, cid: bytes, where: Where) -> Any:
+    try:
+        return codec.decode(store.get(cid, verify=True), cid=cid)
+    except BlockNotFound:
+        if where.path == "<history>":
+            return None  # lineage past a garbage-collected commit ends quietly
+        _problem(reach, cid, "missing", "block not found", where)
+    except CorruptBlock as exc:
+        _problem(reach, cid, "corrupt", str(exc), where)
+    except CasCkptError as exc:
+        _problem(reach, cid, "undecodable", str(exc), where)
+    return None
+
+
+def _problem(reach: Reach, cid: bytes, kind: str, detail: str, where: Where) -> None:
+    problem = reach.problems.get(cid)
+    if problem is None:
+        problem = reach.problems[cid] = Problem(cidlib.to_str(cid), kind, detail)
+    problem.needed_by.append(where)
+
+
+def data_blocks(store: BlockStore, root: bytes) -> Iterator[bytes]:
+    """Blocks needed to load ``root``, each once, parents before children (export order)."""
+    seen: set[bytes] = set()
+    stack = [root]
+    while stack:
+        cid = stack.pop()
+        if cid in seen:
+            continue
+        seen.add(cid)
+        yield cid
+        if cidlib.is_node(cid):
+            node = codec.decode(store.get(cid), cid=cid)
+            children = [link.cid for link, _ in child_links(node) if type(link) is Link]
+            stack.extend(reversed(children))

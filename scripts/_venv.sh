@@ -1,0 +1,12 @@
+# Sourced by the other scripts: make .venv (once) and install the project with the given extras.
+set -eu
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=".venv/.installed-$1"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$1]"
+  touch "$stamp"
+fi
