@@ -11,11 +11,14 @@ from multiformats import CID
 
 from cas_ckpt.errors import (
     BlockNotFound,
+    CarError,
     CasCkptError,
+    CheckpointExists,
     CheckpointExpired,
     CorruptBlock,
     CorruptStore,
     DecodeError,
+    GraphCycleError,
     InvalidCID,
     InvalidRefName,
     PathNotFound,
@@ -24,8 +27,12 @@ from cas_ckpt.errors import (
     RefLocked,
     RefNotFound,
     RepositoryError,
+    SaveFailed,
     StateTypeError,
+    StepNotFound,
 )
+from cas_ckpt.manager import CheckpointManager
+from cas_ckpt.records import ComputationGraph, GradientCheckpoint, GraphNode
 from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore
 from cas_ckpt.repository import Commit, Repository, SaveReport, open
 from cas_ckpt.stores import BlockStore, LocalStore, MemoryStore
@@ -36,12 +43,19 @@ __all__ = [
     "CID",
     "BlockNotFound",
     "BlockStore",
+    "CarError",
     "CasCkptError",
+    "CheckpointExists",
     "CheckpointExpired",
+    "CheckpointManager",
     "Commit",
+    "ComputationGraph",
     "CorruptBlock",
     "CorruptStore",
     "DecodeError",
+    "GradientCheckpoint",
+    "GraphCycleError",
+    "GraphNode",
     "InvalidCID",
     "InvalidRefName",
     "LocalRefStore",
@@ -57,7 +71,9 @@ __all__ = [
     "ReflogEntry",
     "Repository",
     "RepositoryError",
+    "SaveFailed",
     "SaveReport",
     "StateTypeError",
+    "StepNotFound",
     "open",
 ]

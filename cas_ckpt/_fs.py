@@ -22,6 +22,22 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def makedirs(path: Path) -> None:
+    """``mkdir -p`` that makes each directory it creates durable (fsyncs the parent of each).
+
+    Without it a power cut can drop a new directory, and every file saved in it, after the save
+    that made them returned.
+    """
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made concurrently: fsync the parent anyway
+            os.mkdir(directory)
+        fsync_dir(directory.parent)
+
+
 def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data).cast("B")
     while view.nbytes:
@@ -65,23 +81,28 @@ def atomic_write(path: Path, data: bytes, *, tmp_dir: Path | None = None) -> Non
     fsync_dir(path.parent)
 
 
-def create_exclusive(path: Path, data: bytes, *, tmp_dir: Path) -> bool:
-    """Durably create ``path`` with ``data`` unless it exists (then return False). Never overwrites."""
+def create_exclusive(path: Path, data: bytes, *, tmp_dir: Path, durable: bool = True) -> bool:
+    """Create ``path`` with ``data`` unless it exists (then return False). Never overwrites.
+
+    The file appears whole (a complete temp file is linked into place), so a reader never sees it
+    empty or half written. ``durable`` also fsyncs the data and the directory entry.
+    """
     tmp = temp_name(tmp_dir, ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
+        try:
+            write_all(fd, data)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.link(tmp, path)
         created = True
     except FileExistsError:
         created = False
     finally:
         tmp.unlink(missing_ok=True)
-    if created:
+    if created and durable:
         fsync_dir(path.parent)
     return created
 
@@ -90,18 +111,59 @@ def lock_holder_text() -> bytes:
     return f"{os.getpid()} {socket.gethostname()} {time.time():.3f} {uuid.uuid4().hex}\n".encode()
 
 
+def _boot_time() -> float | None:
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if line.startswith(b"btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def holder_is_dead(text: str) -> bool:
-    """True only when the lock's holder was a process on this host that no longer exists."""
+    """True only when the lock's holder was a process on this host that no longer exists.
+
+    That includes a holder that started before the last boot (its pid may have been reused since).
+    A holder on another host, or text that names no holder, is never judged dead here.
+    """
     parts = text.split()
     if len(parts) < 2 or parts[1] != socket.gethostname() or not parts[0].isdigit():
         return False
+    boot = _boot_time()
+    try:
+        if boot is not None and len(parts) > 2 and float(parts[2]) < boot:
+            return True
+    except ValueError:
+        pass
     try:
         os.kill(int(parts[0]), 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return False
     return False
+
+
+EMPTY_LOCK_AGE = 2.0
+
+
+def lock_is_stale(path: Path, text: str) -> bool:
+    """True when the lock file ``path`` (holding ``text``) cannot belong to a live writer.
+
+    Locks are created whole (:func:`create_exclusive`), so a live holder's lock is never empty: an
+    empty one (or one of zero bytes) is what a power cut leaves of a lock whose bytes never reached
+    the disk. The age check only spares a writer of an older cas_ckpt, which created the lock first
+    and wrote its holder line after.
+    """
+    if text.strip("\x00 \t\r\n"):
+        return holder_is_dead(text)
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except OSError:
+        return False
+    return age > EMPTY_LOCK_AGE
 
 
 @contextlib.contextmanager

@@ -129,9 +129,14 @@ def _decode_string(text: str) -> bytes:
     if text.startswith("b") and text.isascii():
         body = text[1:].upper()
         try:
-            return base64.b32decode(body + "=" * (-len(body) % 8))
+            data = base64.b32decode(body + "=" * (-len(body) % 8))
         except ValueError as exc:
             raise InvalidCID(f"invalid base32 CID {text!r}: {exc}") from None
+        # b32decode ignores the unused low bits of the last character; a canonical string has
+        # them zero (as multiformats requires), so two strings never name the same CID.
+        if base64.b32encode(data).decode("ascii").rstrip("=") != body.rstrip("="):
+            raise InvalidCID(f"invalid base32 CID {text!r}: non-zero pad bits")
+        return data
     if text.startswith(("Qm", "1")):
         raise InvalidCID(f"{text!r} is a CIDv0; only CIDv1 is used here")
     try:

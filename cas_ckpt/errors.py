@@ -30,8 +30,8 @@ class DecodeError(CasCkptError, ValueError):
 class BlockNotFound(CasCkptError, KeyError):
     """No block with this CID is in the store."""
 
-    def __init__(self, cid: object) -> None:
-        super().__init__(f"block {cid} not found")
+    def __init__(self, cid: object, hint: str = "") -> None:
+        super().__init__(f"block {cid} not found{hint}")
         self.cid = str(cid)
 
 
@@ -103,10 +103,12 @@ class RefLocked(RefError):
 class CheckpointExpired(CasCkptError):
     """A commit is still in the history but its data was removed by retention and GC."""
 
-    def __init__(self, cid: object, missing: object) -> None:
+    def __init__(self, cid: object, missing: object = None) -> None:
         super().__init__(
             f"checkpoint {cid} is in the history but its data was garbage collected "
             f"(block {missing} is gone)"
+            if missing is not None
+            else f"checkpoint {cid} is in the history but retention expired it"
         )
         self.cid = str(cid)
 
@@ -126,3 +128,51 @@ class PathNotFound(CasCkptError, KeyError):
         super().__init__(f"path {path!r} not found in checkpoint {cid}")
         self.path = path
         self.cid = str(cid)
+
+
+class CarError(CasCkptError, ValueError):
+    """A CAR file is malformed, truncated, or holds corrupt, missing, duplicate or stray blocks."""
+
+    def __init__(self, message: str, *, offset: int | None = None) -> None:
+        super().__init__(f"{message} (at byte {offset})" if offset is not None else message)
+        self.offset = offset
+
+
+class CheckpointExists(CasCkptError):
+    """A checkpoint manager already holds this step; pass ``overwrite=True`` to replace it."""
+
+    def __init__(self, ref: str, step: int, *, latest: int | None = None) -> None:
+        super().__init__(
+            f"{ref!r} already has a checkpoint for step {step}; pass overwrite=True"
+            if latest is None or latest == step
+            else f"step {step} is not after {ref!r}'s latest checkpoint (step {latest}); "
+            "pass overwrite=True to save it anyway"
+        )
+        self.ref = ref
+        self.step = step
+
+
+class StepNotFound(CasCkptError, KeyError):
+    """A checkpoint manager has no checkpoint, retained or expired, for this step."""
+
+    def __init__(self, ref: str, step: int) -> None:
+        super().__init__(f"{ref!r} has no checkpoint for step {step}")
+        self.ref = ref
+        self.step = step
+
+
+class SaveFailed(CasCkptError):
+    """A background (async) save failed; ``__cause__`` is the original error. No ref moved."""
+
+    def __init__(self, ref: str, step: int, error: BaseException) -> None:
+        super().__init__(f"async save of step {step} to {ref!r} failed: {type(error).__name__}: {error}")
+        self.ref = ref
+        self.step = step
+
+
+class GraphCycleError(CasCkptError, ValueError):
+    """A computation graph has a cycle, so it has no topological order."""
+
+    def __init__(self, nodes: list[str]) -> None:
+        super().__init__(f"computation graph has a cycle through nodes {nodes}")
+        self.nodes = nodes

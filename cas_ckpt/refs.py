@@ -35,6 +35,11 @@ def check_ref_name(name: object) -> str:
         raise InvalidRefName(name, "must be a string")
     if not name or len(name) > MAX_REF_LENGTH:
         raise InvalidRefName(name, f"must be 1 to {MAX_REF_LENGTH} characters")
+    if not name.isascii():
+        try:
+            name.encode("utf-8")  # ref names become file names and reflog JSON
+        except UnicodeEncodeError:
+            raise InvalidRefName(name, "is not valid Unicode text (lone surrogate)") from None
     for ch in name:
         if ord(ch) < 32 or ord(ch) == 127 or ch.isspace():
             raise InvalidRefName(name, "contains a control or whitespace character")
@@ -100,7 +105,9 @@ class RefStore(ABC):
         Returns False when another writer got there first.
         """
         check_ref_name(name)
-        return self._swap(name, (lambda cur: True) if old is None else old.__eq__, new, message)
+        # Not ``old.__eq__``: bytes.__eq__(None) is NotImplemented, which is truthy, so an absent
+        # ref would have passed the check.
+        return self._swap(name, lambda cur: old is None or cur == old, new, message)
 
     def add_if_new(self, name: str, new: bytes, *, message: str = "") -> bool:
         """Create ``name`` pointing at ``new``; False if it already exists."""
@@ -179,7 +186,7 @@ class MemoryRefStore(RefStore):
         return sorted(self._refs)
 
     def reflog(self, name: str) -> list[ReflogEntry]:
-        return list(self._logs.get(name, []))
+        return list(self._logs.get(check_ref_name(name), []))
 
     def reflog_names(self) -> list[str]:
         return sorted(self._logs)
@@ -256,7 +263,7 @@ class LocalRefStore(RefStore):
 
     def ensure_dirs(self) -> None:
         for d in (self.refs_dir, self.logs_dir, self.pins_dir, self.locks_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            _fs.makedirs(d)
 
     def _path(self, base: Path, name: str) -> Path:
         return base.joinpath(*check_ref_name(name).split("/"))
@@ -280,7 +287,7 @@ class LocalRefStore(RefStore):
 
     def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
         path = self._path(self.refs_dir, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _fs.makedirs(path.parent)
         with self._ref_lock(name, path):
             current = self._read(path)
             if not check(current):
@@ -299,22 +306,18 @@ class LocalRefStore(RefStore):
         deadline = time.monotonic() + self.lock_timeout
         delay = 0.001
         while True:
-            try:
-                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            # Created whole (temp file linked into place): a live holder's lock is never empty, so
+            # an empty or torn one is a crash leftover that holder_is_dead lets us break.
+            if _fs.create_exclusive(lock, _fs.lock_holder_text(), tmp_dir=path.parent, durable=False):
                 break
-            except FileExistsError:
-                holder = self._lock_text(lock)
-                if holder is not None and _fs.holder_is_dead(holder):
-                    self._break_stale(lock, holder)
-                    continue
-                if time.monotonic() > deadline:
-                    raise RefLocked(name, str(lock), holder or "an unknown process") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-        try:
-            _fs.write_all(fd, _fs.lock_holder_text())
-        finally:
-            os.close(fd)
+            holder = self._lock_text(lock)
+            if holder is not None and _fs.lock_is_stale(lock, holder):
+                self._break_stale(lock, holder)
+                continue
+            if time.monotonic() > deadline:
+                raise RefLocked(name, str(lock), holder or "an unknown process") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
         try:
             yield
         finally:
@@ -336,7 +339,7 @@ class LocalRefStore(RefStore):
 
     def _append_log(self, name: str, entry: ReflogEntry) -> None:
         path = self._path(self.logs_dir, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _fs.makedirs(path.parent)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             _fs.write_all(fd, (entry.to_json() + "\n").encode("ascii"))
@@ -401,7 +404,7 @@ class LocalRefStore(RefStore):
     def read_config(self) -> dict[str, Any] | None:
         try:
             text = self.config_path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # NotADirectory: the root is a file
             return None
         try:
             config = json.loads(text)
@@ -412,7 +415,7 @@ class LocalRefStore(RefStore):
         return config
 
     def init_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        self.root.mkdir(parents=True, exist_ok=True)
+        _fs.makedirs(self.root)
         self.ensure_dirs()
         data = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
         _fs.create_exclusive(self.config_path, data, tmp_dir=self.root)

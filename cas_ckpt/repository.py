@@ -18,8 +18,8 @@ from typing import Any
 
 from multiformats import CID
 
+from cas_ckpt import car, codec
 from cas_ckpt import cid as cidlib
-from cas_ckpt import codec
 from cas_ckpt.codec import HistoryLink, Link
 from cas_ckpt.diff import DiffReport, compare
 from cas_ckpt.errors import (
@@ -260,14 +260,18 @@ class Repository:
         path: str | Sequence[Any] | None = None,
         verify: bool | None = None,
         map_location: Any = None,
+        mmap: bool = False,
     ) -> Any:
         """Load a checkpoint (or the sub-tree at ``path``, e.g. ``"optimizer.state.3"``).
 
         ``target`` is a ref name or a CID. Only the blocks of the requested sub-tree are read.
         Torch tensors come back as torch tensors (on ``map_location`` if given), numpy as numpy.
+        ``mmap=True`` returns numpy arrays as read-only views of the pack files where a
+        store can map them (no copy; pages are read on first touch, and hashed first unless
+        ``verify=False``).
         """
         root = self._resolve(target)
-        reader = self._reader(verify, map_location)
+        reader = self._reader(verify, map_location, mmap)
         tree = self._tree_of(root, reader)
         try:
             if path is None:
@@ -279,7 +283,7 @@ class Repository:
                 raise CheckpointExpired(cidlib.to_str(root), exc.cid) from None
             raise
 
-    def _reader(self, verify: bool | None, map_location: Any) -> TreeReader:
+    def _reader(self, verify: bool | None, map_location: Any, mmap: bool = False) -> TreeReader:
         factory = None
         if map_location is not None:
             from cas_ckpt.integrations.torch import numpy_to_tensor
@@ -287,7 +291,9 @@ class Repository:
             def factory(array: Any, header: dict[str, Any]) -> Any:
                 return numpy_to_tensor(array, header, map_location=map_location)
 
-        return TreeReader(self.blocks, self.pool, verify=verify, tensor_factory=factory)
+        return TreeReader(
+            self.blocks, self.pool, verify=verify, tensor_factory=factory, mmap=mmap
+        )
 
     def _tree_of(self, root: bytes, reader: TreeReader) -> bytes:
         """The state tree a root names: the commit's tree, or the node itself if not a commit."""
@@ -356,6 +362,15 @@ class Repository:
             actual = self.refs_store.get(ref)
             raise RefConflict(ref, cidlib.to_str(old), cidlib.to_str(actual) if actual else None)
 
+    def fork(self, source: Target, ref: str) -> CID:
+        """Start a new ``ref`` at ``source``'s checkpoint (RefConflict if ``ref`` exists).
+
+        Saves to ``ref`` continue its history, and share every unchanged block with ``source``.
+        """
+        new = self._resolve(source)
+        self.blocks.get(new)
+        self._move_ref(check_ref_name(ref), None, new, f"fork from {source}")
+        return cidlib.to_cid(new)
 
     # -- maintenance ---------------------------------------------------------------------------
     def pin(self, target: Target) -> CID:
@@ -409,6 +424,18 @@ class Repository:
         tree_a = self._tree_of(self._resolve(a), reader)
         tree_b = self._tree_of(self._resolve(b), reader)
         return compare(reader, self.blocks, tree_a, tree_b)
+
+    def export_car(
+        self, target: Target, out: car.FileLike, *, progress: car.Progress | None = None
+    ) -> car.CarReport:
+        """Write checkpoint ``target`` and every block it needs as a CAR v1 file (see car.py)."""
+        return car.export_car(self, target, out, progress=progress)
+
+    def import_car(
+        self, src: car.FileLike, *, ref: str | None = None, progress: car.Progress | None = None
+    ) -> car.CarReport:
+        """Store a CAR v1 file's blocks, all or nothing; point ``ref`` at its root if given."""
+        return car.import_car(self, src, ref=ref, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -489,6 +516,21 @@ def _check_config(config: dict[str, Any], location: str) -> _Config:
 
 
 MEMORY = "memory://"
+_SKELETON = ("refs", "logs", "pins", "locks", "packs", "tmp")
+
+
+def _blank(root: Path) -> bool:
+    """True if ``root`` holds at most what a creation cut short leaves: empty skeleton directories
+    and temp files (the config is written last), so creating the repository there is safe."""
+    for entry in root.iterdir():
+        if entry.is_symlink():
+            return False
+        if entry.name in _SKELETON and entry.is_dir():
+            if any(entry.iterdir()):
+                return False
+        elif not (entry.name.endswith(".tmp") and entry.is_file()):
+            return False
+    return True
 
 
 def open(
@@ -516,7 +558,7 @@ def open(
     if refs.read_config() is None:
         if not create or read_only:
             raise RepositoryError(f"no cas_ckpt repository at {root}")
-        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        if root.exists() and (not root.is_dir() or not _blank(root)):
             raise RepositoryError(
                 f"{root} exists and is not an empty directory or a cas_ckpt repository"
             )

@@ -16,12 +16,15 @@ code  name        payload
 4     blob        map: size, chunks (content-defined chunks of a large bytes or str value)
 5     scalar      map: dtype, data (a numpy scalar)
 6     pages       map: kind ("map"/"list"/"tuple"), pages (links to nodes holding the parts)
+7     cid         a link (ext 42) to any stored block: a ``multiformats.CID`` value in the state;
+                  GC keeps its target, loading gives the CID back (not the target's content)
 42    link        a sub-tree stored as its own node
 ====  ==========  ==========================================================================
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -32,14 +35,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 from fastcdc.fastcdc_cy import fastcdc_cy
+from multiformats import CID
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
 from cas_ckpt.codec import Link, Tagged
-from cas_ckpt.errors import DecodeError, PathNotFound, StateTypeError
+from cas_ckpt.errors import CorruptBlock, DecodeError, InvalidCID, PathNotFound, StateTypeError
 from cas_ckpt.stores.base import BlockStore, BlockWriter
 
-TUPLE, BIGINT, NDARRAY, BLOB, SCALAR, PAGES = 1, 2, 3, 4, 5, 6
+TUPLE, BIGINT, NDARRAY, BLOB, SCALAR, PAGES, CID_VALUE = 1, 2, 3, 4, 5, 6, 7
 
 MAX_CHUNK = 1024 * 1024  # IPFS moves blocks of at most 1 MiB
 INLINE_LIMIT = 16 * 1024  # arrays and bytes up to this size live inside their node
@@ -187,7 +191,19 @@ class TreeWriter:
 
             array, kind_name = tensor_to_numpy(value, path)
             return self._prepare_array(array, path, kind_name)
+        if isinstance(value, CID):
+            return self._cid_value(value, path)
         raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}")
+
+    def _cid_value(self, value: CID, path: str) -> Tagged:
+        """A CID in the state: a strong link to a block that must already be stored."""
+        try:
+            target = cidlib.to_bytes(value)
+        except InvalidCID as exc:
+            raise StateTypeError(path, f"cannot store this CID: {exc}") from None
+        if not self.writer.has(target):
+            raise StateTypeError(path, f"CID {value} names a block that is not in the store")
+        return Tagged(CID_VALUE, Link(target))
 
     def _scalar(self, value: np.generic, path: str) -> Tagged:
         name = dtype_name(value.dtype)
@@ -361,11 +377,13 @@ class TreeReader:
         *,
         verify: bool | None = None,
         tensor_factory: TensorFactory | None = None,
+        mmap: bool = False,
     ) -> None:
         self.store = store
         self.pool = pool
         self.verify = store.verify if verify is None else verify
         self.tensor_factory = tensor_factory
+        self.mmap = mmap
 
     def node(self, cid: bytes) -> Any:
         return codec.decode(self.store.get(cid, verify=self.verify), cid=cid)
@@ -463,6 +481,10 @@ class TreeReader:
             if not isinstance(data, bytes) or len(data) != dtype.itemsize:
                 raise DecodeError("malformed numpy scalar")
             return np.frombuffer(data, dtype=dtype)[0]
+        if code == CID_VALUE:
+            if type(body) is not Link:
+                raise DecodeError("malformed CID value: expected a link")
+            return cidlib.to_cid(body.cid)
         raise DecodeError(f"unknown extension type {code}")
 
     def _chunk_links(self, header: dict[str, Any]) -> list[bytes]:
@@ -515,8 +537,14 @@ class TreeReader:
             sizes = self._sizes(cids)  # bounds the allocation by what is really stored
             if sum(sizes) != nbytes:
                 raise DecodeError(f"array chunks hold {sum(sizes)} bytes, shape needs {nbytes}")
-            flat = np.empty(nbytes, dtype=np.uint8)
-            self._fill(cids, sizes, memoryview(flat))
+            kind = header.get("kind", "numpy")
+            mapped = self.store.map_blocks(cids) if self.mmap and kind == "numpy" else None
+            if mapped is not None:
+                self._verify_mapped(cids, sizes, mapped)
+                flat = np.frombuffer(mapped, dtype=np.uint8)  # read-only, backed by the pack
+            else:
+                flat = np.empty(nbytes, dtype=np.uint8)
+                self._fill(cids, sizes, memoryview(flat))
         array = flat.view(dtype)
         array = array.reshape(shape[::-1]).T if order == "F" else array.reshape(shape)
         kind = header.get("kind", "numpy")
@@ -527,6 +555,18 @@ class TreeReader:
 
             return numpy_to_tensor(array, header)
         return self.tensor_factory(array, header)
+
+    def _verify_mapped(self, cids: list[bytes], sizes: list[int], view: memoryview) -> None:
+        if not self.verify:
+            return
+        offsets = [0, *itertools.accumulate(sizes)]
+
+        def check(i: int) -> None:
+            if not cidlib.matches(cids[i], view[offsets[i] : offsets[i + 1]]):
+                raise CorruptBlock(cidlib.to_str(cids[i]))
+
+        for future in [self.pool.submit(check, i) for i in range(len(cids))]:
+            future.result()
 
     def _load_blob(self, header: dict[str, Any]) -> bytes | str:
         size = header.get("size")

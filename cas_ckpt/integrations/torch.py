@@ -1,7 +1,17 @@
-"""PyTorch tensors <-> numpy arrays without copying bytes where the layout allows.
+"""PyTorch tensors <-> numpy arrays, bit for bit, without copying bytes where the layout allows.
 
 torch is imported lazily: ``import cas_ckpt`` never needs it. Dtypes numpy lacks (bfloat16 and the
-float8 variants) travel as their ``ml_dtypes`` equivalents, bit for bit.
+float8 variants) travel as their ``ml_dtypes`` equivalents. What comes back:
+
+* a plain ``torch.Tensor`` on the CPU (or ``map_location``), with the saved shape, dtype and values.
+  ``nn.Parameter`` comes back as a plain tensor (``requires_grad`` is not stored):
+  ``model.load_state_dict`` copies it into the parameter, which is the usual way back;
+* tensors that shared storage (tied weights, views) come back as separate tensors. Their bytes are
+  stored once when identical (same chunks); views of different parts are stored as what they show;
+* without torch installed, arrays saved from tensors load as numpy arrays.
+
+Not savable (:class:`StateTypeError` naming the path): complex32, the bit-packed dtypes (uint1-7,
+float4_e2m1fn_x2), quantized, sparse, nested and meta tensors, and tensor subclasses (DTensor...).
 """
 
 from __future__ import annotations
@@ -12,6 +22,24 @@ import numpy as np
 
 from cas_ckpt.errors import DecodeError, StateTypeError
 
+# torch dtype name -> ml_dtypes name, for the dtypes numpy has no native type for.
+_VIA_ML_DTYPES = {
+    "bfloat16": "bfloat16",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+    "float8_e4m3fnuz": "float8_e4m3fnuz",
+    "float8_e5m2fnuz": "float8_e5m2fnuz",
+    "float8_e8m0fnu": "float8_e8m0fnu",
+}
+_NATIVE = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+)
+_HINTS = {
+    "complex32": "complex32 (ComplexHalf) has no numpy equivalent; convert with .to(torch.complex64)",
+    "float4_e2m1fn_x2": "packs two values per byte; save its .view(torch.uint8) instead",
+}
+
 
 def _torch() -> Any:
     import torch
@@ -19,57 +47,56 @@ def _torch() -> Any:
     return torch
 
 
-def _dtype_table() -> dict[Any, np.dtype[Any]]:
+def _build_tables() -> tuple[dict[Any, np.dtype[Any]], set[Any]]:
     import ml_dtypes
 
     torch = _torch()
-    table: dict[Any, np.dtype[Any]] = {
-        torch.bool: np.dtype(np.bool_),
-        torch.uint8: np.dtype(np.uint8),
-        torch.int8: np.dtype(np.int8),
-        torch.int16: np.dtype(np.int16),
-        torch.int32: np.dtype(np.int32),
-        torch.int64: np.dtype(np.int64),
-        torch.float16: np.dtype(np.float16),
-        torch.float32: np.dtype(np.float32),
-        torch.float64: np.dtype(np.float64),
-        torch.complex64: np.dtype(np.complex64),
-        torch.complex128: np.dtype(np.complex128),
-        torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-    }
-    for name in ("uint16", "uint32", "uint64"):
+    table: dict[Any, np.dtype[Any]] = {}
+    for name in _NATIVE:
         if hasattr(torch, name):
-            table[getattr(torch, name)] = np.dtype(name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
-        if hasattr(torch, name) and hasattr(ml_dtypes, name):
-            table[getattr(torch, name)] = np.dtype(getattr(ml_dtypes, name))
-    return table
+            table[getattr(torch, name)] = np.dtype(np.bool_ if name == "bool" else name)
+    via: set[Any] = set()
+    for name, ml_name in _VIA_ML_DTYPES.items():
+        if hasattr(torch, name) and hasattr(ml_dtypes, ml_name):
+            table[getattr(torch, name)] = np.dtype(getattr(ml_dtypes, ml_name))
+            via.add(getattr(torch, name))
+    return table, via
 
 
-_TABLE: dict[Any, np.dtype[Any]] | None = None
+_TABLES: tuple[dict[Any, np.dtype[Any]], set[Any]] | None = None
+
+
+def _tables() -> tuple[dict[Any, np.dtype[Any]], set[Any]]:
+    global _TABLES
+    if _TABLES is None:
+        _TABLES = _build_tables()
+    return _TABLES
 
 
 def dtype_table() -> dict[Any, np.dtype[Any]]:
-    global _TABLE
-    if _TABLE is None:
-        _TABLE = _dtype_table()
-    return _TABLE
+    """Every savable torch dtype and the numpy dtype its bytes are stored as."""
+    return _tables()[0]
+
+
+def check_tensor(tensor: Any, path: str) -> None:
+    """Raise :class:`StateTypeError` (naming ``path``) if ``tensor`` cannot be saved."""
+    torch = _torch()
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)):
+        raise StateTypeError(path, f"cannot save a tensor subclass {type(tensor).__name__}")
+    if tensor.is_quantized:
+        raise StateTypeError(path, "cannot save a quantized tensor; save its int_repr() and scales")
+    if tensor.is_nested or tensor.layout != torch.strided:
+        raise StateTypeError(path, f"cannot save a {tensor.layout} tensor; convert it to dense")
+    if tensor.device.type == "meta":
+        raise StateTypeError(path, "cannot save a meta tensor: it has no data")
+    if tensor.dtype not in dtype_table():
+        name = str(tensor.dtype).removeprefix("torch.")
+        raise StateTypeError(path, _HINTS.get(name, f"unsupported torch dtype {tensor.dtype}"))
 
 
 def tensor_to_numpy(tensor: Any, path: str) -> tuple[np.ndarray[Any, Any], str]:
-    """A host numpy array with the tensor's bytes (a view when already on CPU and dense)."""
-    torch = _torch()
-    table = dtype_table()
-    if tensor.dtype not in table:
-        raise StateTypeError(path, f"unsupported torch dtype {tensor.dtype}")
-    if tensor.is_sparse or tensor.layout != torch.strided:
-        raise StateTypeError(path, f"cannot save a {tensor.layout} tensor; convert it to dense")
-    if tensor.is_quantized:
-        raise StateTypeError(path, "cannot save a quantized tensor")
-    if hasattr(tensor, "_local_tensor") or type(tensor) not in (
-        torch.Tensor, torch.nn.Parameter
-    ):
-        raise StateTypeError(path, f"cannot save a tensor subclass {type(tensor).__name__}")
+    """A host numpy array with the tensor's values (a view of its memory when on the CPU)."""
+    check_tensor(tensor, path)
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
@@ -77,42 +104,62 @@ def tensor_to_numpy(tensor: Any, path: str) -> tuple[np.ndarray[Any, Any], str]:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    target = table[t.dtype]
-    if target.itemsize == 0 or t.dtype in (torch.bool,) or _native(t.dtype):
-        array = t.numpy()
-    else:
-        # bfloat16 / float8: reinterpret the bytes through an integer view of the same width.
-        width = {1: torch.uint8, 2: torch.int16}[t.element_size()]
-        array = t.view(width).numpy().view(target) if t.dim() else (
-            t.reshape(1).view(width).numpy().view(target).reshape(())
-        )
-    return array, "torch"
+    table, via = _tables()
+    if t.dtype not in via:
+        return t.numpy(), "torch"
+    # bfloat16 / float8: reinterpret the bytes through an integer view of the same width.
+    width = _torch().uint8 if t.element_size() == 1 else _torch().int16
+    if t.dim() == 0:
+        return t.reshape(1).view(width).numpy().view(table[t.dtype]).reshape(()), "torch"
+    return t.view(width).numpy().view(table[t.dtype]), "torch"
 
 
-def _native(dtype: Any) -> bool:
+def host_copy(tensor: Any, path: str, *, out: Any = None) -> Any:
+    """A detached CPU copy of ``tensor`` that later in-place updates of the original cannot touch.
+
+    ``out``: a CPU tensor from an earlier copy to refill when dtype and shape match (the copy then
+    skips allocating and faulting in fresh memory); otherwise a new tensor is allocated.
+    """
+    check_tensor(tensor, path)
     torch = _torch()
-    return dtype not in {torch.bfloat16} and "float8" not in str(dtype)
+    source = tensor.detach()
+    fits = (
+        type(out) is torch.Tensor and out.device.type == "cpu" and out.dtype == source.dtype
+        and out.shape == source.shape and not out.is_conj() and not out.is_neg()
+    )
+    if source.device.type != "cpu":
+        return out.copy_(source) if fits else source.to("cpu", copy=True)
+    if not fits:
+        out = torch.empty(source.shape, dtype=source.dtype)
+    # numpy's copy of the bits beats Tensor.copy_ on the CPU (no thread pool hand-off)
+    np.copyto(tensor_to_numpy(out, path)[0], tensor_to_numpy(source, path)[0])
+    return out
 
 
 def numpy_to_tensor(
     array: np.ndarray[Any, Any], header: dict[str, Any], *, map_location: Any = None
 ) -> Any:
-    """The torch tensor for a loaded array (sharing its memory when on CPU)."""
-    torch = _torch()
-    reverse = {v: k for k, v in dtype_table().items()}
+    """The torch tensor for a loaded array (sharing its memory on the CPU); numpy without torch."""
+    try:
+        torch = _torch()
+    except ImportError:
+        return array
+    table, via = _tables()
+    reverse = {v: k for k, v in table.items()}
     target = reverse.get(array.dtype)
     if target is None:
         raise DecodeError(f"array of dtype {array.dtype} cannot become a torch tensor")
-    if not array.flags.c_contiguous and not array.flags.f_contiguous:
-        array = np.ascontiguousarray(array)
-    if _native(target):
-        tensor = torch.from_numpy(array) if array.ndim else torch.from_numpy(array.reshape(1))[0]
+    if not array.flags.writeable or not (array.flags.c_contiguous or array.flags.f_contiguous):
+        array = np.array(array, order="K")  # from_numpy wants writable memory with simple strides
+    shape = array.shape
+    if not array.ndim:
+        array = array.reshape(1)
+    if target in via:
+        width = np.uint8 if array.dtype.itemsize == 1 else np.int16
+        tensor = torch.from_numpy(array.view(width)).view(target)
     else:
-        width = {1: np.uint8, 2: np.int16}[array.dtype.itemsize]
-        tensor = torch.from_numpy(array.view(width) if array.ndim else array.reshape(1).view(width))
-        tensor = tensor.view(target)
-        if not array.ndim:
-            tensor = tensor[0]
+        tensor = torch.from_numpy(array)
+    tensor = tensor.reshape(shape)
     if map_location is not None:
         tensor = tensor.to(map_location)
     return tensor

@@ -56,7 +56,7 @@ class BlockWriter(ABC):
         with self._lock:
             if self.closed:
                 raise RepositoryError("block writer is already closed")
-            if cid in self._pending or self._store.has(cid):
+            if cid in self._pending or self._store._has(cid):
                 self.stats.blocks_reused += 1
                 self.stats.bytes_reused += size
                 return False
@@ -65,6 +65,11 @@ class BlockWriter(ABC):
             self.stats.blocks_written += 1
             self.stats.bytes_written += size
             return True
+
+    def has(self, cid: bytes) -> bool:
+        """True if the block is stored or already in this batch."""
+        with self._lock:
+            return cid in self._pending or self._store._has(cid)
 
     @abstractmethod
     def _append(self, cid: bytes, data: bytes | memoryview) -> None:
@@ -123,7 +128,7 @@ class BlockStore(ABC):
         key = cidlib.to_bytes(cid)
         data = self._read(key)
         if data is None:
-            raise BlockNotFound(cidlib.to_str(key))
+            raise BlockNotFound(cidlib.to_str(key), self._missing_hint())
         if (self.verify if verify is None else verify) and not cidlib.matches(key, data):
             raise CorruptBlock(cidlib.to_str(key))
         return data
@@ -131,17 +136,36 @@ class BlockStore(ABC):
     def get_into(self, cid: bytes, out: memoryview, *, verify: bool | None = None) -> None:
         """Read a block straight into a caller's buffer (no intermediate copy where possible)."""
         if not self._read_into(cid, out):
-            raise BlockNotFound(cidlib.to_str(cid))
+            raise BlockNotFound(cidlib.to_str(cid), self._missing_hint())
         if (self.verify if verify is None else verify) and not cidlib.matches(cid, out):
             raise CorruptBlock(cidlib.to_str(cid))
 
-    @abstractmethod
-    def has(self, cid: bytes) -> bool:
+    def map_blocks(self, cids: list[bytes]) -> memoryview | None:
+        """A read-only view of these blocks if they lie back to back in one file, else None.
+
+        Stores that can memory-map (the local pack store) override this; loads then skip the copy.
+        """
+        return None
+
+    def _missing_hint(self) -> str:
+        """Extra words for a BlockNotFound message (e.g. damaged files that may have held it)."""
+        return ""
+
+    def has(self, cid: cidlib.CIDLike) -> bool:
         """True if the block is stored."""
+        return self._has(cidlib.to_bytes(cid))
+
+    def size(self, cid: cidlib.CIDLike) -> int:
+        """Stored size of the block; :class:`BlockNotFound` if absent."""
+        return self._size(cidlib.to_bytes(cid))
 
     @abstractmethod
-    def size(self, cid: bytes) -> int:
-        """Stored size of the block; :class:`BlockNotFound` if absent."""
+    def _has(self, cid: bytes) -> bool:
+        """``has`` for a binary CID (the per-block hot path skips parsing)."""
+
+    @abstractmethod
+    def _size(self, cid: bytes) -> int:
+        """``size`` for a binary CID."""
 
     @abstractmethod
     def keys(self) -> Iterator[bytes]:
@@ -151,7 +175,7 @@ class BlockStore(ABC):
         return (cidlib.to_cid(key) for key in self.keys())
 
     def __contains__(self, cid: object) -> bool:
-        return self.has(cidlib.to_bytes(cid))  # type: ignore[arg-type]
+        return self.has(cid)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
         return sum(1 for _ in self.keys())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import mmap
 import os
 import struct
 import threading
@@ -30,6 +31,7 @@ PACK_MAGIC = b"CASPACK1"
 FOOTER_MAGIC = b"CASPKEND"
 FOOTER = struct.Struct("<Q32s8s")  # trailer length, sha256(trailer), magic
 DEFAULT_PACK_SIZE = 256 * 1024 * 1024
+SMALL_PACK = 32 * 1024 * 1024  # GC merges packs smaller than this
 SMALL_BLOCK = 256 * 1024  # blocks below this are buffered before the write syscall
 
 
@@ -57,14 +59,23 @@ def read_trailer(fd: int, path: Path) -> list[tuple[bytes, int, int]]:
     if hashlib.sha256(trailer).digest() != digest:
         raise CorruptStore(path, "pack index checksum mismatch")
     try:
-        entries = msgpack.unpackb(trailer, raw=False, use_list=False, max_buffer_size=length)
-        result = [(cidlib.check_binary(c), int(o), int(n)) for c, o, n in entries]
-    except Exception as exc:
+        entries = msgpack.unpackb(trailer, raw=False, use_list=False)
+        result = [_entry(e) for e in entries]
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise CorruptStore(path, f"unreadable pack index: {exc}") from None
     for _, offset, n in result:
         if offset < len(PACK_MAGIC) or n < 0 or offset + n > start:
             raise CorruptStore(path, "pack index points outside the pack")
     return result
+
+
+def _entry(entry: object) -> tuple[bytes, int, int]:
+    if not (isinstance(entry, tuple) and len(entry) == 3):
+        raise ValueError("index entry is not a (cid, offset, length) triple")
+    cid, offset, length = entry
+    if not (isinstance(cid, bytes) and type(offset) is int and type(length) is int):
+        raise ValueError("index entry has the wrong types")
+    return cidlib.check_binary(cid), offset, length
 
 
 class _PackWriter(BlockWriter):
@@ -78,6 +89,7 @@ class _PackWriter(BlockWriter):
         self._entries: list[tuple[bytes, int, int]] = []
         self._offset = 0
         self._buffer = bytearray()
+        self.published: list[str] = []
 
     def _open(self) -> int:
         self._tmp = _fs.temp_name(self._local.tmp_dir, ".pack.tmp")
@@ -127,6 +139,7 @@ class _PackWriter(BlockWriter):
         self._tmp = None
         _fs.fsync_dir(self._local.pack_dir)
         self._local._add_pack(name, self._entries)
+        self.published.append(name)
         self._entries = []
 
     def commit(self) -> None:
@@ -165,12 +178,13 @@ class LocalStore(BlockStore):
         self.tmp_dir = self.root / "tmp"
         self.pack_size = pack_size
         if not read_only:
-            self.pack_dir.mkdir(parents=True, exist_ok=True)
-            self.tmp_dir.mkdir(parents=True, exist_ok=True)
+            _fs.makedirs(self.pack_dir)
+            _fs.makedirs(self.tmp_dir)
         self._lock = threading.RLock()
         self._index: dict[bytes, Location] = {}
         self._packs: dict[str, list[tuple[bytes, int, int]]] = {}
         self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
         self.corrupt_packs: dict[str, str] = {}
         self.refresh()
 
@@ -209,6 +223,7 @@ class LocalStore(BlockStore):
 
     def _drop_pack(self, name: str) -> None:
         entries = self._packs.pop(name, [])
+        self._maps.pop(name, None)  # arrays still viewing it keep the mapping alive
         fd = self._fds.pop(name, None)
         if fd is not None:
             os.close(fd)
@@ -241,11 +256,42 @@ class LocalStore(BlockStore):
             loc = self._index.get(cid)
         return loc
 
+    def map_blocks(self, cids: list[bytes]) -> memoryview | None:
+        locations = [self._locate(c) for c in cids]
+        first = locations[0] if locations else None
+        if first is None:
+            return None
+        end = first.offset
+        for loc in locations:
+            if loc is None or loc.pack != first.pack or loc.offset != end:
+                return None
+            end += loc.length
+        try:
+            mapped = self._mmap(first.pack)
+        except (FileNotFoundError, ValueError):
+            return None
+        return memoryview(mapped)[first.offset : end]
+
+    def _mmap(self, pack: str) -> mmap.mmap:
+        mapped = self._maps.get(pack)
+        if mapped is None:
+            with self._lock:
+                mapped = self._maps.get(pack)
+                if mapped is None:
+                    mapped = self._maps[pack] = mmap.mmap(self._fd(pack), 0, access=mmap.ACCESS_READ)
+        return mapped
+
+    def _missing_hint(self) -> str:
+        if not self.corrupt_packs:
+            return ""
+        names = ", ".join(sorted(self.corrupt_packs)[:3])
+        return f" (the repository has {len(self.corrupt_packs)} damaged pack(s) that may hold it: {names})"
+
     def locate(self, cid: bytes) -> tuple[Path, int, int]:
         """Pack file, offset and length of a block (for mmap-style readers and fsck)."""
         loc = self._locate(cid)
         if loc is None:
-            raise BlockNotFound(cidlib.to_str(cid))
+            raise BlockNotFound(cidlib.to_str(cid), self._missing_hint())
         return self.pack_dir / loc.pack, loc.offset, loc.length
 
     # -- reads ---------------------------------------------------------------------------------
@@ -283,10 +329,10 @@ class LocalStore(BlockStore):
             return True
         return False
 
-    def has(self, cid: bytes) -> bool:
+    def _has(self, cid: bytes) -> bool:
         return cid in self._index
 
-    def size(self, cid: bytes) -> int:
+    def _size(self, cid: bytes) -> int:
         return self.locate(cid)[2]
 
     def keys(self) -> Iterator[bytes]:
@@ -308,43 +354,71 @@ class LocalStore(BlockStore):
     def delete(self, cids: set[bytes], *, min_age: float = 0.0) -> tuple[int, int]:
         """Remove blocks; packs younger than ``min_age`` seconds are left alone.
 
-        A pack with no block left is unlinked; a pack with some is rewritten with the survivors
-        (new pack durable first, then the old one removed). Returns (blocks removed, bytes freed).
+        Packs left with no live block are unlinked. Packs with some, and small packs (under
+        ``SMALL_PACK``), are merged: their surviving blocks are written into new packs, published
+        durably, and only then are the old packs unlinked. Returns (blocks removed, bytes freed).
         """
         self._check_writable()
-        removed = freed = 0
         now = time.time()
+        doomed: dict[str, list[tuple[bytes, int, int]]] = {}  # pack -> its surviving entries
+        removed = 0
+        small: dict[str, list[tuple[bytes, int, int]]] = {}
         for name, entries in self.packs().items():
-            dead = [e for e in entries if e[0] in cids]
-            if not dead:
-                continue
-            path = self.pack_dir / name
             try:
-                stat = path.stat()
+                stat = (self.pack_dir / name).stat()
             except FileNotFoundError:
                 continue
             if now - stat.st_mtime < min_age:
                 continue
             live = [e for e in entries if e[0] not in cids]
-            if live:
-                self._rewrite(name, live)
-            path.unlink(missing_ok=True)
+            if len(live) < len(entries):
+                doomed[name] = live
+                removed += len(entries) - len(live)
+            elif stat.st_size < SMALL_PACK:
+                small[name] = live
+        if len(small) + sum(1 for live in doomed.values() if live) >= 2:
+            doomed.update(small)  # worth merging: fewer files for every later open and read
+        before = sum(self._pack_size(name) for name in doomed)
+        after = self._repack(doomed)
+        return removed, before - after
+
+    def _pack_size(self, name: str) -> int:
+        try:
+            return (self.pack_dir / name).stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _repack(self, packs: dict[str, list[tuple[bytes, int, int]]]) -> int:
+        """Write the given entries of these packs into new packs, then unlink the old ones.
+
+        Returns the size of the packs written.
+        """
+        writer = _PackWriter(self)
+        written: list[str] = []
+        try:
+            with self._lock:
+                for name, live in packs.items():
+                    fd = self._fd(name)
+                    for cid, offset, length in live:
+                        if cid not in writer._pending:
+                            writer._pending.add(cid)
+                            writer._append(cid, os.pread(fd, length, offset))
+                if writer._fd is not None:
+                    writer._publish()
+                written = writer.published
+                writer.closed = True
+        except BaseException:
+            writer.abort()
+            raise
+        for name in packs:
+            if name in written:
+                continue  # rewritten byte for byte (same blocks, same offsets): it is a new pack
+            (self.pack_dir / name).unlink(missing_ok=True)
             with self._lock:
                 self._drop_pack(name)
+        if packs:
             _fs.fsync_dir(self.pack_dir)
-            removed += len(dead)
-            freed += stat.st_size - (sum(n for _, _, n in live) if live else 0)
-        return removed, freed
-
-    def _rewrite(self, name: str, live: list[tuple[bytes, int, int]]) -> None:
-        fd = self._fd(name)
-        writer = _PackWriter(self)
-        with self._lock:
-            for cid, offset, length in live:
-                writer._pending.add(cid)
-                writer._append(cid, os.pread(fd, length, offset))
-            writer._publish()
-            writer.closed = True
+        return sum(self._pack_size(name) for name in written)
 
     def clean_temp(self) -> int:
         """Remove temp files whose writer is gone (its lock is free); return how many."""
@@ -369,3 +443,4 @@ class LocalStore(BlockStore):
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._maps.clear()  # mappings close when the last array viewing them goes

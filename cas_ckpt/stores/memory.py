@@ -47,10 +47,10 @@ class MemoryStore(BlockStore):
     def _read(self, cid: bytes) -> bytes | None:
         return self._blocks.get(cid)
 
-    def has(self, cid: bytes) -> bool:
+    def _has(self, cid: bytes) -> bool:
         return cid in self._blocks
 
-    def size(self, cid: bytes) -> int:
+    def _size(self, cid: bytes) -> int:
         try:
             return len(self._blocks[cid])
         except KeyError:

@@ -1,0 +1,886 @@
+#!/usr/bin/env python
+"""cas_ckpt benchmark suite (issue #5): cas_ckpt against torch.save, safetensors and np.savez.
+
+Run from the repository root with the project's virtual environment::
+
+    .venv/bin/python benchmarks/bench.py --size small --reps 5 --json bench-small.json
+
+Every measured operation runs in its own forked child process, so peak-memory figures do not bleed
+from one operation into the next and a crash in one tool cannot hide in another's numbers. Timings
+are medians over ``--reps`` repetitions. Every timed load touches every byte it returns and is then
+checked, outside the timed region, byte for byte against the state that was saved; a wrong load
+raises. See ``benchmarks/README.md`` for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+import cas_ckpt
+
+MiB = 1024 * 1024
+
+# GPT-2-like shapes; the vocabulary and the layer count are scaled to hit each size.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"vocab": 2048, "n_pos": 256, "n_embd": 128, "n_layer": 4, "n_small": 200},
+    "small": {"vocab": 2048, "n_pos": 1024, "n_embd": 768, "n_layer": 2, "n_small": 2000},
+    "medium": {"vocab": 12288, "n_pos": 1024, "n_embd": 768, "n_layer": 8, "n_small": 10000},
+    "full": {"vocab": 50257, "n_pos": 1024, "n_embd": 768, "n_layer": 32, "n_small": 10000},
+}
+
+STATES = {
+    "a": "model: GPT-2-like float32 tensors",
+    "b": "model + Adam state (exp_avg, exp_avg_sq, step per param)",
+    "c": "many small float32 tensors of 1-16 KiB",
+    "d": "model in bfloat16 (ml_dtypes / torch.bfloat16)",
+}
+SUBTREE = {"a": "model.h.0", "b": "model.h.0", "c": "blocks.0", "d": "model.h.0"}
+TOOLS = ("cas_ckpt", "torch", "safetensors", "npz", "cas_blake3")
+DEFAULT_TOOLS = ("cas_ckpt", "torch", "safetensors", "npz")
+CAS_HASH = {"cas_ckpt": "sha2-256", "cas_blake3": "blake3"}  # cas_ckpt variants by hash
+CAS_OPS = ("save_fresh", "save_unchanged", "save_changed", "load_verify", "load_noverify", "load_sub")
+BASE_OPS = ("save", "load", "load_sub")
+CHANGED_FRACTION = 0.10
+
+
+# ------------------------------------------------------------------------------------------
+# States
+# ------------------------------------------------------------------------------------------
+@dataclass
+class BenchState:
+    """One state in the forms each tool takes; every form shares the same array memory."""
+
+    name: str
+    nested: dict[str, Any]  # what cas_ckpt saves
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)  # flat name -> array
+    extras: dict[str, Any] = field(default_factory=dict)  # flat name -> non-array leaf
+    tensors: dict[str, Any] = field(default_factory=dict)  # flat name -> torch tensor (shared)
+    changed: list[str] = field(default_factory=list)  # names modified by the 10% re-save
+    sub_path: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def rng_for(seed: int) -> np.random.Generator:
+    # SFC64 fills float32 at ~1.6 GB/s here against ~0.4 GB/s for default_rng's PCG64; the
+    # values are equally random for storage purposes and the full size needs gigabytes of them.
+    return np.random.Generator(np.random.SFC64(seed))
+
+
+def fill_random(array: np.ndarray, rng: np.random.Generator) -> None:
+    """Overwrite ``array`` in place with fresh random values (never zeros, never repeating)."""
+    if array.dtype == np.float32:
+        rng.random(dtype=np.float32, out=array)
+        array -= 0.5
+        array *= 0.04
+    else:  # bfloat16 and other float types: draw float32 and cast
+        array[...] = (rng.random(array.shape, dtype=np.float32) - 0.5) * 0.04
+
+
+def _rand(shape: tuple[int, ...], rng: np.random.Generator, dtype: Any = np.float32) -> np.ndarray:
+    out = np.empty(shape, dtype=dtype)
+    fill_random(out, rng)
+    return out
+
+
+def gpt2_model(cfg: dict[str, int], rng: np.random.Generator, dtype: Any) -> dict[str, Any]:
+    e = cfg["n_embd"]
+
+    def linear(n_in: int, n_out: int) -> dict[str, np.ndarray]:
+        return {"weight": _rand((n_in, n_out), rng, dtype), "bias": _rand((n_out,), rng, dtype)}
+
+    def norm() -> dict[str, np.ndarray]:
+        return {"weight": _rand((e,), rng, dtype), "bias": _rand((e,), rng, dtype)}
+
+    layers = [
+        {
+            "ln_1": norm(),
+            "attn": {"c_attn": linear(e, 3 * e), "c_proj": linear(e, e)},
+            "ln_2": norm(),
+            "mlp": {"c_fc": linear(e, 4 * e), "c_proj": linear(4 * e, e)},
+        }
+        for _ in range(cfg["n_layer"])
+    ]
+    return {
+        "wte": {"weight": _rand((cfg["vocab"], e), rng, dtype)},
+        "wpe": {"weight": _rand((cfg["n_pos"], e), rng, dtype)},
+        "h": layers,
+        "ln_f": norm(),
+    }
+
+
+def adam_state(model: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    params, _ = flatten(model)
+    state = {}
+    for i, param in enumerate(params.values()):
+        state[i] = {
+            "step": np.array(1000.0, dtype=np.float32),
+            "exp_avg": _rand(param.shape, rng),
+            "exp_avg_sq": _rand(param.shape, rng),
+        }
+    group = {
+        "lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+        "amsgrad": False, "maximize": False, "foreach": None, "params": list(range(len(params))),
+    }
+    return {"state": state, "param_groups": [group]}
+
+
+def small_tensors(count: int, rng: np.random.Generator) -> dict[str, Any]:
+    sizes = rng.integers(256, 4097, size=count)  # float32 elements: 1-16 KiB each
+    blocks: list[dict[str, np.ndarray]] = []
+    for i, n in enumerate(sizes):
+        if i % 100 == 0:
+            blocks.append({})
+        blocks[-1][f"p{i % 100}"] = _rand((int(n),), rng)
+    return {"blocks": blocks}
+
+
+def build_state(name: str, cfg: dict[str, int], seed: int) -> BenchState:
+    rng = rng_for(seed)
+    if name == "a":
+        nested = {"model": gpt2_model(cfg, rng, np.float32)}
+    elif name == "b":
+        model = gpt2_model(cfg, rng, np.float32)
+        nested = {"model": model, "optimizer": adam_state(model, rng)}
+    elif name == "c":
+        nested = small_tensors(cfg["n_small"], rng)
+    elif name == "d":
+        nested = {"model": gpt2_model(cfg, rng, ml_dtypes.bfloat16)}
+    else:
+        raise ValueError(f"unknown state {name!r}")
+    arrays, extras = flatten(nested)
+    state = BenchState(name, nested, arrays, extras, sub_path=SUBTREE[name])
+    state.changed = pick_changed(arrays, rng)
+    return state
+
+
+def pick_changed(arrays: dict[str, np.ndarray], rng: np.random.Generator) -> list[str]:
+    """A random set of tensors holding about 10% of the bytes (never a tensor over 10.5%)."""
+    total = sum(a.nbytes for a in arrays.values())
+    goal, limit = CHANGED_FRACTION * total, CHANGED_FRACTION * 1.05 * total
+    names = list(arrays)
+    chosen, size = [], 0
+    for i in rng.permutation(len(names)):
+        nbytes = arrays[names[i]].nbytes
+        if arrays[names[i]].ndim == 0 or size + nbytes > limit:
+            continue
+        chosen.append(names[i])
+        size += nbytes
+        if size >= goal:
+            break
+    return sorted(chosen)
+
+
+def attach_torch(state: BenchState) -> None:
+    """torch tensors over the very same memory (torch.from_numpy; bfloat16 through an int16 view)."""
+    import torch
+
+    for key, array in state.arrays.items():
+        if array.dtype == ml_dtypes.bfloat16:
+            state.tensors[key] = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        else:
+            state.tensors[key] = torch.from_numpy(array)
+
+
+def flatten(tree: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Dotted names -> arrays, and dotted names -> other leaves (torch tensors become numpy)."""
+    arrays: dict[str, np.ndarray] = {}
+    extras: dict[str, Any] = {}
+    stack: list[tuple[str, Any]] = [("", tree)]
+    while stack:
+        prefix, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{prefix}.{k}" if prefix else str(k), v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{prefix}.{i}" if prefix else str(i), v) for i, v in enumerate(value))
+        elif isinstance(value, np.ndarray):
+            arrays[prefix] = value
+        elif type(value).__module__.startswith("torch"):
+            arrays[prefix] = torch_to_numpy(value)
+        else:
+            extras[prefix] = value
+    return dict(sorted(arrays.items())), dict(sorted(extras.items()))
+
+
+def torch_to_numpy(tensor: Any) -> np.ndarray:
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def modify(state: BenchState, rng: np.random.Generator) -> int:
+    """Give the chosen ~10% of tensors new random values, in place; return the bytes changed."""
+    for key in state.changed:
+        fill_random(state.arrays[key], rng)
+    return sum(state.arrays[k].nbytes for k in state.changed)
+
+
+# ------------------------------------------------------------------------------------------
+# Measuring
+# ------------------------------------------------------------------------------------------
+def _status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field_name} missing from /proc/self/status")
+
+
+def _load_libc() -> Any:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand free heap pages back to the kernel (glibc ``malloc_trim``).
+
+    Without this, pages the process freed earlier stay resident and get reused silently, so an
+    operation that allocates hundreds of MiB can show no rise of its resident set at all.
+    """
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+class Meter:
+    """Wall time and peak RSS above the starting RSS of the code inside ``with``.
+
+    The peak is the kernel's high-water mark (VmHWM), reset on entry by writing 5 to
+    /proc/self/clear_refs. Without that (not Linux) it falls back to ru_maxrss, which then
+    includes whatever the child held before the operation.
+    """
+
+    def __enter__(self) -> Meter:
+        release_free_memory()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.method = "VmHWM"
+            self.rss0 = _status_kib("VmRSS") * 1024
+        except OSError:
+            self.method = "ru_maxrss"
+            self.rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        if self.method == "VmHWM":
+            peak = _status_kib("VmHWM") * 1024
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.peak = max(0, peak - self.rss0)
+
+    def figures(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "peak_bytes": self.peak, "peak_method": self.method}
+
+
+def _child_main(conn: Any, fn: Callable[[], dict[str, Any]]) -> None:
+    try:
+        conn.send(("ok", fn()))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def forked(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``fn`` in a forked child (which sees the parent's state without copying it)."""
+    ctx = multiprocessing.get_context("fork")
+    # Frozen objects are skipped by the collector: the child's gc.collect() then neither takes
+    # 0.2 s nor copies every page holding an object (copy-on-write) before it measures anything.
+    gc.freeze()
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_main, args=(sender, fn))
+    proc.start()
+    sender.close()
+    try:
+        status, payload = receiver.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"benchmark child died (exit code {proc.exitcode})") from None
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"benchmark child failed:\n{payload}")
+    return payload
+
+
+def touch(array: np.ndarray) -> int:
+    """Read every byte of ``array`` (XOR-fold as uint64): a lazy or mmap load pays for its I/O."""
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    whole = flat.nbytes - flat.nbytes % 8
+    value = int(np.bitwise_xor.reduce(flat[:whole].view(np.uint64))) if whole else 0
+    for byte in flat[whole:].tolist():
+        value ^= byte
+    return value
+
+
+def touch_all(arrays: dict[str, Any]) -> dict[str, int]:
+    return {k: touch(v) for k, v in arrays.items()}
+
+
+def fold(sums: dict[str, int]) -> str:
+    """One digest of per-tensor folds, in name order (names matter, so does their content)."""
+    h = hashlib.sha256()
+    for key in sorted(sums):
+        h.update(f"{key}={sums[key]:016x};".encode())
+    return h.hexdigest()[:32]
+
+
+def check_equal(
+    label: str,
+    got: dict[str, np.ndarray],
+    want: dict[str, np.ndarray],
+    *,
+    strict_dtype: bool,
+    got_extras: dict[str, Any] | None = None,
+    want_extras: dict[str, Any] | None = None,
+) -> None:
+    """Raise unless every expected tensor came back with the same shape and the same bytes."""
+    if set(got) != set(want):
+        missing, extra = sorted(set(want) - set(got))[:5], sorted(set(got) - set(want))[:5]
+        raise AssertionError(f"{label}: tensor names differ; missing {missing}, unexpected {extra}")
+    for key, expected in want.items():
+        actual = got[key]
+        if tuple(actual.shape) != tuple(expected.shape):
+            raise AssertionError(f"{label}: {key} has shape {actual.shape}, saved {expected.shape}")
+        if strict_dtype and actual.dtype != expected.dtype:
+            raise AssertionError(f"{label}: {key} has dtype {actual.dtype}, saved {expected.dtype}")
+        a = np.ascontiguousarray(actual).reshape(-1).view(np.uint8)
+        b = np.ascontiguousarray(expected).reshape(-1).view(np.uint8)
+        if a.nbytes != b.nbytes:
+            raise AssertionError(f"{label}: {key} holds {a.nbytes} bytes, saved {b.nbytes}")
+        step = 16 * MiB
+        for i in range(0, a.nbytes, step):
+            if not np.array_equal(a[i : i + step], b[i : i + step]):
+                raise AssertionError(f"{label}: {key} differs from what was saved near byte {i}")
+    if want_extras is not None and got_extras != want_extras:
+        raise AssertionError(f"{label}: non-tensor values differ: {got_extras} != {want_extras}")
+
+
+def dir_stats(path: Path) -> tuple[int, int]:
+    """(files, bytes allocated on disk) below ``path``, or for the file ``path``."""
+    if path.is_file():
+        return 1, path.stat().st_blocks * 512
+    files = disk = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                disk += os.stat(os.path.join(root, name)).st_blocks * 512
+                files += 1
+    return files, disk
+
+
+def fsync_file_and_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def subset(arrays: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {k: v for k, v in arrays.items() if k.startswith(prefix + ".")}
+
+
+def prefixed(tree: Any, prefix: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    arrays, extras = flatten(tree)
+    return (
+        {f"{prefix}.{k}": v for k, v in arrays.items()},
+        {f"{prefix}.{k}": v for k, v in extras.items()},
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Operations (each runs inside a forked child)
+# ------------------------------------------------------------------------------------------
+def cas_save(state: BenchState, repo_dir: Path, step: int, hash_name: str = "sha2-256"
+             ) -> dict[str, Any]:
+    files0, disk0 = dir_stats(repo_dir) if repo_dir.exists() else (0, 0)
+    t0 = time.perf_counter()
+    repo = cas_ckpt.open(repo_dir, hash=hash_name)
+    open_s = time.perf_counter() - t0
+    try:
+        with Meter() as m:
+            repo.save(state.nested, ref="main", step=step)
+        report = repo.last_save
+    finally:
+        repo.close()
+    assert report is not None
+    files, disk = dir_stats(repo_dir)
+    return {
+        **m.figures(),
+        "open_seconds": open_s,
+        "logical_bytes": report.logical_bytes,
+        "bytes_written": report.bytes_written,
+        "blocks_written": report.blocks_written,
+        "blocks_reused": report.blocks_reused,
+        "bytes_reused": report.bytes_reused,
+        "files_new": files - files0,
+        "files_total": files,
+        "disk_bytes_added": disk - disk0,
+        "disk_bytes_total": disk,
+    }
+
+
+def cas_load(state: BenchState, repo_dir: Path, *, verify: bool, sub: bool) -> dict[str, Any]:
+    path = state.sub_path if sub else None
+    with Meter() as m:
+        repo = cas_ckpt.open(repo_dir, verify=verify)
+        loaded = repo.load("main", path=path)
+        arrays, extras = prefixed(loaded, path) if path else flatten(loaded)
+        sums = touch_all(arrays)
+    repo.close()
+    want = subset(state.arrays, path) if path else state.arrays
+    want_extras = subset(state.extras, path) if path else state.extras
+    check_equal(f"cas_ckpt load(path={path!r}, verify={verify})", arrays, want,
+                strict_dtype=True, got_extras=extras, want_extras=want_extras)
+    return {**m.figures(), "logical_bytes": sum(a.nbytes for a in arrays.values()),
+            "tensors": len(arrays), "checksum": fold(sums), "source_checksum": fold(touch_all(want)),
+            "verified": True}
+
+
+def _jsonable(extras: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(extras))
+
+
+def base_save(tool: str, state: BenchState, path: Path) -> dict[str, Any]:
+    extras_json = json.dumps(state.extras)
+    with Meter() as m:
+        if tool == "torch":
+            import torch
+
+            torch.save({**state.tensors, "__extras__": extras_json}, path)
+        elif tool == "safetensors":
+            from safetensors.numpy import save_file
+
+            save_file(state.arrays, str(path), metadata={"extras": extras_json})
+        elif tool == "npz":
+            np.savez(path, __extras__=np.array(extras_json), **state.arrays)
+        else:
+            raise ValueError(tool)
+        fsync_file_and_dir(path)
+    files, disk = dir_stats(path)
+    return {**m.figures(), "logical_bytes": state.nbytes, "bytes_written": path.stat().st_size,
+            "files_new": files, "disk_bytes_added": disk}
+
+
+def base_load(tool: str, state: BenchState, path: Path, *, sub: bool) -> dict[str, Any]:
+    prefix = state.sub_path if sub else None
+    with Meter() as m:
+        if tool == "torch":
+            import torch
+
+            # A sub-tree is loaded the cheap way torch offers: mmap, then only the wanted tensors.
+            obj = torch.load(path, weights_only=True, mmap=sub)
+            extras = json.loads(obj.pop("__extras__"))
+            tensors = subset(obj, prefix) if prefix else obj
+            arrays = {k: torch_to_numpy(v) for k, v in tensors.items()}
+        elif tool == "safetensors":
+            from safetensors import safe_open
+            from safetensors.numpy import load_file
+
+            if prefix:
+                with safe_open(str(path), framework="np") as f:
+                    extras = json.loads(f.metadata()["extras"])
+                    arrays = {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix + ".")}  # noqa: SIM118
+            else:
+                arrays = load_file(str(path))
+                with safe_open(str(path), framework="np") as f:
+                    extras = json.loads(f.metadata()["extras"])
+        elif tool == "npz":
+            with np.load(path, allow_pickle=False) as z:
+                extras = json.loads(str(z["__extras__"]))
+                names = [n for n in z.files if n != "__extras__"]
+                if prefix:
+                    names = [n for n in names if n.startswith(prefix + ".")]
+                arrays = {n: z[n] for n in names}
+        else:
+            raise ValueError(tool)
+        sums = touch_all(arrays)
+    want = subset(state.arrays, prefix) if prefix else state.arrays
+    # npz stores bfloat16 as raw 2-byte voids ('|V2'): same bytes, dtype lost, so not strict.
+    check_equal(f"{tool} load(sub={sub})", arrays, want, strict_dtype=tool == "safetensors",
+                got_extras=extras, want_extras=_jsonable(state.extras))
+    return {**m.figures(), "logical_bytes": sum(a.nbytes for a in arrays.values()),
+            "tensors": len(arrays), "checksum": fold(sums), "source_checksum": fold(touch_all(want)),
+            "verified": True}
+
+
+# ------------------------------------------------------------------------------------------
+# Driving
+# ------------------------------------------------------------------------------------------
+EXT = {"torch": ".pt", "safetensors": ".safetensors", "npz": ".npz"}
+
+
+def bench_state(state: BenchState, reps: int, workdir: Path, tools: tuple[str, ...],
+                log: Callable[[str], None]) -> dict[str, Any]:
+    if "torch" in tools:
+        attach_torch(state)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {t: {} for t in tools}
+    change_rng = rng_for(1_000_003 + ord(state.name))
+    changed_bytes = 0
+
+    def record(tool: str, op: str, result: dict[str, Any]) -> None:
+        runs[tool].setdefault(op, []).append(result)
+        log(f"    {tool:<12}{op:<16}{result['seconds']:8.3f} s  peak +{result['peak_bytes'] / MiB:7.1f} MiB")
+
+    for rep in range(reps):
+        order = tools[rep % len(tools):] + tools[: rep % len(tools)]  # rotate who goes first
+        log(f"  rep {rep + 1}/{reps}")
+        for tool in order:
+            if tool in CAS_HASH:
+                repo, h = workdir / f"{state.name}-{tool}-r{rep}", CAS_HASH[tool]
+                record(tool, "save_fresh", forked(lambda r=repo, h=h: cas_save(state, r, 1, h)))
+                record(tool, "save_unchanged",
+                       forked(lambda r=repo, h=h: cas_save(state, r, 2, h)))
+                changed_bytes = modify(state, change_rng)
+                record(tool, "save_changed", forked(lambda r=repo, h=h: cas_save(state, r, 3, h)))
+                record(tool, "load_verify",
+                       forked(lambda r=repo: cas_load(state, r, verify=True, sub=False)))
+                record(tool, "load_noverify",
+                       forked(lambda r=repo: cas_load(state, r, verify=False, sub=False)))
+                record(tool, "load_sub",
+                       forked(lambda r=repo: cas_load(state, r, verify=True, sub=True)))
+                shutil.rmtree(repo)
+            else:
+                path = workdir / f"{state.name}-r{rep}{EXT[tool]}"
+                record(tool, "save", forked(lambda t=tool, p=path: base_save(t, state, p)))
+                record(tool, "load", forked(lambda t=tool, p=path: base_load(t, state, p, sub=False)))
+                record(tool, "load_sub",
+                       forked(lambda t=tool, p=path: base_load(t, state, p, sub=True)))
+                path.unlink()
+
+    ops: dict[str, dict[str, Any]] = {}
+    for tool, per_op in runs.items():
+        ops[tool] = {}
+        for op, results in per_op.items():
+            ops[tool][op] = summarise(results)
+    return {
+        "description": STATES[state.name],
+        "logical_bytes": state.nbytes,
+        "tensors": len(state.arrays),
+        "sub_path": state.sub_path,
+        "sub_bytes": sum(a.nbytes for a in subset(state.arrays, state.sub_path).values()),
+        "changed_tensors": len(state.changed),
+        "changed_bytes": changed_bytes,
+        "ops": ops,
+    }
+
+
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    seconds = [r["seconds"] for r in results]
+    median = statistics.median(seconds)
+    logical = results[0].get("logical_bytes", 0)
+    out: dict[str, Any] = {
+        "median_seconds": median,
+        "min_seconds": min(seconds),
+        "max_seconds": max(seconds),
+        "gb_per_s": logical / median / 1e9 if median > 0 else math.inf,
+        "peak_bytes_median": statistics.median(r["peak_bytes"] for r in results),
+        "peak_bytes_max": max(r["peak_bytes"] for r in results),
+        "runs": results,
+    }
+    for key in ("bytes_written", "files_new", "disk_bytes_added", "disk_bytes_total",
+                "blocks_written", "blocks_reused", "logical_bytes"):
+        if key in results[0]:
+            out[key] = statistics.median(r[key] for r in results)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Targets (issue #5) and reporting
+# ------------------------------------------------------------------------------------------
+# (state kinds, label, cas op, baseline tool, baseline op, highest allowed cas/baseline time ratio)
+TARGETS: list[tuple[str, str, str, str, str, float]] = [
+    ("abd", "fresh save >= 1.0x safetensors+fsync speed", "save_fresh", "safetensors", "save", 1.0),
+    ("abd", "fresh save >= 1.4x torch.save+fsync speed", "save_fresh", "torch", "save", 1 / 1.4),
+    ("c", "small-tensor save <= 1.0x torch.save+fsync time", "save_fresh", "torch", "save", 1.0),
+    ("abcd", "unchanged re-save <= 0.3x torch.save+fsync time", "save_unchanged", "torch", "save",
+     0.3),
+    ("abcd", "10% changed re-save <= 0.45x torch.save+fsync time", "save_changed", "torch", "save",
+     0.45),
+    ("abcd", "verified load >= 0.5x safetensors load speed", "load_verify", "safetensors", "load",
+     2.0),
+    ("abcd", "unverified load >= 1.0x safetensors load speed", "load_noverify", "safetensors",
+     "load", 1.0),
+]
+PEAK_ALLOWANCE = 64 * MiB
+
+
+def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, res in results["states"].items():
+        ops = res["ops"]
+        for kinds, label, cas_op, tool, base_op, limit in TARGETS:
+            if name not in kinds or tool not in ops or "cas_ckpt" not in ops:
+                continue
+            cas_s = ops["cas_ckpt"][cas_op]["median_seconds"]
+            base_s = ops[tool][base_op]["median_seconds"]
+            ratio = cas_s / base_s
+            rows.append({"state": name, "target": label, "cas_seconds": cas_s,
+                         "baseline_seconds": base_s, "ratio": ratio, "limit": limit,
+                         "pass": ratio <= limit})
+        if "cas_ckpt" in ops:
+            peak = max(ops["cas_ckpt"][op]["peak_bytes_max"]
+                       for op in ("save_fresh", "save_unchanged", "save_changed"))
+            rows.append({"state": name, "target": "peak save memory <= state + 64 MiB",
+                         "cas_bytes": peak, "limit_bytes": PEAK_ALLOWANCE,
+                         "ratio": peak / PEAK_ALLOWANCE, "limit": 1.0,
+                         "pass": peak <= PEAK_ALLOWANCE})
+    return rows
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / MiB:,.1f} MiB" if n < 10 * 1024 * MiB else f"{n / 1024 / MiB:,.2f} GiB"
+
+
+def render(results: dict[str, Any]) -> str:
+    lines = []
+    machine = results["machine"]
+    lines.append(f"cas_ckpt benchmark - size {results['config']['size']}, "
+                 f"{results['config']['reps']} reps (medians), warm page cache")
+    lines.append(f"machine: {machine['cpu_model']}, {machine['cpus']} cpus, "
+                 f"{machine['mem_total_gib']:.0f} GiB, python {machine['python']}, "
+                 f"numpy {machine['numpy']}, torch {machine.get('torch')}")
+    for name, res in results["states"].items():
+        lines.append("")
+        lines.append(f"[{name}] {res['description']}: {_fmt_bytes(res['logical_bytes'])} in "
+                     f"{res['tensors']} tensors; sub-tree {res['sub_path']!r} = "
+                     f"{_fmt_bytes(res['sub_bytes'])}; 10% change = {res['changed_tensors']} "
+                     f"tensors, {_fmt_bytes(res['changed_bytes'])}")
+        header = (f"  {'tool':<12}{'operation':<16}{'median s':>10}{'min s':>8}{'GB/s':>8}"
+                  f"{'peak MiB':>10}"
+                  f"{'written MiB':>13}{'files':>7}{'disk MiB':>10}")
+        lines.append(header)
+        for tool, ops in res["ops"].items():
+            for op, s in ops.items():
+                written = s.get("bytes_written")
+                files = s.get("files_new")
+                disk = s.get("disk_bytes_added")
+                lines.append(
+                    f"  {tool:<12}{op:<16}{s['median_seconds']:>10.3f}{s['min_seconds']:>8.3f}"
+                    f"{s['gb_per_s']:>8.2f}"
+                    f"{s['peak_bytes_max'] / MiB:>10.1f}"
+                    f"{'' if written is None else f'{written / MiB:.2f}':>13}"
+                    f"{'' if files is None else f'{files:.0f}':>7}"
+                    f"{'' if disk is None else f'{disk / MiB:.1f}':>10}"
+                )
+        ratios = ratio_rows(res)
+        if ratios and ratios[0][2]:
+            lines.append("  cas_ckpt time / baseline time (below 1 = cas_ckpt faster):")
+            tools = [t for t in TOOLS if t not in CAS_HASH and t in res["ops"]]
+            lines.append(f"    {'cas_ckpt op':<16}{'vs op':<10}" + "".join(f"{t:>13}" for t in tools))
+            for cas_op, base_op, values in ratios:
+                lines.append(f"    {cas_op:<16}{base_op:<10}"
+                             + "".join(f"{values[t]:>13.2f}" for t in tools))
+    if results.get("targets"):
+        lines.append("")
+        lines.append("Targets from issue #5 (ratio = cas_ckpt time / baseline time):")
+        lines.append(f"  {'state':<6}{'target':<52}{'ratio':>8}{'limit':>8}  result")
+        for row in results["targets"]:
+            if "cas_bytes" in row:
+                value = f"{row['cas_bytes'] / MiB:.0f}M"
+                limit = f"{row['limit_bytes'] / MiB:.0f}M"
+                lines.append(f"  {row['state']:<6}{row['target'] + ' (peak above state)':<52}"
+                             f"{value:>8}{limit:>8}  {'PASS' if row['pass'] else 'MISS'}")
+            else:
+                lines.append(f"  {row['state']:<6}{row['target']:<52}{row['ratio']:>8.2f}"
+                             f"{row['limit']:>8.2f}  {'PASS' if row['pass'] else 'MISS'}")
+    return "\n".join(lines)
+
+
+def ratio_rows(res: dict[str, Any]) -> list[tuple[str, str, dict[str, float]]]:
+    ops = res["ops"]
+    if "cas_ckpt" not in ops:
+        return []
+    pairs = [("save_fresh", "save"), ("save_unchanged", "save"), ("save_changed", "save"),
+             ("load_verify", "load"), ("load_noverify", "load"), ("load_sub", "load_sub")]
+    rows = []
+    for cas_op, base_op in pairs:
+        values = {}
+        for tool in TOOLS:
+            if tool not in CAS_HASH and tool in ops:
+                values[tool] = (ops["cas_ckpt"][cas_op]["median_seconds"]
+                                / ops[tool][base_op]["median_seconds"])
+        rows.append((cas_op, base_op, values))
+    return rows
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return None
+
+
+def machine_info(workdir: Path) -> dict[str, Any]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    fs = None
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        best = ""
+        for line in f:
+            dev, mount, kind = line.split()[:3]
+            if str(workdir.resolve()).startswith(mount) and len(mount) >= len(best):
+                best, fs = mount, f"{kind} on {dev} mounted at {mount}"
+    source = hashlib.sha256()
+    root = Path(cas_ckpt.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        source.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return {
+        "cpu_model": cpu,
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "mem_total_gib": mem / 1024**3,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": _version("torch"),
+        "safetensors": _version("safetensors"),
+        "ml_dtypes": _version("ml_dtypes"),
+        "msgpack": _version("msgpack"),
+        "cas_ckpt": cas_ckpt.__version__,
+        "cas_ckpt_source_sha256": source.hexdigest(),
+        "workdir_filesystem": fs,
+        "load_average": os.getloadavg(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=list(SIZES), default="small")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
+    parser.add_argument("--json", type=Path, help="write every raw figure here")
+    parser.add_argument("--only", default=",".join(STATES),
+                        help="states to run, comma-separated from a,b,c,d (default: all)")
+    parser.add_argument("--tools", default=",".join(DEFAULT_TOOLS),
+                        help=f"tools to run, comma-separated from {','.join(TOOLS)} (default: "
+                             f"{','.join(DEFAULT_TOOLS)}; cas_blake3 is cas_ckpt with hash=blake3)")
+    parser.add_argument("--workdir", type=Path,
+                        help="where repositories and files are written (default: a new temp dir)")
+    parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--quiet", action="store_true", help="print only the final tables")
+    parser.add_argument("--render", type=Path, metavar="JSON",
+                        help="print the tables of an earlier run's JSON and exit")
+    args = parser.parse_args(argv)
+    if args.render:
+        print(render(json.loads(args.render.read_text())))
+        return 0
+
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    tools = tuple(t.strip() for t in args.tools.split(",") if t.strip())
+    for s in only:
+        if s not in STATES:
+            parser.error(f"unknown state {s!r}; choose from {','.join(STATES)}")
+    for t in tools:
+        if t not in TOOLS:
+            parser.error(f"unknown tool {t!r}; choose from {','.join(TOOLS)}")
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
+    if "torch" in tools:
+        import torch  # noqa: F401  (import once in the parent; children inherit it)
+
+    def log(message: str) -> None:
+        if not args.quiet:
+            print(message, flush=True)
+
+    own_workdir = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="cas-bench-")) if own_workdir else args.workdir
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = SIZES[args.size]
+    results: dict[str, Any] = {
+        "machine": machine_info(workdir),
+        "config": {"size": args.size, "reps": args.reps, "states": only, "tools": list(tools),
+                   "seed": args.seed, "shapes": cfg, "workdir": str(workdir),
+                   "argv": sys.argv[1:] if argv is None else argv},
+        "states": {},
+    }
+    started = time.perf_counter()
+    try:
+        for name in only:
+            t0 = time.perf_counter()
+            state = build_state(name, cfg, args.seed + ord(name))
+            log(f"[{name}] {STATES[name]}: {_fmt_bytes(state.nbytes)}, {len(state.arrays)} "
+                f"tensors (built in {time.perf_counter() - t0:.1f} s)")
+            load_before, t_state = os.getloadavg(), time.perf_counter()
+            results["states"][name] = bench_state(state, args.reps, workdir, tools, log)
+            results["states"][name]["load_average_before"] = load_before
+            results["states"][name]["load_average_after"] = os.getloadavg()
+            results["states"][name]["elapsed_seconds"] = time.perf_counter() - t_state
+            del state
+            release_free_memory()
+    finally:
+        if own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    results["elapsed_seconds"] = time.perf_counter() - started
+    results["targets"] = evaluate_targets(results)
+    print(render(results), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
+    return 0
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""CAR v1 files: a checkpoint as one archive that IPFS tools read, and back.
+
+A CAR v1 file (https://ipld.io/specs/transport/car/carv1/) is a header, then one section per block::
+
+    varint(len(header)) | DAG-CBOR {"roots": [CID], "version": 1}
+    varint(len(cid) + len(data)) | binary CID | block bytes      (repeated)
+
+Export writes the checkpoint's root and every block it needs (strong links only: history is not
+followed), each once, parents first, streaming block by block. Import trusts nothing: every varint
+and length is bounded, every CID parsed strictly and every block re-hashed, and the file must hold
+exactly the blocks its roots reach, each once. Blocks are staged in a :class:`BlockWriter` (a temp
+pack on disk, not memory) that is committed only when the whole file has passed, so a bad file
+stores nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from multiformats import CID
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt import codec
+from cas_ckpt.codec import Link
+from cas_ckpt.errors import CarError, CasCkptError, InvalidCID
+from cas_ckpt.refs import check_ref_name
+from cas_ckpt.stores.base import BlockWriter
+from cas_ckpt.walk import child_links, data_blocks
+
+if TYPE_CHECKING:
+    from cas_ckpt.repository import Repository, Target
+
+MAX_SECTION = 8 * 1024 * 1024  # our blocks are at most 1 MiB; anything far larger is hostile
+MAX_HEADER = 1024 * 1024
+MAX_ROOTS = 1024
+CID_TAG = 42
+_MAX_VARINT_BYTES = 9  # unsigned-varint spec: at most 63 bits
+
+Progress = Callable[[int, int], None]  # (blocks so far, bytes so far)
+FileLike = BinaryIO | str | os.PathLike[str]
+
+
+@dataclass
+class CarReport:
+    """What an export or import did."""
+
+    roots: list[CID]
+    blocks: int = 0  # blocks in the file
+    data_bytes: int = 0  # their bytes
+    car_bytes: int = 0  # size of the CAR file
+    blocks_new: int = 0  # import: blocks the repository did not have yet
+    bytes_new: int = 0
+    ref: str | None = None
+    seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Varints and the header
+# --------------------------------------------------------------------------------------------
+def encode_varint(value: int) -> bytes:
+    """Unsigned LEB128 (multiformats unsigned-varint)."""
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _varint_at(data: bytes, pos: int, what: str) -> tuple[int, int]:
+    """Decode a minimal varint at ``data[pos:]``; return (value, position after it)."""
+    value = shift = 0
+    for i in range(_MAX_VARINT_BYTES):
+        if pos + i >= len(data):
+            raise CarError(f"truncated varint in {what}")
+        byte = data[pos + i]
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            if byte == 0 and i > 0:
+                raise CarError(f"non-minimal varint in {what}")
+            return value, pos + i + 1
+    raise CarError(f"varint in {what} is longer than {_MAX_VARINT_BYTES} bytes")
+
+
+def _cbor_head(major: int, value: int) -> bytes:
+    if value < 24:
+        return bytes([major << 5 | value])
+    for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if value < 1 << (8 * size):
+            return bytes([major << 5 | info]) + value.to_bytes(size, "big")
+    raise ValueError("CBOR argument too large")
+
+
+def encode_header(roots: list[bytes]) -> bytes:
+    """The DAG-CBOR header ``{"roots": [...], "version": 1}`` (keys in DAG-CBOR order)."""
+    out = bytearray(_cbor_head(5, 2))
+    out += _cbor_head(3, 5) + b"roots" + _cbor_head(4, len(roots))
+    for root in roots:
+        payload = b"\x00" + root  # tag 42 holds the identity multibase prefix, then the CID
+        out += _cbor_head(6, CID_TAG) + _cbor_head(2, len(payload)) + payload
+    out += _cbor_head(3, 7) + b"version" + _cbor_head(0, 1)
+    return bytes(out)
+
+
+class _CborReader:
+    """The strict DAG-CBOR subset a CAR header needs: maps, arrays, text, bytes, uints, CIDs."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def _take(self, n: int) -> bytes:
+        if n > len(self.data) - self.pos:
+            raise CarError("truncated CAR header")
+        chunk = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return chunk
+
+    def _head(self) -> tuple[int, int]:
+        first = self._take(1)[0]
+        major, info = first >> 5, first & 31
+        if info < 24:
+            return major, info
+        if info > 27:
+            raise CarError("CAR header uses an indefinite length or a reserved CBOR form")
+        size = 1 << (info - 24)
+        value = int.from_bytes(self._take(size), "big")
+        if value < (24 if size == 1 else 1 << (4 * size)):
+            raise CarError("CAR header is not minimally encoded DAG-CBOR")
+        return major, value
+
+    def item(self, depth: int = 0) -> Any:
+        if depth > 4:
+            raise CarError("CAR header nests too deeply")
+        major, value = self._head()
+        if major == 0:
+            return value
+        if major in (2, 3):
+            raw = self._take(value)
+            if major == 2:
+                return raw
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise CarError("CAR header holds invalid UTF-8") from None
+        if major == 4:
+            if value > MAX_ROOTS:
+                raise CarError(f"CAR header array of {value} items exceeds {MAX_ROOTS}")
+            return [self.item(depth + 1) for _ in range(value)]
+        if major == 5:
+            return self._map(value, depth)
+        if major == 6 and value == CID_TAG:
+            return _Root(self.item(depth + 1))
+        raise CarError(f"unexpected CBOR item (major type {major}) in CAR header")
+
+    def _map(self, count: int, depth: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        previous: bytes | None = None
+        for _ in range(count):
+            key = self.item(depth + 1)
+            if not isinstance(key, str):
+                raise CarError("CAR header map key is not a string")
+            encoded = key.encode()
+            if previous is not None and (len(previous), previous) >= (len(encoded), encoded):
+                raise CarError("CAR header map keys are not in DAG-CBOR order or repeat")
+            previous = encoded
+            out[key] = self.item(depth + 1)
+        return out
+
+
+
+class _Root:
+    """A tag-42 CID in the header (told apart from a plain byte string)."""
+
+    def __init__(self, payload: Any) -> None:
+        if not isinstance(payload, bytes) or payload[:1] != b"\x00":
+            raise CarError("CAR root is not a tag-42 CID (bytes starting with 0x00)")
+        self.cid = _check_cid(payload[1:], "root")
+
+
+def decode_header(data: bytes) -> list[bytes]:
+    """Parse a CAR v1 header strictly; return its roots as binary CIDs."""
+    reader = _CborReader(data)
+    header = reader.item()
+    if reader.pos != len(data):
+        raise CarError("trailing bytes after the CAR header")
+    if not isinstance(header, dict):
+        raise CarError("CAR header is not a map")
+    version = header.get("version")
+    if version != 1:
+        hint = " (CARv2: convert it to CARv1 first)" if version == 2 else ""
+        raise CarError(f"unsupported CAR version {version!r}{hint}")
+    if set(header) != {"roots", "version"}:
+        raise CarError(f"unexpected CAR header fields {sorted(set(header) - {'roots', 'version'})}")
+    roots = header["roots"]
+    if not isinstance(roots, list) or not roots or not all(isinstance(r, _Root) for r in roots):
+        raise CarError("CAR header roots must be a non-empty list of CIDs")
+    return [r.cid for r in roots]
+
+
+def _check_cid(data: bytes, what: str) -> bytes:
+    try:
+        return cidlib.check_binary(data)
+    except InvalidCID as exc:
+        raise CarError(
+            f"{what} CID is not one cas_ckpt stores (CIDv1, raw or messagepack, "
+            f"sha2-256 or blake3): {exc}"
+        ) from None
+
+
+def split_section(section: bytes) -> tuple[bytes, bytes]:
+    """Split a section into (binary CID, block bytes), parsing the CID strictly."""
+    if section[:2] == b"\x12\x20":
+        raise CarError("block has a CIDv0 (dag-pb); only CIDv1 is supported")
+    version, pos = _varint_at(section, 0, "block CID")
+    if version != 1:
+        raise CarError(f"block CID has version {version}; only CIDv1 is supported")
+    for what in ("codec", "multihash code"):
+        _, pos = _varint_at(section, pos, f"block CID {what}")
+    length, pos = _varint_at(section, pos, "block CID digest length")
+    end = pos + length
+    if end > len(section):
+        raise CarError("block CID runs past the end of its section")
+    return _check_cid(section[:end], "block"), section[end:]
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+class _Stream:
+    """Exact reads with a running offset, for error messages."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream = stream
+        self.offset = 0
+
+    def read(self, n: int, what: str) -> bytes:
+        parts, need = [], n
+        while need:
+            chunk = self.stream.read(need)
+            if not chunk:
+                raise CarError(f"truncated CAR file: {what} ends early", offset=self.offset + n - need)
+            parts.append(chunk)
+            need -= len(chunk)
+        self.offset += n
+        return b"".join(parts) if len(parts) != 1 else bytes(parts[0])
+
+    def varint(self, what: str) -> int | None:
+        """The next varint, or None at a clean end of file."""
+        start = self.offset
+        first = self.stream.read(1)
+        if not first:
+            return None
+        data = bytearray(first)
+        while data[-1] & 0x80 and len(data) < _MAX_VARINT_BYTES:
+            more = self.stream.read(1)
+            if not more:
+                raise CarError(f"truncated CAR file: {what} length ends early", offset=start)
+            data += more
+        self.offset += len(data)
+        try:
+            return _varint_at(bytes(data), 0, what)[0]
+        except CarError as exc:
+            raise CarError(str(exc), offset=start) from None
+
+
+def _read_header(stream: BinaryIO) -> tuple[list[bytes], _Stream]:
+    """Read a CAR v1 header; return the roots and a reader positioned at the first section."""
+    src = _Stream(stream)
+    length = src.varint("header")
+    if length is None:
+        raise CarError("empty file: not a CAR")
+    if not 0 < length <= MAX_HEADER:
+        raise CarError(f"CAR header length {length} is out of bounds (1..{MAX_HEADER})", offset=0)
+    return decode_header(src.read(length, "header")), src
+
+
+def _iter_blocks(src: _Stream) -> Iterator[tuple[bytes, bytes, int]]:
+    """Every section as (CID, data, offset), hash-checked and never repeated."""
+    seen: set[bytes] = set()
+    while True:
+        offset = src.offset
+        length = src.varint("section")
+        if length is None:
+            return
+        if not 0 < length <= MAX_SECTION:
+            raise CarError(f"section length {length} is out of bounds (1..{MAX_SECTION})", offset=offset)
+        section = src.read(length, "section")
+        try:
+            cid, data = split_section(section)
+        except CarError as exc:
+            raise CarError(str(exc), offset=offset) from None
+        name = cidlib.to_str(cid)
+        if cid in seen:
+            raise CarError(f"duplicate block {name}", offset=offset)
+        if not cidlib.matches(cid, data):
+            raise CarError(f"corrupt block {name}: content does not match its hash", offset=offset)
+        seen.add(cid)
+        yield cid, data, offset
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+def export_car(
+    repo: Repository,
+    target: Target,
+    out: FileLike,
+    *,
+    progress: Progress | None = None,
+) -> CarReport:
+    """Write the checkpoint ``target`` (a ref or CID) and every block it needs as a CAR v1 file.
+
+    ``out`` is a binary file object or a path; a path is written to a temp file and renamed into
+    place, so it never holds a partial CAR.
+    """
+    started = time.perf_counter()
+    root = bytes(repo.resolve(target))
+    repo.blocks.get(root)  # fail before creating anything when the root is missing
+    report = CarReport(roots=[cidlib.to_cid(root)])
+    if not isinstance(out, (str, os.PathLike)):
+        _write_car(repo, root, out, report, progress)
+    else:
+        path = Path(out)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                _write_car(repo, root, f, report, progress)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _write_car(
+    repo: Repository, root: bytes, out: BinaryIO, report: CarReport, progress: Progress | None
+) -> None:
+    header = encode_header([root])
+    out.write(encode_varint(len(header)) + header)
+    report.car_bytes = len(encode_varint(len(header))) + len(header)
+    for cid in data_blocks(repo.blocks, root):
+        data = repo.blocks.get(cid, verify=True)  # never export a damaged block
+        prefix = encode_varint(len(cid) + len(data)) + cid
+        out.write(prefix)
+        out.write(data)
+        report.blocks += 1
+        report.data_bytes += len(data)
+        report.car_bytes += len(prefix) + len(data)
+        if progress is not None:
+            progress(report.blocks, report.car_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# Import
+# --------------------------------------------------------------------------------------------
+def import_car(
+    repo: Repository,
+    src: FileLike,
+    *,
+    ref: str | None = None,
+    progress: Progress | None = None,
+) -> CarReport:
+    """Store the blocks of a CAR v1 file, all or nothing; then point ``ref`` at its root if given.
+
+    Raises :class:`CarError` for a malformed, truncated or hostile file, or one whose blocks are
+    corrupt, repeated, missing (reachable from a root but absent) or stray (reachable from none).
+    Without ``ref`` (or a pin) the imported blocks are unreferenced, and GC will remove them.
+    """
+    started = time.perf_counter()
+    if ref is not None:
+        check_ref_name(ref)
+    with contextlib.ExitStack() as stack:
+        stream = src if not isinstance(src, (str, os.PathLike)) else stack.enter_context(open(src, "rb"))
+        # Held shared like a save: GC cannot sweep a block this import deduplicated against.
+        stack.enter_context(repo.refs_store.lock(exclusive=False))
+        repo.blocks.refresh()
+        with repo.blocks.writer() as writer:
+            report = _stage(stream, writer, progress)
+            if ref is not None and len(report.roots) != 1:
+                raise CarError(f"a ref needs a CAR with one root; this one has {len(report.roots)}")
+        report.blocks_new = writer.stats.blocks_written
+        report.bytes_new = writer.stats.bytes_written
+        if ref is not None:
+            repo.set_ref(ref, report.roots[0])
+            report.ref = ref
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _stage(stream: BinaryIO, writer: BlockWriter, progress: Progress | None) -> CarReport:
+    """Check and write every block into ``writer``; raise before it commits if anything is off."""
+    roots, src = _read_header(stream)
+    report = CarReport(roots=[cidlib.to_cid(r) for r in roots])
+    children: dict[bytes, list[bytes]] = {}
+    for cid, data, offset in _iter_blocks(src):
+        if cidlib.is_node(cid):
+            try:
+                node = codec.decode(data, cid=cid)
+            except CasCkptError as exc:
+                raise CarError(str(exc), offset=offset) from None
+            children[cid] = [link.cid for link, _ in child_links(node) if type(link) is Link]
+        else:
+            children[cid] = []
+        writer.put(cid, data)
+        report.blocks += 1
+        report.data_bytes += len(data)
+        if progress is not None:
+            progress(report.blocks, src.offset)
+    report.car_bytes = src.offset
+    _check_complete(roots, children)
+    return report
+
+
+def _check_complete(roots: list[bytes], children: dict[bytes, list[bytes]]) -> None:
+    """Every block the roots reach is in the file, and every block in the file is reached."""
+    reached: set[bytes] = set()
+    stack = [(root, "root") for root in roots]
+    while stack:
+        cid, parent = stack.pop()
+        if cid in reached:
+            continue
+        if cid not in children:
+            raise CarError(f"missing block {cidlib.to_str(cid)} (linked from {parent})")
+        reached.add(cid)
+        stack.extend((child, cidlib.to_str(cid)) for child in children[cid])
+    stray = len(children) - len(reached)
+    if stray:
+        example = next(c for c in children if c not in reached)
+        raise CarError(
+            f"{stray} block(s) are not reachable from the CAR's roots "
+            f"(e.g. {cidlib.to_str(example)})"
+        )

@@ -1,0 +1,723 @@
+"""The ``cas-ckpt`` command line (also ``python -m cas_ckpt``): parsing and printing only.
+
+Every command is a thin layer over :class:`cas_ckpt.Repository`; see ``docs/cli.md``. Errors are one
+line on stderr, never a traceback, and the exit code says what kind of failure it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO, TextIO
+
+import numpy as np
+from multiformats import CID
+
+import cas_ckpt
+from cas_ckpt import car, codec
+from cas_ckpt import cid as cidlib
+from cas_ckpt.codec import HistoryLink, Link, Tagged
+from cas_ckpt.diff import leaves
+from cas_ckpt.errors import (
+    BlockNotFound,
+    CasCkptError,
+    CheckpointExpired,
+    CorruptBlock,
+    CorruptStore,
+    DecodeError,
+    InvalidCID,
+    InvalidRefName,
+    PathNotFound,
+    RefNotFound,
+    RepositoryError,
+)
+from cas_ckpt.refs import LocalRefStore
+from cas_ckpt.repository import Repository
+from cas_ckpt.tree import (
+    BIGINT,
+    BLOB,
+    MAX_CHUNK,
+    NDARRAY,
+    PAGES,
+    SCALAR,
+    TUPLE,
+    TreeReader,
+    parse_dtype,
+)
+from cas_ckpt.walk import COMMIT_TYPE
+
+EXIT_OK = 0  # success (diff: identical; fsck: no problem)
+EXIT_CHECK = 1  # the command ran and found something: fsck problems, diff differences
+EXIT_USAGE = 2  # bad arguments: unknown option, malformed CID or ref name, wrong kind of block
+EXIT_NOT_FOUND = 3  # unknown ref, CID not stored, path not in the checkpoint, data collected by GC
+EXIT_REPO = 4  # no repository there, newer format, damaged store or block
+EXIT_ERROR = 5  # any other failure: bad CAR file, ref moved concurrently, lock timeout, I/O error
+EXIT_INTERRUPTED = 130
+
+ENV_REPO = "CAS_CKPT_REPO"
+PROG = "cas-ckpt"
+
+
+class CommandError(CasCkptError):
+    """A failure the command line itself detects, with its exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; return its exit code (the console script exits with it)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:
+        _fail("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (``cas-ckpt cat X | head``): stop quietly, as cat(1) does.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_ERROR
+    except CasCkptError as exc:
+        _fail(str(exc))
+        return exit_code(exc)
+    except OSError as exc:
+        _fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
+        return EXIT_ERROR
+
+
+def exit_code(exc: CasCkptError) -> int:
+    """The documented exit code for an error."""
+    if isinstance(exc, CommandError):
+        return exc.code
+    if isinstance(exc, (InvalidCID, InvalidRefName)):
+        return EXIT_USAGE
+    if isinstance(exc, (RefNotFound, BlockNotFound, PathNotFound, CheckpointExpired)):
+        return EXIT_NOT_FOUND
+    if isinstance(exc, (RepositoryError, CorruptStore, CorruptBlock, DecodeError)):
+        return EXIT_REPO
+    return EXIT_ERROR
+
+
+def _fail(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Content-addressed checkpoints: inspect, check, collect, export and import.",
+        epilog=f"The repository is --repo PATH, else ${ENV_REPO}, else the current directory if it "
+        "is one. Exit codes: 0 ok, 1 check found problems/differences, 2 usage, 3 not found, "
+        "4 repository error, 5 other error. See docs/cli.md.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {cas_ckpt.__version__}")
+    parser.add_argument("--repo", metavar="PATH", help=f"repository directory (default: ${ENV_REPO})")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    json_flag = argparse.ArgumentParser(add_help=False)
+    json_flag.add_argument("--json", action="store_true", help="print JSON for scripts")
+    for register in _COMMANDS:
+        register(sub, json_flag)
+    return parser
+
+
+_REPO_AFTER_COMMAND = argparse.ArgumentParser(add_help=False)
+# --repo is also accepted after the command; SUPPRESS keeps it from hiding one given before.
+_REPO_AFTER_COMMAND.add_argument("--repo", metavar="PATH", default=argparse.SUPPRESS,
+                                 help="repository directory")
+
+
+def _add(
+    sub: Any, name: str, run: Callable[[argparse.Namespace], int], help: str, *parents: Any
+) -> argparse.ArgumentParser:
+    command: argparse.ArgumentParser = sub.add_parser(
+        name, help=help, description=help, parents=[_REPO_AFTER_COMMAND, *parents]
+    )
+    command.set_defaults(run=run)
+    return command
+
+
+def _register_init(sub: Any, json_flag: Any) -> None:
+    p = _add(sub, "init", cmd_init, "create a repository (the only command that creates one)")
+    p.add_argument("path", nargs="?", help="directory (default: --repo, $CAS_CKPT_REPO or .)")
+    p.add_argument("--hash", choices=sorted(cidlib.HASH_CODES), default="sha2-256")
+    p.add_argument("--chunk-size", type=int, metavar="BYTES", default=MAX_CHUNK)
+
+
+def _register_reading(sub: Any, json_flag: Any) -> None:
+    p = _add(sub, "log", cmd_log, "list commits newest first, following first parents", json_flag)
+    p.add_argument("target", nargs="?", default="main", metavar="REF", help="ref or CID (default main)")
+    p.add_argument("-n", "--limit", type=_positive_int, metavar="N", help="show at most N commits")
+    p = _add(sub, "show", cmd_show, "print one block as JSON (tensors summarised)", json_flag)
+    p.add_argument("target", metavar="TARGET", help="ref or CID")
+    p = _add(sub, "ls", cmd_ls, "list the values in a checkpoint with dtype, shape, size", json_flag)
+    p.add_argument("target", nargs="?", default="main", metavar="TARGET", help="ref or CID")
+    p.add_argument("path", nargs="?", metavar="PATH", help="only below this dotted path")
+    p = _add(sub, "cat", cmd_cat, "write a block's raw bytes to stdout")
+    p.add_argument("target", metavar="CID", help="CID (or ref: its commit block)")
+    p = _add(sub, "refs", cmd_refs, "list refs and the CIDs they hold", json_flag)
+    p.add_argument("prefix", nargs="?", default="", help="only refs starting with this")
+    _add(sub, "du", cmd_du, "logical versus stored bytes per ref and in total", json_flag)
+    p = _add(sub, "diff", cmd_diff, "compare two checkpoints (exit 1 if they differ)", json_flag)
+    p.add_argument("a", metavar="A", help="ref or CID")
+    p.add_argument("b", metavar="B", help="ref or CID")
+
+
+def _register_maintenance(sub: Any, json_flag: Any) -> None:
+    p = _add(sub, "pin", cmd_pin, "keep checkpoints through gc without a ref; no TARGET: list pins",
+             json_flag)
+    p.add_argument("targets", nargs="*", metavar="TARGET")
+    p = _add(sub, "unpin", cmd_unpin, "drop pins (exit 3 if one was not pinned)")
+    p.add_argument("targets", nargs="+", metavar="TARGET")
+    p = _add(sub, "gc", cmd_gc, "remove blocks no ref, pin or live reflog entry reaches", json_flag)
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    p.add_argument("--grace", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="keep blocks stored less than this long ago (default 0)")
+    p.add_argument("--reflog-expiry", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="also keep what reflog entries newer than this reach (default 0: none)")
+    p = _add(sub, "fsck", cmd_fsck, "re-hash blocks and resolve every link (exit 1 on problems)",
+             json_flag)
+    p.add_argument("--sample", type=_fraction, metavar="FRACTION",
+                   help="re-hash only this share of the blocks (0 < FRACTION <= 1)")
+
+
+def _register_car(sub: Any, json_flag: Any) -> None:
+    p = _add(sub, "export", cmd_export, "write a checkpoint and all its blocks as a CAR v1 file",
+             json_flag)
+    p.add_argument("target", metavar="TARGET", help="ref or CID")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.car", help="'-' for stdout")
+    p = _add(sub, "import", cmd_import, "store a CAR v1 file's blocks, all or nothing", json_flag)
+    p.add_argument("file", metavar="FILE.car", help="'-' for stdin")
+    p.add_argument("--ref", metavar="NAME", help="point this ref at the CAR's root")
+
+
+_COMMANDS = (_register_init, _register_reading, _register_maintenance, _register_car)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError("must be a number of seconds >= 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError("must be in (0, 1]")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Repository, output, progress
+# --------------------------------------------------------------------------------------------
+def repo_path(args: argparse.Namespace) -> Path | None:
+    """--repo, else $CAS_CKPT_REPO, else None."""
+    given = args.repo or os.environ.get(ENV_REPO)
+    return Path(given) if given else None
+
+
+@contextmanager
+def open_repo(args: argparse.Namespace, *, write: bool = False) -> Iterator[Repository]:
+    """Open the existing repository (never create one); read-only unless ``write``."""
+    path = repo_path(args)
+    if path is None:
+        path = Path.cwd()
+        if LocalRefStore(path).read_config() is None:
+            raise RepositoryError(
+                f"no repository given: pass --repo PATH or set {ENV_REPO} "
+                "(or run inside a repository)"
+            )
+    with cas_ckpt.open(path, create=False, read_only=not write) as repo:
+        yield repo
+
+
+def _print(text: str = "") -> None:
+    print(text, file=sys.stdout)
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(jsonable(value), indent=2, allow_nan=False), file=sys.stdout)
+
+
+def human(size: float) -> str:
+    """Bytes for people: 512 B, 1.5 KiB, 3.0 MiB..."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+class Progress:
+    """One self-rewriting status line (``\\r``) on a terminal; silent when the stream is not one."""
+
+    def __init__(self, label: str, stream: TextIO | None = None, *, interval: float = 0.1) -> None:
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval = interval
+        self._last = -math.inf
+        self._width = 0
+
+    def update(self, text: str) -> None:
+        now = time.monotonic()
+        if not self.enabled or now - self._last < self.interval:
+            return
+        self._last = now
+        line = f"{self.label}: {text}"
+        self.stream.write("\r" + line.ljust(self._width))
+        self.stream.flush()
+        self._width = max(self._width, len(line))
+
+    def close(self) -> None:
+        if self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+            self._width = 0
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering blocks and values
+# --------------------------------------------------------------------------------------------
+def jsonable(value: Any) -> Any:
+    """A decoded node (or report) as JSON values: links as {"/": cid}, tensors summarised."""
+    if isinstance(value, Link):
+        out: dict[str, Any] = {"/": cidlib.to_str(value.cid)}
+        if isinstance(value, HistoryLink):
+            out["history"] = True
+        return out
+    if isinstance(value, Tagged):
+        return _tagged(value)
+    if isinstance(value, CID):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        return {"bytes": len(data), "hex": data[:32].hex() + ("..." if len(data) > 32 else "")}
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # 'nan', 'inf', '-inf': JSON has no such numbers
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [jsonable(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
+def _tagged(value: Tagged) -> Any:
+    body = value.value
+    if value.code == NDARRAY and isinstance(body, dict):
+        return {"ndarray": array_summary(body)}
+    if value.code == BLOB and isinstance(body, dict):
+        return {"blob": {"size": body.get("size"), "str": bool(body.get("str")),
+                         **_chunk_summary(body)}}
+    if value.code == TUPLE:
+        return {"tuple": jsonable(body)}
+    if value.code == BIGINT and isinstance(body, bytes):
+        return {"bigint": str(int.from_bytes(body, "big", signed=True))}
+    if value.code == SCALAR and isinstance(body, dict):
+        return {"scalar": scalar_summary(body)}
+    if value.code == PAGES and isinstance(body, dict):
+        return {"pages": jsonable(body)}
+    return {"ext": value.code, "value": jsonable(body)}
+
+
+def _chunk_summary(header: dict[str, Any]) -> dict[str, Any]:
+    if "chunk_pages" in header:
+        return {"chunk_pages": jsonable(header["chunk_pages"])}
+    chunks = header.get("chunks")
+    return {"chunks": len(chunks) if isinstance(chunks, list) else 0}
+
+
+def _dtype_text(name: Any) -> str:
+    try:
+        return str(parse_dtype(name))
+    except DecodeError:
+        return repr(name)
+
+
+def array_summary(header: dict[str, Any]) -> dict[str, Any]:
+    """dtype, shape, byte size, layout and chunk count of an array descriptor (no data read)."""
+    shape = header.get("shape")
+    try:
+        nbytes = math.prod(shape) * parse_dtype(header.get("dtype")).itemsize  # type: ignore[arg-type]
+    except (DecodeError, TypeError):
+        nbytes = None
+    out = {"dtype": _dtype_text(header.get("dtype")), "shape": shape, "nbytes": nbytes,
+           "kind": header.get("kind", "numpy")}
+    if header.get("order") == "F":
+        out["order"] = "F"
+    if "data" in header:
+        return {**out, "chunks": 0, "inline": True}
+    return {**out, "chunk_size": header.get("chunk_size"), **_chunk_summary(header)}
+
+
+def scalar_summary(body: dict[str, Any]) -> dict[str, Any]:
+    """A numpy scalar's dtype and value."""
+    try:
+        dtype = parse_dtype(body.get("dtype"))
+        data = body.get("data")
+        if not isinstance(data, bytes) or len(data) != dtype.itemsize:
+            raise DecodeError("malformed numpy scalar")
+        value = jsonable(np.frombuffer(data, dtype=dtype)[0].item())
+    except (DecodeError, ValueError, TypeError):
+        return {"dtype": _dtype_text(body.get("dtype")), "value": None}
+    return {"dtype": str(dtype), "value": value if isinstance(value, (int, float, bool, str)) else str(value)}
+
+
+def describe_leaf(path: str, leaf: Any) -> dict[str, Any]:
+    """One row of ``ls``: path, type, and dtype/shape/size or the value itself."""
+    if isinstance(leaf, Tagged) and leaf.code == NDARRAY and isinstance(leaf.value, dict):
+        summary = array_summary(leaf.value)
+        return {"path": path, "type": "array", **summary}
+    if isinstance(leaf, Tagged) and leaf.code == BLOB and isinstance(leaf.value, dict):
+        kind = "str" if leaf.value.get("str") else "bytes"
+        return {"path": path, "type": kind, "nbytes": leaf.value.get("size"),
+                **_chunk_summary(leaf.value)}
+    if isinstance(leaf, Tagged) and leaf.code == SCALAR and isinstance(leaf.value, dict):
+        return {"path": path, "type": "scalar", **scalar_summary(leaf.value)}
+    if isinstance(leaf, Tagged) and leaf.code == BIGINT:
+        return {"path": path, "type": "int", "value": _tagged(leaf)["bigint"]}
+    if isinstance(leaf, bytes):
+        return {"path": path, "type": "bytes", "nbytes": len(leaf)}
+    if isinstance(leaf, str):
+        return {"path": path, "type": "str", "nbytes": len(leaf.encode()), "value": _clip(leaf)}
+    return {"path": path, "type": type(leaf).__name__.replace("NoneType", "none"),
+            "value": jsonable(leaf)}
+
+
+def _clip(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _ls_line(row: dict[str, Any]) -> str:
+    if row["type"] == "array":
+        shape = "x".join(map(str, row["shape"])) if row["shape"] else "scalar"
+        detail = f"{row['dtype']} {shape} {human(row['nbytes'] or 0)}"
+        if row["kind"] != "numpy":
+            detail += f" ({row['kind']})"
+    elif row["type"] in ("bytes", "str") and "value" not in row:
+        detail = human(row["nbytes"] or 0)
+    elif row["type"] == "scalar":
+        detail = f"{row['dtype']} {row['value']!r}"
+    else:
+        detail = json.dumps(row.get("value"))
+    return f"{row['path'] or '<root>'}\t{row['type']}\t{detail}"
+
+
+# --------------------------------------------------------------------------------------------
+# Targets
+# --------------------------------------------------------------------------------------------
+def resolve(repo: Repository, target: str) -> bytes:
+    """A ref or CID as a binary CID; names what was wrong when it is neither."""
+    try:
+        return bytes(repo.resolve(target))
+    except RefNotFound:
+        if target[:1] in ("b", "Q") and len(target) > 40:  # meant as a CID: say why it is not one
+            try:
+                cidlib.to_bytes(target)
+            except InvalidCID as exc:
+                raise CommandError(f"{target!r} is neither a ref nor a valid CID: {exc}",
+                                   EXIT_USAGE) from None
+        raise
+
+
+def _node(repo: Repository, cid: bytes) -> Any:
+    if not cidlib.is_node(cid):
+        raise CommandError(f"{cidlib.to_str(cid)} is a raw chunk, not a node", EXIT_USAGE)
+    return codec.decode(repo.blocks.get(cid), cid=cid)
+
+
+def _is_commit(node: Any) -> bool:
+    return isinstance(node, dict) and node.get("type") == COMMIT_TYPE
+
+
+def tree_of(repo: Repository, root: bytes) -> bytes:
+    """The state tree a root names: its commit's tree, or the node itself."""
+    node = _node(repo, root)
+    return bytes(repo.commit(root).tree) if _is_commit(node) else root
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+def cmd_init(args: argparse.Namespace) -> int:
+    path = Path(args.path) if args.path else (repo_path(args) or Path.cwd())
+    try:
+        with cas_ckpt.open(path, create=False, read_only=True) as repo:
+            _print(f"existing repository at {path} (hash {repo.config.hash}), left as it is")
+            return EXIT_OK
+    except RepositoryError:
+        pass
+    if not 4096 <= args.chunk_size <= MAX_CHUNK:
+        raise CommandError(f"--chunk-size must be 4096..{MAX_CHUNK}", EXIT_USAGE)
+    with cas_ckpt.open(path, hash=args.hash, chunk_size=args.chunk_size) as repo:
+        _print(f"initialised repository at {path} (hash {repo.config.hash}, "
+               f"chunk size {repo.config.chunk_size})")
+    return EXIT_OK
+
+
+def _commit_json(commit: cas_ckpt.Commit) -> dict[str, Any]:
+    return {"cid": str(commit.cid), "tree": str(commit.tree), "parents": [str(p) for p in commit.parents],
+            "step": commit.step, "time": commit.time, "metadata": jsonable(commit.metadata),
+            "message": commit.message}
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        root = resolve(repo, args.target)
+        if not _is_commit(_node(repo, root)):
+            raise CommandError(f"{cidlib.to_str(root)} is not a commit", EXIT_USAGE)
+        commits = list(repo.log(root, limit=args.limit))
+    if args.json:
+        _print_json([_commit_json(c) for c in commits])
+        return EXIT_OK
+    for c in commits:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time))
+        step = f"step {c.step}" if c.step is not None else "step -"
+        _print(f"{c.cid}  {stamp}  {step}" + (f"  {c.message}" if c.message else ""))
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        cid = resolve(repo, args.target)
+        if cidlib.is_node(cid):
+            value = jsonable(codec.decode(repo.blocks.get(cid), cid=cid))
+        else:
+            value = {"raw": {"cid": cidlib.to_str(cid), "size": len(repo.blocks.get(cid))}}
+    text = json.dumps(value, indent=None if args.json else 2, allow_nan=False)
+    _print(text)
+    return EXIT_OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        root = resolve(repo, args.target)
+        tree = tree_of(repo, root)
+        reader = TreeReader(repo.blocks, repo.pool)
+        start: Any = Link(tree)
+        if args.path:
+            start = reader.select(start, args.path.split("."), cidlib.to_str(root))
+        found = leaves(reader, start, args.path or "")
+    # leaves() walks with a stack: reversing its order gives the state's own order.
+    rows = [describe_leaf(path, leaf) for path, leaf in reversed(list(found.items()))]
+    if args.json:
+        _print_json(rows)
+    else:
+        for row in rows:
+            _print(_ls_line(row))
+    return EXIT_OK
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        data = repo.blocks.get(resolve(repo, args.target))
+    sys.stdout.flush()
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+    return EXIT_OK
+
+
+def cmd_refs(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        refs = repo.refs(args.prefix)
+    if args.json:
+        _print_json({name: str(cid) for name, cid in sorted(refs.items())})
+    else:
+        for name, cid in sorted(refs.items()):
+            _print(f"{cid}  {name}")
+    return EXIT_OK
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    with open_repo(args, write=bool(args.targets)) as repo:
+        if not args.targets:
+            pins = [str(c) for c in repo.pins()]
+            if args.json:
+                _print_json(pins)
+            else:
+                for cid in pins:
+                    _print(cid)
+            return EXIT_OK
+        pinned = [str(repo.pin(resolve(repo, t))) for t in args.targets]
+    if args.json:
+        _print_json(pinned)
+    else:
+        for cid in pinned:
+            _print(f"pinned {cid}")
+    return EXIT_OK
+
+
+def cmd_unpin(args: argparse.Namespace) -> int:
+    code = EXIT_OK
+    with open_repo(args, write=True) as repo:
+        for target in args.targets:
+            cid = resolve(repo, target)
+            if repo.unpin(cid):
+                _print(f"unpinned {cidlib.to_str(cid)}")
+            else:
+                print(f"{PROG}: {cidlib.to_str(cid)} was not pinned", file=sys.stderr)
+                code = EXIT_NOT_FOUND
+    return code
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    with open_repo(args, write=True) as repo, Progress("gc") as bar:
+        report = repo.gc(
+            grace=args.grace, reflog_expiry=args.reflog_expiry, dry_run=args.dry_run,
+            progress=lambda phase, n: bar.update(f"{phase} {n} blocks"),
+        )
+    if args.json:
+        _print_json(report)
+        return EXIT_OK
+    _print(f"live {report.live_blocks} blocks, history-only {report.lineage_blocks}, "
+           f"unreachable {report.unreachable_blocks} ({human(report.unreachable_bytes)})")
+    if report.dry_run:
+        for cid in report.unreachable:
+            _print(f"would remove {cid}")
+        _print("dry run: nothing removed")
+    else:
+        _print(f"removed {report.blocks_freed} blocks, freed {human(report.bytes_freed)}"
+               + (f", {report.temp_files_removed} stale temp files" if report.temp_files_removed else ""))
+    return EXIT_OK
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo, Progress("fsck") as bar:
+        report = repo.fsck(
+            sample=args.sample,
+            progress=lambda phase, i, n: bar.update(f"{phase} {i}/{n} blocks"),
+        )
+    if args.json:
+        _print_json({"ok": report.ok, **jsonable(report)})
+    else:
+        for problem in report.problems:
+            needed = ", ".join(map(str, problem.needed_by)) or "nothing"
+            _print(f"{problem.kind} {problem.cid}: {problem.detail} (needed by {needed})")
+        for text in report.store_problems:
+            _print(f"store: {text}")
+        status = "ok" if report.ok else f"{len(report.problems) + len(report.store_problems)} problem(s)"
+        _print(f"checked {report.blocks_checked} of {report.blocks_total} blocks, "
+               f"{report.reachable_blocks} reachable from {report.refs_checked} refs: {status}")
+    return EXIT_OK if report.ok else EXIT_CHECK
+
+
+def cmd_du(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        usage = repo.stats()
+    if args.json:
+        _print_json({**jsonable(usage), "unreachable_bytes": usage.unreachable_bytes,
+                     "dedup_ratio": usage.dedup_ratio})
+        return EXIT_OK
+    width = max([len("REF"), *(len(r.ref) for r in usage.refs)])
+    _print(f"{'REF':<{width}}  {'LOGICAL':>10}  {'STORED':>10}  {'BLOCKS':>7}")
+    for r in sorted(usage.refs, key=lambda r: r.ref):
+        _print(f"{r.ref:<{width}}  {human(r.logical_bytes):>10}  {human(r.stored_bytes):>10}  {r.blocks:>7}")
+    _print(f"total: logical {human(usage.logical_bytes)}, stored {human(usage.stored_bytes)} "
+           f"(dedup {usage.dedup_ratio:.2f}x); all blocks {human(usage.total_bytes)} in "
+           f"{usage.total_blocks} blocks, unreachable {human(usage.unreachable_bytes)}")
+    return EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        report = repo.diff(resolve(repo, args.a), resolve(repo, args.b))
+    if args.json:
+        _print_json({"identical": report.identical, **jsonable(report)})
+    else:
+        for path in report.removed:
+            _print(f"- {path}")
+        for path in report.added:
+            _print(f"+ {path}")
+        for change in report.changed:
+            extra = ""
+            if change.max_abs is not None:
+                extra = f" (max |diff| {change.max_abs:g}, L2 {change.l2:g})"
+            _print(f"~ {change.path}: {change.detail}{extra}")
+        _print(f"{report.unchanged} unchanged; {human(report.shared_bytes)} shared "
+               f"({human(report.a_bytes)} in A, {human(report.b_bytes)} in B)")
+    return EXIT_OK if report.identical else EXIT_CHECK
+
+
+def _car_progress(bar: Progress, total: int | None) -> car.Progress:
+    def update(blocks: int, nbytes: int) -> None:
+        share = f" of {human(total)} ({100 * nbytes // max(total, 1)}%)" if total else ""
+        bar.update(f"{blocks} blocks, {human(nbytes)}{share}")
+
+    return update
+
+
+def _car_summary(verb: str, report: car.CarReport, where: str) -> str:
+    roots = ", ".join(map(str, report.roots))
+    new = f" ({report.blocks_new} new, {human(report.bytes_new)})" if verb == "imported" else ""
+    return (f"{verb} {report.blocks} blocks{new}, {human(report.car_bytes)} CAR, "
+            f"root {roots} {where}")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    to_stdout = args.output == "-"
+    if to_stdout and sys.stdout.isatty():
+        raise CommandError("refusing to write a binary CAR to a terminal; use -o FILE.car", EXIT_USAGE)
+    with open_repo(args) as repo, Progress("export") as bar:
+        out: BinaryIO | str = sys.stdout.buffer if to_stdout else args.output
+        report = repo.export_car(resolve(repo, args.target), out, progress=_car_progress(bar, None))
+    if to_stdout:
+        sys.stdout.buffer.flush()
+    if args.json:
+        print(json.dumps(jsonable(report), indent=2), file=sys.stderr if to_stdout else sys.stdout)
+    elif not to_stdout:
+        _print(_car_summary("exported", report, f"to {args.output}"))
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from_stdin = args.file == "-"
+    if from_stdin and sys.stdin.isatty():
+        raise CommandError("refusing to read a binary CAR from a terminal; pipe one in", EXIT_USAGE)
+    total = None if from_stdin else os.path.getsize(args.file)
+    with open_repo(args, write=True) as repo, Progress("import") as bar:
+        src: BinaryIO | str = sys.stdin.buffer if from_stdin else args.file
+        report = repo.import_car(src, ref=args.ref, progress=_car_progress(bar, total))
+    if args.json:
+        _print_json(report)
+    else:
+        _print(_car_summary("imported", report, f"as {args.ref}" if args.ref else "(no ref)"))
+    if not args.ref:
+        print(f"{PROG}: note: no ref points at the imported root; use --ref NAME or pin it, "
+              "or the next gc removes it", file=sys.stderr)
+    return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,387 @@
+"""CheckpointManager: periodic saves, retention that frees space, async saves, resume and forks.
+
+Layout in the repository (so a new process sees exactly what the old one left):
+
+* ``<ref>`` points at the latest checkpoint; its commits chain through history links, so
+  ``repo.log(ref)`` lists every checkpoint ever saved, expired ones included;
+* ``<ref>.steps/<step, 12 digits>`` points at each retained checkpoint. Retention deletes these
+  refs, then (``gc_after_retention``) runs ``repo.gc()``, which frees every block no retained
+  checkpoint of any ref still needs;
+* each commit records ``step`` and ``metadata={"step": step, "metrics": {...}}``; ``keep_best``
+  ranks by those, so nothing lives only in memory.
+
+The latest checkpoint is always kept (``<ref>`` itself holds it), whatever the policy says: a run
+can always resume. ``keep_best`` alone therefore keeps the best N plus the latest.
+
+"Latest" is the checkpoint saved last. Steps normally increase; a run rewound to an older step
+saves over the steps it reaches again with ``overwrite=True``, and until then the later steps of
+the abandoned trajectory count as retained steps like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from multiformats import CID
+
+from cas_ckpt.errors import (
+    CheckpointExists,
+    CheckpointExpired,
+    DecodeError,
+    RefNotFound,
+    RepositoryError,
+    SaveFailed,
+    StateTypeError,
+    StepNotFound,
+)
+from cas_ckpt.refs import check_ref_name
+from cas_ckpt.repository import Commit, Repository, SaveReport, Target
+from cas_ckpt.tree import MAX_DEPTH, _is_torch_tensor, dtype_name, join_path
+
+__all__ = ["CheckpointManager", "snapshot"]
+
+STEP_DIGITS = 12
+
+
+class CheckpointManager:
+    """Saves one run's checkpoints under ``ref`` and applies a retention policy after each save.
+
+    ``save_every``: save only steps divisible by it (``force=True`` saves any step).
+    ``keep_last`` / ``keep_every`` / ``keep_best``: keep the last N steps, every step divisible by
+    K, and the N best by ``metrics[best_metric]`` (``best_mode`` "min" or "max"); a step any rule
+    keeps survives, the latest always does. No rule given: keep everything.
+    ``async_save``: ``save`` returns once the state is copied to host memory; writing continues in
+    a background thread, one save at a time. ``reuse_buffers`` (async): keep that host copy between
+    saves and refill it in place, which is faster than fresh memory but holds one copy of the state
+    while the manager is open. ``fork_from``: a ref or CID that a new ``ref`` starts
+    from (ignored once ``ref`` exists, so a restarted run simply resumes).
+    """
+
+    def __init__(
+        self,
+        repo: Repository,
+        ref: str = "main",
+        *,
+        save_every: int | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = False,
+        reuse_buffers: bool = True,
+        gc_after_retention: bool = True,
+        fork_from: Target | None = None,
+    ) -> None:
+        for name, value in (("save_every", save_every), ("keep_last", keep_last),
+                            ("keep_every", keep_every), ("keep_best", keep_best)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
+        if keep_best is not None and not best_metric:
+            raise ValueError("keep_best needs best_metric")
+        self.repo = repo
+        self.ref = check_ref_name(ref)
+        self.save_every = save_every
+        self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.async_save = async_save
+        self._buffers: dict[str, Any] | None = {} if reuse_buffers else None
+        self.gc_after_retention = gc_after_retention
+        self.last_report: SaveReport | None = None  # of the latest save this manager finished
+        self._prefix = check_ref_name(f"{ref}.steps") + "/"
+        self._commits: dict[bytes, Commit] = {}  # commits are immutable: safe to cache
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future[CID] | None = None
+        self._pending_step = -1
+        self._last_cid: CID | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        if fork_from is not None and repo.refs_store.get(self.ref) is None:
+            repo.fork(fork_from, self.ref)
+        self._reconcile()
+
+    def __repr__(self) -> str:
+        return f"<CheckpointManager {self.ref!r} in {self.repo!r}>"
+
+    # -- queries -------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Retained steps, oldest first."""
+        self._drain()
+        return sorted(self._step_refs())
+
+    def latest_step(self) -> int | None:
+        """The step of the latest checkpoint (what ``restore()`` loads), or None if none."""
+        self._drain()
+        head = self.repo.refs_store.get(self.ref)
+        return None if head is None else self._commit(head).step
+
+    def commit(self, step: int | None = None) -> Commit:
+        """The commit record of ``step`` (latest when None): CID, time, metadata with metrics."""
+        self._drain()
+        return self._commit(self._target(step))
+
+    def metrics(self, step: int | None = None) -> dict[str, Any]:
+        """The metrics saved with ``step`` (latest when None)."""
+        metrics = self.commit(step).metadata.get("metrics")
+        return dict(metrics) if isinstance(metrics, dict) else {}
+
+    # -- save ----------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        force: bool = False,
+        overwrite: bool = False,
+    ) -> CID | None:
+        """Save ``state`` as checkpoint ``step``; return its CID, or None if skipped.
+
+        Skipped (None) when ``save_every`` does not divide ``step`` and not ``force``. Raises
+        :class:`CheckpointExists` if ``step`` is already saved (or older than the latest) unless
+        ``overwrite``. With ``async_save`` it returns None once the state is copied to host
+        memory; :meth:`wait` gives the CID, and a failure is raised (as :class:`SaveFailed`) by
+        the next call.
+        """
+        self._drain()
+        if self._closed:
+            raise RepositoryError(f"checkpoint manager for {self.ref!r} is closed")
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        if self.save_every and step % self.save_every and not force:
+            return None
+        self._check_new(step, overwrite)
+        metadata = {"step": step, "metrics": _metrics(metrics)}
+        if not self.async_save:
+            return self._write(step, state, metadata)
+        copy = snapshot(state, self._buffers)
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="cas_ckpt-save")
+            self._pending_step = step
+            self._future = self._executor.submit(self._write, step, copy, metadata)
+        return None
+
+    def wait(self) -> CID | None:
+        """Block until the save in flight is durable; return the CID of this manager's last save."""
+        self._drain()
+        return self._last_cid
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its failure) and stop the background thread."""
+        try:
+            self._drain()
+        finally:
+            self._closed = True
+            self._buffers = None
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(SaveFailed):  # the exception already propagating matters more
+            self.close()
+
+    # -- restore -------------------------------------------------------------------------------
+    def restore(
+        self, step: int | None = None, *, path: str | None = None, map_location: Any = None
+    ) -> Any:
+        """Load checkpoint ``step`` (the latest when None), or only its sub-tree at ``path``.
+
+        Raises :class:`RefNotFound` when nothing was saved yet, :class:`CheckpointExpired` for a
+        step retention removed, :class:`StepNotFound` for a step never saved.
+        """
+        self._drain()
+        return self.repo.load(self._target(step), path=path, map_location=map_location)
+
+    # -- internals -----------------------------------------------------------------------------
+    def step_ref(self, step: int) -> str:
+        """The ref that holds ``step`` while it is retained."""
+        return f"{self._prefix}{step:0{STEP_DIGITS}d}"
+
+    def _step_refs(self) -> dict[int, bytes]:
+        found: dict[int, bytes] = {}
+        for name in self.repo.refs_store.names():
+            if name.startswith(self._prefix) and name[len(self._prefix):].isdigit():
+                value = self.repo.refs_store.get(name)
+                if value is not None:
+                    found[int(name[len(self._prefix):])] = value
+        return found
+
+    def _commit(self, cid: bytes) -> Commit:
+        if cid not in self._commits:
+            self._commits[cid] = self.repo.commit(cid)
+        return self._commits[cid]
+
+    def _target(self, step: int | None) -> bytes:
+        if step is None:
+            head = self.repo.refs_store.get(self.ref)
+            if head is None:
+                raise RefNotFound(self.ref)
+            return head
+        cid = self.repo.refs_store.get(self.step_ref(step))
+        if cid is not None:
+            return cid
+        for commit in self.repo.log(self.ref):
+            if commit.step == step:
+                raise CheckpointExpired(commit.cid)
+        raise StepNotFound(self.ref, step)
+
+    def _check_new(self, step: int, overwrite: bool) -> None:
+        if overwrite:
+            return
+        if self.repo.refs_store.get(self.step_ref(step)) is not None:
+            raise CheckpointExists(self.ref, step)
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            raise CheckpointExists(self.ref, step, latest=latest)
+
+    def _reconcile(self) -> None:
+        """Give the latest checkpoint its step ref if a crash (or a fork) left it without one."""
+        head = self.repo.refs_store.get(self.ref)
+        if head is None:
+            return
+        try:
+            step = self._commit(head).step
+        except DecodeError:
+            raise RepositoryError(f"{self.ref!r} does not point at a checkpoint commit") from None
+        if step is not None and self.repo.refs_store.get(self.step_ref(step)) is None:
+            self.repo.refs_store.add_if_new(self.step_ref(step), head, message="step ref")
+
+    def _write(self, step: int, state: Any, metadata: dict[str, Any]) -> CID:
+        cid = self.repo.save(state, ref=self.ref, step=step, metadata=metadata)
+        self.last_report = self.repo.last_save
+        self.repo.set_ref(self.step_ref(step), cid)
+        self._last_cid = cid
+        self._retain()
+        return cid
+
+    def _drain(self) -> None:
+        with self._lock:
+            future, self._future = self._future, None
+        if future is None:
+            return
+        try:
+            future.result()
+        except BaseException as exc:
+            raise SaveFailed(self.ref, self._pending_step, exc) from exc
+
+    # -- retention -----------------------------------------------------------------------------
+    def _retain(self) -> None:
+        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
+            return
+        steps = self._step_refs()
+        head = self.repo.refs_store.get(self.ref)
+        keep = {s for s, cid in steps.items() if cid == head}
+        if self.keep_last:
+            keep.update(sorted(steps)[-self.keep_last:])
+        if self.keep_every:
+            keep.update(s for s in steps if s % self.keep_every == 0)
+        if self.keep_best:
+            keep.update(self._best(steps))
+        expired = sorted(set(steps) - keep)
+        for step in expired:
+            self.repo.delete_ref(self.step_ref(step), expected=steps[step])
+        if expired and self.gc_after_retention:
+            self.repo.gc()
+
+    def _best(self, steps: dict[int, bytes]) -> list[int]:
+        scored = []
+        for step, cid in steps.items():
+            metrics = self._commit(cid).metadata.get("metrics")
+            value = metrics.get(self.best_metric) if isinstance(metrics, dict) else None
+            if type(value) in (int, float) and not math.isnan(value):
+                scored.append((value if self.best_mode == "min" else -value, -step, step))
+        return [step for *_, step in sorted(scored)[: self.keep_best]]
+
+
+def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Metrics as plain numbers (numpy and torch scalars converted), checked now, not later."""
+    out: dict[str, Any] = {}
+    for key, value in (metrics or {}).items():
+        if not isinstance(key, str):
+            raise StateTypeError(f"metrics.{key}", "metric names must be str")
+        if hasattr(value, "item") and callable(value.item):
+            value = value.item()
+        if type(value) not in (int, float, bool):
+            raise StateTypeError(f"metrics.{key}", f"metrics must be numbers, not {type(value).__name__}")
+        out[key] = value
+    return out
+
+
+def snapshot(state: Any, buffers: dict[str, Any] | None = None) -> Any:
+    """A copy of ``state`` that in-place updates of its arrays and tensors cannot reach.
+
+    Tensors are copied to host memory (detached), numpy arrays copied; immutable values are shared.
+    An object reached twice (tied weights) is copied once. ``buffers`` (path -> array or tensor):
+    copies from an earlier snapshot no longer in use, refilled in place when shape and dtype still
+    match (no new memory to fault in); the dict is updated to this snapshot's copies. Raises
+    :class:`StateTypeError` for values ``save`` would refuse.
+    """
+    return _Snapshot({} if buffers is None else buffers).copy(state, "", 0)
+
+
+class _Snapshot:
+    def __init__(self, buffers: dict[str, Any]) -> None:
+        self.old = dict(buffers)
+        self.buffers = buffers
+        buffers.clear()
+        self.memo: dict[int, Any] = {}  # tied values are copied (and registered) once
+
+    def copy(self, value: Any, path: str, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise StateTypeError(path, f"nesting deeper than {MAX_DEPTH} levels")
+        kind = type(value)
+        if value is None or kind in (bool, int, float, str, bytes) or isinstance(
+            value, (np.generic, CID)
+        ):
+            return value
+        if isinstance(value, dict):
+            out = {}
+            for key, item in value.items():
+                if type(key) not in (str, int):
+                    raise StateTypeError(
+                        join_path(path, key), f"dict keys must be str or int, not {type(key).__name__}"
+                    )
+                out[key] = self.copy(item, join_path(path, key), depth + 1)
+            return out
+        if kind in (list, tuple):
+            items = [self.copy(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
+            return items if kind is list else tuple(items)
+        if id(value) not in self.memo:
+            self.memo[id(value)] = self.leaf(value, path)
+        return self.memo[id(value)]
+
+    def leaf(self, value: Any, path: str) -> Any:
+        old = self.old.get(path)
+        if isinstance(value, np.ndarray):
+            if dtype_name(value.dtype) is None:
+                raise StateTypeError(path, f"unsupported array dtype {value.dtype}")
+            if type(old) is np.ndarray and old.shape == value.shape and old.dtype == value.dtype:
+                np.copyto(old, value)
+                copy = old
+            else:
+                copy = np.array(value, copy=True, order="K")
+        elif _is_torch_tensor(value):
+            from cas_ckpt.integrations.torch import host_copy
+
+            copy = host_copy(value, path, out=old)
+        else:
+            kind = type(value)
+            raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}")
+        self.buffers[path] = copy
+        return copy

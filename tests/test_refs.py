@@ -1,0 +1,457 @@
+"""Refs: name validation, compare-and-swap semantics, reflog, lock recovery, racing processes."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cas_ckpt
+from cas_ckpt import cid as cidlib
+from cas_ckpt.refs import check_ref_name
+
+HASHER = cidlib.Hasher()
+A, B, C = (HASHER.node(bytes([i])) for i in range(3))
+
+# -- names ---------------------------------------------------------------------------------------
+INVALID_NAMES = [
+    "",
+    "a\ud800b",
+    "/a",
+    "a/",
+    "a//b",
+    "..",
+    ".",
+    "a/../b",
+    "a/./b",
+    "../a",
+    ".hidden",
+    "a/.hidden",
+    "x.lock",
+    "a/x.lock/b",
+    "a\x00b",
+    "a\nb",
+    "a\tb",
+    "a\x7fb",
+    "a b",
+    " main",
+    "main ",
+    "a\u00a0b",
+    "a\u2028b",
+    "a\\b",
+    "a:b",
+    "a*",
+    "a?",
+    "a[0]",
+    "a~1",
+    "a^",
+    'a"b',
+    "a<b>",
+    "a|b",
+    "x" * 1025,
+]
+VALID_NAMES = ["main", "runs/exp-7", "runs/exp_7/seed.3", "a", "UPPER/lower", "ünïcode", "v1.0", "x" * 1024]
+
+
+@pytest.mark.parametrize("name", INVALID_NAMES)
+def test_invalid_names_are_rejected(name: str) -> None:
+    with pytest.raises(cas_ckpt.InvalidRefName) as info:
+        check_ref_name(name)
+    assert info.value.ref == name
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("name", [None, b"main", 1, ["main"]])
+def test_non_string_names_are_rejected(name: Any) -> None:
+    with pytest.raises(cas_ckpt.InvalidRefName):
+        check_ref_name(name)
+
+
+@pytest.mark.parametrize("name", VALID_NAMES)
+def test_valid_names_are_accepted(name: str) -> None:
+    assert check_ref_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["../escape", "/etc/passwd", "a/../../b", "a b"])
+def test_invalid_names_are_refused_before_saving(repo: cas_ckpt.Repository, name: str) -> None:
+    with pytest.raises(cas_ckpt.InvalidRefName):
+        repo.save({"x": 1}, ref=name)
+    assert list(repo.blocks) == []
+    assert repo.refs() == {}
+
+
+def _is_acceptable(name: str) -> bool:
+    """An independent statement of the rules, for the fuzz test."""
+    if not 1 <= len(name) <= 1024:
+        return False
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in name):  # not encodable: no file name, no JSON
+        return False
+    if any(ord(c) < 32 or ord(c) == 127 or c.isspace() or c in '\\*?[]:~^"<>|' for c in name):
+        return False
+    return all(
+        seg and not seg.startswith(".") and not seg.endswith(".lock") for seg in name.split("/")
+    )
+
+
+name_text = st.text(
+    alphabet=st.one_of(st.sampled_from("ab/.-_ \\:\x00\n~lock"), st.characters()), max_size=20
+)
+
+
+@given(name_text)
+def test_fuzz_names_raise_only_invalid_ref_name(name: str) -> None:
+    try:
+        accepted = check_ref_name(name) == name
+    except cas_ckpt.InvalidRefName:
+        accepted = False
+    assert accepted == _is_acceptable(name)
+
+
+@given(name_text)
+def test_fuzz_accepted_names_stay_inside_the_repository(name: str) -> None:
+    """Whatever name is accepted, the files it makes are below refs/ and logs/."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "repo"
+        store = cas_ckpt.LocalRefStore(root)
+        store.ensure_dirs()
+        try:
+            store.add_if_new(name, A)
+        except cas_ckpt.InvalidRefName:
+            assert not _is_acceptable(name)
+            assert sorted(p.name for p in Path(tmp).iterdir()) == ["repo"]
+            assert not any(p.is_file() for p in root.rglob("*"))
+            return
+        files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        assert files == [f"logs/{name}", f"refs/{name}"]
+        assert store.names() == [name]
+        assert store.get(name) == A
+
+
+# -- compare-and-swap semantics (shared by both ref stores) --------------------------------------
+@pytest.fixture(params=["local", "memory"])
+def refs(request: pytest.FixtureRequest, tmp_path: Path) -> cas_ckpt.RefStore:
+    if request.param == "memory":
+        return cas_ckpt.MemoryRefStore()
+    store = cas_ckpt.LocalRefStore(tmp_path / "repo")
+    store.ensure_dirs()
+    return store
+
+
+def _log(refs: cas_ckpt.RefStore, name: str) -> list[tuple[Any, Any, str]]:
+    return [(e.old, e.new, e.message) for e in refs.reflog(name)]
+
+
+def test_missing_ref_reads_as_none(refs: cas_ckpt.RefStore) -> None:
+    assert refs.get("main") is None
+    assert refs.names() == []
+    assert refs.reflog("main") == []
+
+
+def test_add_if_new(refs: cas_ckpt.RefStore) -> None:
+    assert refs.add_if_new("runs/exp-7", A, message="create") is True
+    assert refs.get("runs/exp-7") == A
+    assert refs.add_if_new("runs/exp-7", B, message="again") is False
+    assert refs.get("runs/exp-7") == A
+    assert _log(refs, "runs/exp-7") == [(None, A, "create")]
+
+
+def test_set_if_equals(refs: cas_ckpt.RefStore) -> None:
+    assert refs.set_if_equals("main", A, B) is False  # absent is not A
+    assert refs.get("main") is None
+    refs.add_if_new("main", A)
+    assert refs.set_if_equals("main", B, C, message="stale") is False
+    assert refs.get("main") == A
+    assert refs.set_if_equals("main", A, B, message="move") is True
+    assert refs.get("main") == B
+    assert refs.set_if_equals("main", A, C) is False
+    assert refs.get("main") == B
+    assert _log(refs, "main") == [(None, A, ""), (A, B, "move")]
+
+
+def test_set_if_equals_none_sets_unconditionally(refs: cas_ckpt.RefStore) -> None:
+    assert refs.set_if_equals("main", None, A, message="force create") is True
+    assert refs.set_if_equals("main", None, B, message="force") is True
+    assert refs.get("main") == B
+    assert _log(refs, "main") == [(None, A, "force create"), (A, B, "force")]
+
+
+def test_remove_if_equals(refs: cas_ckpt.RefStore) -> None:
+    assert refs.remove_if_equals("main", A) is False  # absent
+    assert refs.remove_if_equals("main", None) is False
+    refs.add_if_new("main", A)
+    assert refs.remove_if_equals("main", B) is False
+    assert refs.get("main") == A
+    assert refs.remove_if_equals("main", A, message="delete") is True
+    assert refs.get("main") is None
+    assert refs.names() == []
+    refs.add_if_new("main", B)
+    assert refs.remove_if_equals("main", None, message="delete any") is True
+    assert refs.get("main") is None
+    # The reflog outlives the ref.
+    assert _log(refs, "main") == [
+        (None, A, ""),
+        (A, None, "delete"),
+        (None, B, ""),
+        (B, None, "delete any"),
+    ]
+    assert "main" in refs.reflog_names()
+
+
+def test_names_are_sorted_and_hierarchical(refs: cas_ckpt.RefStore) -> None:
+    for name in ["runs/exp-8", "main", "runs/exp-7", "zeta/a/b"]:
+        assert refs.add_if_new(name, A)
+    assert refs.names() == ["main", "runs/exp-7", "runs/exp-8", "zeta/a/b"]
+    refs.remove_if_equals("runs/exp-7", A)
+    assert refs.names() == ["main", "runs/exp-8", "zeta/a/b"]
+    assert refs.reflog_names() == ["main", "runs/exp-7", "runs/exp-8", "zeta/a/b"]
+
+
+@pytest.mark.parametrize("method", ["get", "add", "set", "remove", "reflog"])
+def test_store_methods_validate_names(refs: cas_ckpt.RefStore, method: str) -> None:
+    call = {
+        "get": lambda n: refs.get(n),
+        "add": lambda n: refs.add_if_new(n, A),
+        "set": lambda n: refs.set_if_equals(n, None, A),
+        "remove": lambda n: refs.remove_if_equals(n, None),
+        "reflog": lambda n: refs.reflog(n),
+    }[method]
+    with pytest.raises(cas_ckpt.InvalidRefName):
+        call("../outside")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: 'runs' next to 'runs/exp': LocalRefStore raises a bare OSError "
+    "(IsADirectoryError/FileExistsError), MemoryRefStore accepts both; no RefError either way",
+)
+def test_a_ref_and_a_ref_below_it_conflict_cleanly(refs: cas_ckpt.RefStore) -> None:
+    refs.add_if_new("runs/exp", A)
+    with pytest.raises(cas_ckpt.RefError):
+        refs.add_if_new("runs", B)
+    with pytest.raises(cas_ckpt.RefError):
+        refs.add_if_new("runs/exp/sub", B)
+
+
+def test_every_update_is_in_the_reflog(repo: cas_ckpt.Repository) -> None:
+    saved = [repo.save({"step": i}, step=i) for i in range(5)]
+    other = repo.save({"x": 1}, ref="runs/exp-7")
+    repo.set_ref("main", saved[1], expected=saved[-1])
+    repo.delete_ref("runs/exp-7")
+    log = repo.reflog("main")
+    assert [e.new for e in log] == [cidlib.to_bytes(c) for c in [*saved, saved[1]]]
+    assert [e.old for e in log] == [None, *(cidlib.to_bytes(c) for c in saved)]
+    assert [e.message for e in log[:5]] == [f"save step={i}" for i in range(5)]
+    assert all(a.time <= b.time for a, b in itertools.pairwise(log))
+    assert all(abs(e.time - time.time()) < 60 for e in log)
+    runs = repo.reflog("runs/exp-7")
+    assert [(e.old, e.new) for e in runs] == [(None, cidlib.to_bytes(other)),
+                                              (cidlib.to_bytes(other), None)]
+
+
+def test_stale_expected_value_is_a_conflict(repo: cas_ckpt.Repository) -> None:
+    first = repo.save({"a": 1})
+    second = repo.save({"a": 2})
+    with pytest.raises(cas_ckpt.RefConflict) as info:
+        repo.set_ref("main", first, expected=first)
+    assert info.value.ref == "main"
+    assert str(first) in str(info.value) and str(second) in str(info.value)
+    assert repo.resolve("main") == second
+    with pytest.raises(cas_ckpt.RefConflict):
+        repo.delete_ref("main", expected=first)
+    assert repo.resolve("main") == second
+    assert len(repo.reflog("main")) == 2  # failed swaps are not logged
+
+
+# -- lock files ----------------------------------------------------------------------------------
+def _lock_text(pid: int, host: str | None = None) -> str:
+    return f"{pid} {host or socket.gethostname()} {time.time():.3f} deadbeef\n"
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def local_refs(tmp_path: Path) -> cas_ckpt.LocalRefStore:
+    store = cas_ckpt.LocalRefStore(tmp_path / "repo", lock_timeout=0.2)
+    store.ensure_dirs()
+    store.add_if_new("main", A)
+    return store
+
+
+def test_stale_lock_of_a_dead_process_is_broken(local_refs: cas_ckpt.LocalRefStore) -> None:
+    lock = local_refs.refs_dir / "main.lock"
+    lock.write_text(_lock_text(_dead_pid()))
+    # lock_timeout is 0.2 s: without breaking the lock this would raise RefLocked.
+    assert local_refs.set_if_equals("main", A, B) is True
+    assert local_refs.get("main") == B
+    assert not lock.exists()
+
+
+def test_stale_lock_is_broken_in_a_repository(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        first = repo.save({"a": 1})
+        (tmp_path / "repo" / "refs" / "main.lock").write_text(_lock_text(_dead_pid()))
+        second = repo.save({"a": 2})
+        assert repo.resolve() == second and repo.commit(second).parents == (first,)
+
+
+@pytest.fixture
+def live_pid() -> Iterator[int]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_lock_of_a_live_process_raises_ref_locked(
+    local_refs: cas_ckpt.LocalRefStore, live_pid: int
+) -> None:
+    lock = local_refs.refs_dir / "main.lock"
+    lock.write_text(_lock_text(live_pid))
+    started = time.monotonic()
+    with pytest.raises(cas_ckpt.RefLocked) as info:
+        local_refs.set_if_equals("main", A, B)
+    waited = time.monotonic() - started
+    assert 0.2 <= waited < 10.0
+    assert info.value.ref == "main"
+    assert info.value.lock_path == str(lock)
+    assert str(lock) in str(info.value) and str(live_pid) in str(info.value)
+    assert lock.exists(), "a live holder's lock must not be broken"
+    assert local_refs.get("main") == A
+    assert local_refs.reflog("main")[-1].new == A
+
+
+def test_lock_freed_in_time_is_waited_for(
+    local_refs: cas_ckpt.LocalRefStore, live_pid: int
+) -> None:
+    lock = local_refs.refs_dir / "main.lock"
+    lock.write_text(_lock_text(live_pid))
+    slow = cas_ckpt.LocalRefStore(local_refs.root, lock_timeout=30.0)
+    remover = subprocess.Popen(
+        [sys.executable, "-c", f"import os, time; time.sleep(0.3); os.unlink({str(lock)!r})"]
+    )
+    try:
+        started = time.monotonic()
+        assert slow.set_if_equals("main", A, B) is True
+        assert time.monotonic() - started > 0.25  # it waited for the holder
+    finally:
+        remover.wait()
+    assert slow.get("main") == B
+
+
+@pytest.mark.parametrize(
+    "text",
+    [_lock_text(1, host="some-other-host"), "garbage", "-5 host"],
+    ids=["other host", "garbage", "bad pid"],
+)
+def test_locks_that_cannot_be_judged_are_not_broken(
+    local_refs: cas_ckpt.LocalRefStore, text: str
+) -> None:
+    lock = local_refs.refs_dir / "main.lock"
+    lock.write_text(text)
+    with pytest.raises(cas_ckpt.RefLocked):
+        local_refs.set_if_equals("main", A, B)
+    assert lock.read_text() == text
+    assert local_refs.get("main") == A
+
+
+def test_no_lock_files_are_left_behind(local_repo: cas_ckpt.Repository) -> None:
+    for i in range(3):
+        local_repo.save({"i": i}, ref=f"runs/r{i}")
+        local_repo.save({"i": i})
+    local_repo.delete_ref("runs/r1")
+    root = Path(local_repo.location)
+    assert not [p for p in (root / "refs").rglob("*.lock")]  # locks/gc.lock is a kept flock file
+    assert not [p for p in root.rglob("*.tmp")]
+
+
+# -- two processes racing on one ref --------------------------------------------------------------
+RACER = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    import cas_ckpt
+
+    path, go, name, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    with cas_ckpt.open(path) as repo:
+        while not os.path.exists(go):
+            time.sleep(0.001)
+        conflicts = 0
+        for i in range(count):
+            while True:
+                try:
+                    head = repo.resolve("main")
+                    previous = repo.load(head, path="i")
+                except cas_ckpt.RefNotFound:
+                    previous = -1
+                state = {"writer": name, "i": previous + 1, "w": rng.random(40_000)}
+                try:
+                    cid = repo.save(state, ref="main", step=i)
+                except cas_ckpt.RefConflict:
+                    conflicts += 1
+                    continue
+                print("saved", cid, flush=True)
+                break
+        print("conflicts", conflicts, flush=True)
+    """
+)
+
+
+def test_two_processes_racing_on_one_ref_lose_nothing(tmp_path: Path) -> None:
+    path, go = tmp_path / "repo", tmp_path / "go"
+    cas_ckpt.open(path).close()
+    script = tmp_path / "racer.py"
+    script.write_text(RACER)
+    count = 25
+    env = {**os.environ, "PYTHONPATH": str(Path(cas_ckpt.__file__).parent.parent)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(path), str(go), name, str(count)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for name in ("alpha", "beta")
+    ]
+    time.sleep(0.5)  # both importing and waiting for the start signal
+    go.touch()
+    saved: list[str] = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        lines = out.split()
+        saved += [lines[i + 1] for i, word in enumerate(lines) if word == "saved"]
+    assert len(saved) == 2 * count
+    assert len(set(saved)) == 2 * count
+
+    with cas_ckpt.open(path) as repo:
+        log = repo.reflog("main")
+        # Every successful save is in the reflog, once, and the updates form one chain.
+        assert sorted(cidlib.to_str(e.new) for e in log) == sorted(saved)
+        assert log[0].old is None
+        assert all(a.new == b.old for a, b in itertools.pairwise(log))
+        # The ref holds the last successful save, and history from it reaches every save.
+        assert cidlib.to_bytes(repo.resolve("main")) == log[-1].new
+        history = [str(c.cid) for c in repo.log("main")]
+        assert sorted(history) == sorted(saved)
+        assert history == [cidlib.to_str(e.new) for e in reversed(log)]
+        assert not list((path / "refs").glob("*.lock"))

@@ -1,0 +1,258 @@
+"""PyTorch tensors in a state: every dtype bit for bit, layouts, views, tied weights, torch optional."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cas_ckpt
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+FLOAT_LIKE = [
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+]
+INTS = ["uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"]
+DTYPES = [getattr(torch, n) for n in ["bool", *INTS, *FLOAT_LIKE] if hasattr(torch, n)]
+
+
+def bits(t: torch.Tensor) -> bytes:
+    """The tensor's values as raw bytes, in logical (row-major) order."""
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Arbitrary bit patterns (NaN payloads included) of ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    count = int(np.prod(shape, dtype=np.int64))
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (count * size,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def roundtrip(repo: cas_ckpt.Repository, value: object, **kwargs: object) -> object:
+    repo.save({"v": value}, ref="t")
+    return repo.load("t", **kwargs)["v"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 5), (150, 120)], ids=str)
+def test_every_dtype_roundtrips_bit_for_bit(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    repo = cas_ckpt.open("memory://")
+    tensor = random_tensor(dtype, shape)
+    out = roundtrip(repo, tensor)
+    assert type(out) is torch.Tensor
+    assert out.dtype == dtype and out.shape == tensor.shape and out.device.type == "cpu"
+    assert bits(out) == bits(tensor)
+
+
+LAYOUTS = {
+    "transposed": lambda t: t.t(),
+    "strided": lambda t: t[::2, 1::3],
+    "offset": lambda t: t[3:, 2:7],
+    "expanded": lambda t: t[:1].expand(40, -1),
+    "permuted-3d": lambda t: t.reshape(4, 10, 30).permute(2, 0, 1),
+    "column": lambda t: t[:, 5],
+    "scalar-of-view": lambda t: t[2, 3],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2, torch.int64])
+def test_non_contiguous_views_store_what_they_show(layout: str, dtype: torch.dtype) -> None:
+    repo = cas_ckpt.open("memory://")
+    view = LAYOUTS[layout](random_tensor(dtype, (40, 30), seed=1))
+    out = roundtrip(repo, view)
+    assert out.shape == view.shape and out.dtype == dtype
+    assert bits(out) == bits(view)
+
+
+def test_conj_and_neg_views_are_resolved() -> None:
+    repo = cas_ckpt.open("memory://")
+    z = torch.complex(torch.arange(6.0), torch.arange(6.0) + 10).reshape(2, 3)
+    conj = z.conj()
+    neg = conj.imag
+    assert conj.is_conj() and neg.is_neg()
+    out_conj, out_neg = roundtrip(repo, [conj, neg])
+    assert not out_conj.is_conj() and not out_neg.is_neg()
+    assert torch.equal(out_conj, z.conj().resolve_conj())
+    assert out_neg.tolist() == (-z.imag).tolist()
+
+
+def test_parameters_and_grad_tensors_come_back_as_plain_tensors() -> None:
+    repo = cas_ckpt.open("memory://")
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    (param * 2).sum().backward()
+    out = roundtrip(repo, {"p": param, "g": param.grad, "live": param * 3})
+    assert type(out["p"]) is torch.Tensor and not out["p"].requires_grad
+    assert torch.equal(out["p"], param.detach())
+    assert torch.equal(out["g"], torch.full((4, 3), 2.0))
+    assert torch.equal(out["live"], param.detach() * 3)
+
+
+def test_inference_mode_tensors_save() -> None:
+    repo = cas_ckpt.open("memory://")
+    with torch.inference_mode():
+        t = torch.arange(10.0) * 2
+    assert torch.equal(roundtrip(repo, t), torch.arange(10.0) * 2)
+
+
+def test_tied_weights_are_stored_once_and_load_into_a_tied_model() -> None:
+    repo = cas_ckpt.open("memory://")
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(1024, 512)
+            self.out = torch.nn.Linear(512, 1024, bias=False)
+            self.out.weight = self.embed.weight
+
+    model = Tied()
+    state = model.state_dict()
+    assert state["embed.weight"].data_ptr() == state["out.weight"].data_ptr()
+    nbytes = 1024 * 512 * 4
+    repo.save(state, ref="tied")
+    report = repo.last_save
+    assert report is not None
+    assert report.logical_bytes == 2 * nbytes
+    assert report.bytes_written < 1.1 * nbytes  # the second copy is the same chunks
+    assert report.bytes_reused >= nbytes
+    fresh = Tied()
+    fresh.load_state_dict(repo.load("tied"))
+    assert torch.equal(fresh.embed.weight, model.embed.weight)
+    assert fresh.out.weight is fresh.embed.weight  # still tied: load_state_dict copied in place
+
+
+def test_views_of_one_storage_each_keep_their_values() -> None:
+    repo = cas_ckpt.open("memory://")
+    base = random_tensor(torch.float32, (64, 64), seed=3)
+    state = {"base": base, "rows": base[10:20], "diag": base.diagonal(), "same": base.view(-1)}
+    out = roundtrip(repo, state)
+    for key, value in state.items():
+        assert bits(out[key]) == bits(value), key
+    out["rows"][0, 0] = 123.0  # loaded tensors are independent of one another
+    assert out["base"][10, 0] != 123.0
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: torch.zeros(3, dtype=torch.complex32), "complex32"),
+        (lambda: torch.zeros(3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2), "two values"),
+        (lambda: torch.eye(3).to_sparse(), "sparse"),
+        (lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), "quantized"),
+        (lambda: torch.empty(3, device="meta"), "meta"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "convert it"),
+    ],
+    ids=["complex32", "float4x2", "sparse", "quantized", "meta", "nested"],
+)
+def test_unsavable_tensors_raise_state_type_error_naming_the_path(make: object, words: str) -> None:
+    repo = cas_ckpt.open("memory://")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex32 and quantized creation warn: experimental
+        tensor = make()  # type: ignore[operator]
+    with pytest.raises(cas_ckpt.StateTypeError, match=words) as info:
+        repo.save({"layer": {"w": tensor}}, ref="bad")
+    assert info.value.path == "layer.w"
+    assert "bad" not in repo.refs()
+
+
+def test_tensor_subclasses_are_refused() -> None:
+    class Tagged(torch.Tensor):
+        pass
+
+    repo = cas_ckpt.open("memory://")
+    with pytest.raises(cas_ckpt.StateTypeError, match="cannot save"):
+        repo.save({"x": torch.ones(2).as_subclass(Tagged)}, ref="bad")
+
+
+def test_map_location_and_kinds() -> None:
+    repo = cas_ckpt.open("memory://")
+    repo.save({"t": torch.arange(3), "n": np.arange(3), "b": torch.ones(2, dtype=torch.bfloat16)})
+    plain = repo.load()
+    assert type(plain["t"]) is torch.Tensor and type(plain["n"]) is np.ndarray
+    for where in ("cpu", torch.device("cpu")):
+        moved = repo.load(map_location=where)
+        assert moved["t"].device.type == "cpu" and type(moved["n"]) is np.ndarray
+        assert moved["b"].dtype == torch.bfloat16
+    assert repo.load(path="t", map_location="cpu").tolist() == [0, 1, 2]
+
+
+def test_loaded_tensors_are_writable_and_own_their_memory() -> None:
+    repo = cas_ckpt.open("memory://")
+    repo.save({"t": torch.arange(6.0).reshape(2, 3).t()})
+    out = repo.load()["t"]
+    out += 1  # would fail (or warn) on read-only memory
+    assert out.tolist() == (torch.arange(6.0).reshape(2, 3).t() + 1).tolist()
+
+
+def _run(code: str, cwd: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=cwd, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_import_does_not_import_torch(tmp_path: Path) -> None:
+    out = _run(
+        """
+        import sys
+        import numpy as np
+        import cas_ckpt
+        repo = cas_ckpt.open("memory://")
+        repo.save({"w": np.arange(3.0)}, ref="m")
+        assert repo.load("m")["w"].tolist() == [0.0, 1.0, 2.0]
+        print("torch" in sys.modules)
+        """,
+        tmp_path,
+    )
+    assert out.strip() == "False"
+
+
+def test_works_with_torch_blocked_and_reads_torch_checkpoints_as_numpy(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        repo.save({"t": torch.arange(4, dtype=torch.bfloat16), "i": torch.arange(3)}, ref="torch")
+    out = _run(
+        """
+        import sys
+        sys.modules["torch"] = None  # any import of torch now raises ImportError
+        import numpy as np
+        import cas_ckpt
+        from cas_ckpt.integrations.training import capture_rng
+        repo = cas_ckpt.open("repo")
+        assert "torch" not in capture_rng()
+        with cas_ckpt.CheckpointManager(repo, "run", async_save=True, keep_last=1) as mgr:
+            mgr.save(1, {"w": np.arange(3.0)})
+            mgr.save(2, {"w": np.arange(4.0)})
+        assert mgr.steps() == [2]
+        repo.save({"w": np.arange(3.0)}, ref="m")
+        assert repo.load("m")["w"].tolist() == [0.0, 1.0, 2.0]
+        state = repo.load("torch")
+        print(type(state["t"]).__name__, state["t"].dtype, state["t"].tolist(), state["i"].tolist())
+        """,
+        tmp_path,
+    )
+    assert out.strip() == "ndarray bfloat16 [0.0, 1.0, 2.0, 3.0] [0, 1, 2]"
+
+
+def test_bfloat16_bits_match_ml_dtypes() -> None:
+    from cas_ckpt.integrations.torch import tensor_to_numpy
+
+    t = torch.tensor([1.5, -2.25, float("inf")], dtype=torch.bfloat16)
+    array, kind = tensor_to_numpy(t, "x")
+    assert kind == "torch" and array.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert array.tolist() == [1.5, -2.25, float("inf")]
