@@ -175,11 +175,16 @@ class MemoryRefStore(RefStore):
             current = self._refs.get(name)
             if not check(current):
                 return False
-            self._logs.setdefault(name, []).append(ReflogEntry(current, new, time.time(), message))
             if new is None:
                 self._refs.pop(name, None)
-            else:
-                self._refs[name] = new
+                self._logs.pop(name, None)
+                return True
+            if current is None:
+                for other in self._refs:
+                    if other.startswith(name + "/") or name.startswith(other + "/"):
+                        raise InvalidRefName(name, f"clashes with the existing ref {other!r}")
+            self._logs.setdefault(name, []).append(ReflogEntry(current, new, time.time(), message))
+            self._refs[name] = new
             return True
 
     def names(self) -> list[str]:
@@ -287,18 +292,44 @@ class LocalRefStore(RefStore):
 
     def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
         path = self._path(self.refs_dir, name)
-        _fs.makedirs(path.parent)
+        self._make_parents(name, path)
         with self._ref_lock(name, path):
             current = self._read(path)
             if not check(current):
                 return False
-            self._append_log(name, ReflogEntry(current, new, time.time(), message))
             if new is None:
+                # As git does: a deleted ref takes its reflog along (step refs come and go often).
                 path.unlink()
                 _fs.fsync_dir(path.parent)
+                self._path(self.logs_dir, name).unlink(missing_ok=True)
             else:
+                self._append_log(name, ReflogEntry(current, new, time.time(), message))
                 _fs.atomic_write(path, (cidlib.to_str(new) + "\n").encode("ascii"))
-            return True
+        if new is None:
+            self._prune_empty(path.parent, self.refs_dir)
+            self._prune_empty(self._path(self.logs_dir, name).parent, self.logs_dir)
+        return True
+
+    def _make_parents(self, name: str, path: Path) -> None:
+        """Create the ref's directories; a ref cannot sit above or below another ref."""
+        if path.is_dir():
+            raise InvalidRefName(name, "refs exist below this name")
+        for parent in path.relative_to(self.refs_dir).parents:
+            if parent != Path(".") and (self.refs_dir / parent).is_file():
+                raise InvalidRefName(name, f"clashes with the existing ref {parent.as_posix()!r}")
+        try:
+            _fs.makedirs(path.parent)
+        except (FileExistsError, NotADirectoryError):
+            raise InvalidRefName(name, "clashes with an existing ref") from None
+
+    @staticmethod
+    def _prune_empty(directory: Path, top: Path) -> None:
+        while directory != top and top in directory.parents:
+            try:
+                directory.rmdir()
+            except OSError:
+                return  # not empty (or gone): stop
+            directory = directory.parent
 
     @contextlib.contextmanager
     def _ref_lock(self, name: str, path: Path) -> Iterator[None]:
@@ -308,8 +339,14 @@ class LocalRefStore(RefStore):
         while True:
             # Created whole (temp file linked into place): a live holder's lock is never empty, so
             # an empty or torn one is a crash leftover that holder_is_dead lets us break.
-            if _fs.create_exclusive(lock, _fs.lock_holder_text(), tmp_dir=path.parent, durable=False):
-                break
+            try:
+                if _fs.create_exclusive(
+                    lock, _fs.lock_holder_text(), tmp_dir=path.parent, durable=False
+                ):
+                    break
+            except FileNotFoundError:  # a concurrent delete pruned the emptied directory
+                _fs.makedirs(path.parent)
+                continue
             holder = self._lock_text(lock)
             if holder is not None and _fs.lock_is_stale(lock, holder):
                 self._break_stale(lock, holder)

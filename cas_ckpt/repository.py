@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from multiformats import CID
 
 from cas_ckpt import car, codec
@@ -158,23 +159,25 @@ class Repository:
         step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         message: str | None = None,
+        expected: Target | None = None,
     ) -> CID:
         """Store ``state`` as a new checkpoint and move ``ref`` to it; return its root CID.
 
-        Raises :class:`RefConflict` if ``ref`` moved while saving (the blocks stay stored; load
-        the new head and save again), :class:`StateTypeError` naming the path of a value that
-        cannot be saved.
+        The ref moves by compare-and-swap from ``expected`` (default: whatever it holds when the
+        save starts; pass the CID you loaded to make a read-modify-write safe). Raises
+        :class:`RefConflict` if it holds something else by then (the blocks stay stored; load the
+        new head and save again), :class:`StateTypeError` naming the path of a value that cannot
+        be saved.
         """
         check_ref_name(ref)
-        if step is not None and type(step) is not int:
-            raise StateTypeError("step", f"step must be an int, not {type(step).__name__}")
+        step = _step(step)
         meta = _plain(dict(metadata or {}), "metadata")
         if message is not None and not isinstance(message, str):
             raise StateTypeError("message", "message must be a str")
         started = time.perf_counter()
         with self.refs_store.lock(exclusive=False):
             self.blocks.refresh()
-            old = self.refs_store.get(ref)
+            old = self.refs_store.get(ref) if expected is None else self._resolve(expected)
             commit_cid, stats, logical = self._write(state, old, step, meta, message)
             self._move_ref(ref, old, commit_cid, f"save step={step}" if step is not None else "save")
         cid = cidlib.to_cid(commit_cid)
@@ -265,6 +268,8 @@ class Repository:
         """Load a checkpoint (or the sub-tree at ``path``, e.g. ``"optimizer.state.3"``).
 
         ``target`` is a ref name or a CID. Only the blocks of the requested sub-tree are read.
+        ``path`` is a dotted string (keys containing dots still match) or a sequence of exact
+        keys and indices.
         Torch tensors come back as torch tensors (on ``map_location`` if given), numpy as numpy.
         ``mmap=True`` returns numpy arrays as read-only views of the pack files where a
         store can map them (no copy; pages are read on first touch, and hashed first unless
@@ -276,8 +281,11 @@ class Repository:
         try:
             if path is None:
                 return reader.load(Link(tree))
-            segments = path.split(".") if isinstance(path, str) else list(path)
-            return reader.load(reader.select(Link(tree), segments, cidlib.to_str(root)))
+            if isinstance(path, str):
+                value = reader.select(Link(tree), path.split("."), cidlib.to_str(root))
+            else:
+                value = reader.select(Link(tree), list(path), cidlib.to_str(root), exact=True)
+            return reader.load(value)
         except BlockNotFound as exc:
             if tree != root:
                 raise CheckpointExpired(cidlib.to_str(root), exc.cid) from None
@@ -492,9 +500,22 @@ def _plain(value: Any, path: str) -> Any:
             if not isinstance(key, str):
                 raise StateTypeError(f"{path}.{key}", "metadata keys must be str")
         return {k: _plain(v, f"{path}.{k}") for k, v in value.items()}
-    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars in metrics
+    scalar_array = isinstance(value, np.ndarray) and value.ndim == 0
+    if isinstance(value, np.generic) or scalar_array or _is_scalar_tensor(value):  # metrics
         return _plain(value.item(), path)
     raise StateTypeError(path, f"metadata cannot hold {type(value).__name__}")
+
+
+def _is_scalar_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and getattr(value, "numel", lambda: 0)() == 1
+
+
+def _step(step: Any) -> int | None:
+    if step is None or type(step) is int:
+        return step
+    if isinstance(step, np.integer):
+        return int(step)
+    raise StateTypeError("step", f"step must be an int, not {type(step).__name__}")
 
 
 def _check_config(config: dict[str, Any], location: str) -> _Config:
@@ -548,6 +569,10 @@ def open(
     (``"sha2-256"`` or ``"blake3"``) and ``chunk_size`` apply when creating; an existing repository
     keeps its own. ``verify=False`` skips re-hashing blocks on reads.
     """
+    if hash not in cidlib.HASH_CODES:
+        raise ValueError(f"unsupported hash {hash!r}; choose one of {sorted(cidlib.HASH_CODES)}")
+    if not 4096 <= chunk_size <= MAX_CHUNK:
+        raise ValueError(f"chunk_size must be between 4096 and {MAX_CHUNK} bytes")
     if str(path) == MEMORY:
         return Repository(
             MemoryStore(verify=verify), MemoryRefStore(), hash=hash, chunk_size=chunk_size,
@@ -562,8 +587,6 @@ def open(
             raise RepositoryError(
                 f"{root} exists and is not an empty directory or a cas_ckpt repository"
             )
-        if hash not in cidlib.HASH_CODES:
-            raise ValueError(f"unsupported hash {hash!r}; choose one of {sorted(cidlib.HASH_CODES)}")
         refs.init_config(
             {"format": FORMAT, "version": FORMAT_VERSION, "hash": hash, "chunk_size": chunk_size}
         )

@@ -423,14 +423,18 @@ class TreeReader:
             items.extend(page)
         return Tagged(TUPLE, items) if spec["kind"] == "tuple" else items
 
-    def select(self, root: Any, path: Sequence[Any], root_cid: str) -> Any:
-        """The raw (unmaterialised) value at ``path`` below ``root``."""
+    def select(self, root: Any, path: Sequence[Any], root_cid: str, *, exact: bool = False) -> Any:
+        """The raw (unmaterialised) value at ``path`` below ``root``.
+
+        With ``exact``, each element of ``path`` is one key or index; otherwise the segments of a
+        dotted path may also join up to match keys that contain dots (``layer.0.weight``).
+        """
         value = self.resolve(root)
         rest = list(path)
         done: list[str] = []
         while rest:
             if isinstance(value, dict):
-                key, used = _match_key(value, rest)
+                key, used = (rest[0], 1) if exact else _match_key(value, rest)
             elif isinstance(value, list) or (isinstance(value, Tagged) and value.code == TUPLE):
                 items = value if isinstance(value, list) else value.value
                 key, used = _index(rest[0]), 1

@@ -303,11 +303,6 @@ def test_metadata_rejects_non_plain_values(
     assert list(repo.blocks) == [] and repo.refs() == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: repository._plain calls .item() on any object that has it; a numpy array of "
-    "size > 1 raises a bare ValueError instead of StateTypeError naming metadata.x",
-)
 def test_metadata_rejects_arrays() -> None:
     with cas_ckpt.open("memory://") as repo, pytest.raises(cas_ckpt.StateTypeError) as info:
         repo.save({}, metadata={"x": np.array([1.0, 2.0])})
@@ -331,3 +326,18 @@ def test_repository_on_any_store_pair() -> None:
         root = repo.save({"a": (1, 2)})
         assert repo.load(root) == {"a": (1, 2)}
         assert repo.config.hash == "sha2-256"
+
+
+def test_save_expected_makes_read_modify_write_safe(repo: cas_ckpt.Repository) -> None:
+    first = repo.save({"n": 1})
+    second = repo.save({"n": 2})
+    with pytest.raises(cas_ckpt.RefConflict):
+        repo.save({"n": 3}, expected=first)  # a writer that loaded `first` lost the race
+    assert repo.resolve("main") == second
+    third = repo.save({"n": 3}, expected=second)
+    assert repo.commit(third).parents == (second,)
+
+
+def test_numpy_integer_step_is_accepted(repo: cas_ckpt.Repository) -> None:
+    cid = repo.save({"a": 1}, step=np.int64(7))
+    assert repo.commit(cid).step == 7

@@ -218,14 +218,13 @@ def test_paths(syntax_repo: cas_ckpt.Repository, path: Any, expected: Any) -> No
     assert_state_equal(expected, syntax_repo.load("main", path=path))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a sequence path is joined with dots again, so ['a', 'b'] finds the key 'a.b'",
-)
 def test_sequence_path_segments_are_exact_keys() -> None:
     with cas_ckpt.open("memory://") as repo:
         repo.save({"a": {"b": "nested"}, "a.b": "dotted"})
         assert repo.load(path=["a", "b"]) == "nested"
+        assert repo.load(path=["a.b"]) == "dotted"
+        with pytest.raises(cas_ckpt.PathNotFound):
+            repo.load(path=["a", "c"])
 
 
 @pytest.mark.parametrize(

@@ -155,8 +155,9 @@ def test_views_of_one_storage_each_keep_their_values() -> None:
         (lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), "quantized"),
         (lambda: torch.empty(3, device="meta"), "meta"),
         (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "convert it"),
+        (lambda: torch.nn.parameter.UninitializedParameter(), "subclass"),
     ],
-    ids=["complex32", "float4x2", "sparse", "quantized", "meta", "nested"],
+    ids=["complex32", "float4x2", "sparse", "quantized", "meta", "nested", "uninitialized"],
 )
 def test_unsavable_tensors_raise_state_type_error_naming_the_path(make: object, words: str) -> None:
     repo = cas_ckpt.open("memory://")
@@ -256,3 +257,12 @@ def test_bfloat16_bits_match_ml_dtypes() -> None:
     array, kind = tensor_to_numpy(t, "x")
     assert kind == "torch" and array.dtype == np.dtype(ml_dtypes.bfloat16)
     assert array.tolist() == [1.5, -2.25, float("inf")]
+
+
+def test_mmap_loads_give_writable_tensors(local_repo: cas_ckpt.Repository) -> None:
+    state = {"t": random_tensor(torch.float32, (300, 100)), "b": random_tensor(torch.bfloat16, (5000,))}
+    local_repo.save(state, ref="m")
+    out = local_repo.load("m", mmap=True)  # numpy gets read-only views; tensors need their own memory
+    for key, value in state.items():
+        assert type(out[key]) is torch.Tensor and bits(out[key]) == bits(value)
+    out["t"] += 1.0

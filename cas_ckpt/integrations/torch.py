@@ -81,7 +81,7 @@ def dtype_table() -> dict[Any, np.dtype[Any]]:
 def check_tensor(tensor: Any, path: str) -> None:
     """Raise :class:`StateTypeError` (naming ``path``) if ``tensor`` cannot be saved."""
     torch = _torch()
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)):
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         raise StateTypeError(path, f"cannot save a tensor subclass {type(tensor).__name__}")
     if tensor.is_quantized:
         raise StateTypeError(path, "cannot save a quantized tensor; save its int_repr() and scales")

@@ -1,6 +1,6 @@
 """Child of test_crash_points: crash the commit protocol at every filesystem step, and cut the power.
 
-Usage: ``_crash_child.py WORKDIR SCENARIO...``; prints one JSON object (points, images, failures).
+Usage: ``_crash_child.py WORKDIR PACK_SIZE SCENARIO...``; prints one JSON object (points, images, failures).
 Real fsyncs are skipped in this process: durability is modelled (below), not left to the disk.
 
 For each scenario this process builds a baseline repository, then for N = 1, 2, ... forks a child
@@ -42,7 +42,7 @@ import _support
 
 import cas_ckpt
 
-PACK_SIZE = 384 * 1024  # small packs: a save rolls over several of them
+PACK_SIZE = 384 * 1024  # small packs: a save rolls over several of them (argv can change it)
 CRASH_EXIT = 77
 DONE_EXIT = 0
 
@@ -515,8 +515,10 @@ def main() -> None:
     # images (later saves, GC) and building baselines runs without waiting on fsync.
     os.fsync = _no_fsync
     _REAL["fsync"] = _no_fsync
+    global PACK_SIZE
+    PACK_SIZE = int(sys.argv[2])
     outcome = Outcome()
-    for name in sys.argv[2:]:
+    for name in sys.argv[3:]:
         run_scenario(work, name, outcome, max_points=2000)
     print(json.dumps(outcome.__dict__))
 
