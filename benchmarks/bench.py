@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import gc
 import hashlib
+import inspect
 import json
 import math
 import multiprocessing
@@ -60,8 +61,6 @@ SUBTREE = {"a": "model.h.0", "b": "model.h.0", "c": "blocks.0", "d": "model.h.0"
 TOOLS = ("cas_ckpt", "torch", "safetensors", "npz", "cas_blake3")
 DEFAULT_TOOLS = ("cas_ckpt", "torch", "safetensors", "npz")
 CAS_HASH = {"cas_ckpt": "sha2-256", "cas_blake3": "blake3"}  # cas_ckpt variants by hash
-CAS_OPS = ("save_fresh", "save_unchanged", "save_changed", "load_verify", "load_noverify", "load_sub")
-BASE_OPS = ("save", "load", "load_sub")
 CHANGED_FRACTION = 0.10
 
 
@@ -277,6 +276,23 @@ def release_free_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
+PREWARM = {"enabled": True}
+
+
+def prewarm(nbytes: int) -> None:
+    """Touch and free ``nbytes`` of fresh memory so the next allocations get warm pages.
+
+    In a VM that hands free guest memory back to the host (virtio-balloon free page reporting,
+    as on the machine these figures come from), the first touch of such a page faults on the
+    host too: 1-3 s per GiB that lands at random on whichever operation allocates first. Loads
+    are preceded by this so that they measure the software, as on bare metal, where a first
+    touch costs about 0.1 s per GiB.
+    """
+    if PREWARM["enabled"] and nbytes > 0:
+        np.empty(nbytes, dtype=np.uint8).fill(1)
+        release_free_memory()
+
+
 class Meter:
     """Wall time and peak RSS above the starting RSS of the code inside ``with``.
 
@@ -463,14 +479,20 @@ def cas_save(state: BenchState, repo_dir: Path, step: int, hash_name: str = "sha
     }
 
 
-def cas_load(state: BenchState, repo_dir: Path, *, verify: bool, sub: bool) -> dict[str, Any]:
+def has_mmap_loads() -> bool:
+    return "mmap" in inspect.signature(cas_ckpt.Repository.load).parameters
+
+
+def cas_load(state: BenchState, repo_dir: Path, *, verify: bool, sub: bool, mmap: bool = False
+             ) -> dict[str, Any]:
     path = state.sub_path if sub else None
+    prewarm(2 * (state.nbytes if not sub else _nbytes(subset(state.arrays, path))))
     with Meter() as m:
         repo = cas_ckpt.open(repo_dir, verify=verify)
-        loaded = repo.load("main", path=path)
+        loaded = repo.load("main", path=path, **({"mmap": True} if mmap else {}))
         arrays, extras = prefixed(loaded, path) if path else flatten(loaded)
         sums = touch_all(arrays)
-    repo.close()
+    repo.close()  # mapped arrays stay valid: a mapping closes when its last view goes
     want = subset(state.arrays, path) if path else state.arrays
     want_extras = subset(state.extras, path) if path else state.extras
     check_equal(f"cas_ckpt load(path={path!r}, verify={verify})", arrays, want,
@@ -478,6 +500,10 @@ def cas_load(state: BenchState, repo_dir: Path, *, verify: bool, sub: bool) -> d
     return {**m.figures(), "logical_bytes": sum(a.nbytes for a in arrays.values()),
             "tensors": len(arrays), "checksum": fold(sums), "source_checksum": fold(touch_all(want)),
             "verified": True}
+
+
+def _nbytes(arrays: dict[str, np.ndarray]) -> int:
+    return sum(a.nbytes for a in arrays.values())
 
 
 def _jsonable(extras: dict[str, Any]) -> dict[str, Any]:
@@ -507,6 +533,7 @@ def base_save(tool: str, state: BenchState, path: Path) -> dict[str, Any]:
 
 def base_load(tool: str, state: BenchState, path: Path, *, sub: bool) -> dict[str, Any]:
     prefix = state.sub_path if sub else None
+    prewarm(2 * (state.nbytes if not sub else _nbytes(subset(state.arrays, prefix))))
     with Meter() as m:
         if tool == "torch":
             import torch
@@ -559,7 +586,7 @@ def bench_state(state: BenchState, reps: int, workdir: Path, tools: tuple[str, .
         attach_torch(state)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {t: {} for t in tools}
     change_rng = rng_for(1_000_003 + ord(state.name))
-    changed_bytes = 0
+    changed_bytes = _nbytes({k: state.arrays[k] for k in state.changed})
 
     def record(tool: str, op: str, result: dict[str, Any]) -> None:
         runs[tool].setdefault(op, []).append(result)
@@ -582,6 +609,9 @@ def bench_state(state: BenchState, reps: int, workdir: Path, tools: tuple[str, .
                        forked(lambda r=repo: cas_load(state, r, verify=False, sub=False)))
                 record(tool, "load_sub",
                        forked(lambda r=repo: cas_load(state, r, verify=True, sub=True)))
+                if has_mmap_loads():
+                    record(tool, "load_mmap", forked(
+                        lambda r=repo: cas_load(state, r, verify=False, sub=False, mmap=True)))
                 shutil.rmtree(repo)
             else:
                 path = workdir / f"{state.name}-r{rep}{EXT[tool]}"
@@ -679,7 +709,8 @@ def render(results: dict[str, Any]) -> str:
     lines = []
     machine = results["machine"]
     lines.append(f"cas_ckpt benchmark - size {results['config']['size']}, "
-                 f"{results['config']['reps']} reps (medians), warm page cache")
+                 f"{results['config']['reps']} reps (medians), warm page cache"
+                 f"{', memory prewarmed before loads' if results['config'].get('prewarm') else ''}")
     lines.append(f"machine: {machine['cpu_model']}, {machine['cpus']} cpus, "
                  f"{machine['mem_total_gib']:.0f} GiB, python {machine['python']}, "
                  f"numpy {machine['numpy']}, torch {machine.get('torch')}")
@@ -735,9 +766,12 @@ def ratio_rows(res: dict[str, Any]) -> list[tuple[str, str, dict[str, float]]]:
     if "cas_ckpt" not in ops:
         return []
     pairs = [("save_fresh", "save"), ("save_unchanged", "save"), ("save_changed", "save"),
-             ("load_verify", "load"), ("load_noverify", "load"), ("load_sub", "load_sub")]
+             ("load_verify", "load"), ("load_noverify", "load"), ("load_sub", "load_sub"),
+             ("load_mmap", "load")]
     rows = []
     for cas_op, base_op in pairs:
+        if cas_op not in ops["cas_ckpt"]:
+            continue
         values = {}
         for tool in TOOLS:
             if tool not in CAS_HASH and tool in ops:
@@ -812,6 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path,
                         help="where repositories and files are written (default: a new temp dir)")
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--no-prewarm", action="store_true",
+                        help="do not touch fresh memory before each load (see prewarm())")
     parser.add_argument("--quiet", action="store_true", help="print only the final tables")
     parser.add_argument("--render", type=Path, metavar="JSON",
                         help="print the tables of an earlier run's JSON and exit")
@@ -830,6 +866,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown tool {t!r}; choose from {','.join(TOOLS)}")
     if args.reps < 1:
         parser.error("--reps must be at least 1")
+    PREWARM["enabled"] = not args.no_prewarm
     if "torch" in tools:
         import torch  # noqa: F401  (import once in the parent; children inherit it)
 
@@ -845,6 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(workdir),
         "config": {"size": args.size, "reps": args.reps, "states": only, "tools": list(tools),
                    "seed": args.seed, "shapes": cfg, "workdir": str(workdir),
+                   "prewarm": PREWARM["enabled"],
                    "argv": sys.argv[1:] if argv is None else argv},
         "states": {},
     }

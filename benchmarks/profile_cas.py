@@ -8,9 +8,14 @@ Run one cas_ckpt operation on a benchmark state, for a profiler to record::
     .venv/bin/python benchmarks/profile_cas.py --size medium --state a --op load_verify \\
         --pyinstrument
 
+``--phases`` times, by wrapping them, the calls that matter (writes, fsyncs, hashing, waits for
+the thread pool) and prints where each run's time went, per thread kind.
+
 ``--op bounds`` instead measures what bounds the figures here: sha2-256 on one and on two
-threads, and writing a file with and without fsync. ``--summarise FILE`` folds a py-spy ``raw``
-(collapsed stacks) profile into the share of samples per cas_ckpt function and per leaf.
+threads, and writing a file with and without fsync. ``--op writeback`` times a save-like
+pipeline with the fsync only at the end against starting the writeback while writing.
+``--summarise FILE`` folds a py-spy ``raw`` (collapsed stacks) profile into the share of samples
+per cas_ckpt function and per leaf.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +44,63 @@ import cas_ckpt
 MiB = 1024 * 1024
 
 
-def run_op(size: str, state_name: str, op: str, repeat: int, use_pyinstrument: bool) -> None:
+class Phases:
+    """Cumulative seconds in wrapped calls: main thread (wall) and pool threads (thread-seconds)."""
+
+    def __init__(self) -> None:
+        self.main: collections.Counter[str] = collections.Counter()
+        self.pool: collections.Counter[str] = collections.Counter()
+        self._main_thread = threading.main_thread()
+        self._depth = threading.local()
+
+    def wrap(self, owner: Any, attr: str, label: str) -> None:
+        original = getattr(owner, attr)
+        phases = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(phases._depth, "n", 0)
+            if depth:  # count only the outermost wrapped call
+                return original(*args, **kwargs)
+            phases._depth.n = 1
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                phases._depth.n = 0
+                main = threading.current_thread() is phases._main_thread
+                (phases.main if main else phases.pool)[label] += time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+
+    def install(self) -> None:
+        from concurrent.futures import Future
+
+        from cas_ckpt import _fs, codec, tree
+        from cas_ckpt import cid as cidlib
+
+        self.wrap(_fs, "write_all", "write (os.write)")
+        self.wrap(os, "fsync", "fsync")
+        self.wrap(_fs, "fsync_dir", "fsync dir")
+        self.wrap(_fs, "pread_into", "pread")
+        self.wrap(cidlib, "matches", "verify hash")
+        self.wrap(cidlib.Hasher, "raw", "hash chunk")
+        self.wrap(cidlib.Hasher, "node", "hash node")
+        self.wrap(codec, "encode", "msgpack encode")
+        self.wrap(codec, "decode", "msgpack decode")
+        self.wrap(tree.TreeReader, "node", "read+verify+decode node")
+        self.wrap(Future, "result", "wait for pool")
+
+    def report(self, seconds: float) -> str:
+        main = ", ".join(f"{k} {v:.3f}" for k, v in self.main.most_common())
+        other = seconds - sum(self.main.values())
+        pool = ", ".join(f"{k} {v:.3f}" for k, v in self.pool.most_common())
+        self.main.clear()
+        self.pool.clear()
+        return f"    main thread: {main}, other {other:.3f}\n    pool threads: {pool or '-'}"
+
+
+def run_op(size: str, state_name: str, op: str, repeat: int, use_pyinstrument: bool,
+           phases: Phases | None = None) -> None:
     state = bench.build_state(state_name, bench.SIZES[size], 5 + ord(state_name))
     work = Path(tempfile.mkdtemp(prefix="cas-prof-"))
     repo_dir = work / "repo"
@@ -57,20 +120,30 @@ def run_op(size: str, state_name: str, op: str, repeat: int, use_pyinstrument: b
 
             profiler = Profiler(interval=0.001)
             profiler.start()
+        if phases is not None:
+            phases.install()
         for i in range(repeat):
             target = repo_dir if op != "save" else work / f"fresh{i}"
-            t0 = time.perf_counter()
             if op in ("save", "save_unchanged"):
                 with cas_ckpt.open(target) as repo:
+                    if phases is not None:
+                        phases.report(0.0)  # drop what opening the repository did
+                    t0 = time.perf_counter()
                     repo.save(state.nested, ref="main")
+                    seconds = time.perf_counter() - t0
             else:
                 with cas_ckpt.open(target, verify=op == "load_verify") as repo:
+                    if phases is not None:
+                        phases.report(0.0)
+                    t0 = time.perf_counter()
                     loaded = repo.load("main")
+                    seconds = time.perf_counter() - t0
                     arrays, _ = bench.flatten(loaded)
                     bench.touch_all(arrays)
                     del loaded, arrays
-            seconds = time.perf_counter() - t0
             print(f"{op} {i}: {seconds:.3f} s, {state.nbytes / seconds / 1e9:.2f} GB/s", flush=True)
+            if phases is not None:
+                print(phases.report(seconds), flush=True)
             if op == "save":
                 shutil.rmtree(target)
         if profiler is not None:
@@ -93,6 +166,14 @@ def bounds(total: int) -> None:
             hashlib.sha256(c).digest()
 
     print(f"sha2-256, 1 thread : {total / best(sha_one) / 1e9:.2f} GB/s")
+
+    def blake3_one() -> None:
+        import blake3
+
+        for c in chunks:
+            blake3.blake3(c).digest()
+
+    print(f"blake3, 1 thread   : {total / best(blake3_one) / 1e9:.2f} GB/s")
     for threads in (2, 4):
         with ThreadPoolExecutor(threads) as pool:
             def sha_pool(p: ThreadPoolExecutor = pool) -> None:
@@ -138,6 +219,60 @@ def bounds(total: int) -> None:
 
         print(f"first touch (fill) : {total / best(first_touch) / 1e9:.2f} GB/s")
         os.close(fd)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def writeback(total: int, reps: int = 3) -> None:
+    """A save's pipeline without cas_ckpt: 2 threads hash 1 MiB chunks, the main thread writes
+    them in order, then fsync. Compares fsync only at the end (what cas_ckpt's pack writer does)
+    with starting the writeback every 32 MiB while writing: sync_file_range(SYNC_FILE_RANGE_WRITE)
+    (Linux, through ctypes) or fdatasync on a helper thread.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    data = np.random.Generator(np.random.SFC64(0)).random(total // 4, dtype=np.float32)
+    view = memoryview(data.view(np.uint8))
+    chunks = [view[i : i + MiB] for i in range(0, total, MiB)]
+    work = Path(tempfile.mkdtemp(prefix="cas-writeback-"))
+    step = 32 * MiB
+
+    def save(mode: str, pool: ThreadPoolExecutor) -> tuple[float, float]:
+        path = work / "pack"
+        t0 = time.perf_counter()
+        hashes = [pool.submit(lambda c: hashlib.sha256(c).digest(), c) for c in chunks]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flusher: threading.Thread | None = None
+        done = flushed = 0
+        for chunk, digest in zip(chunks, hashes, strict=True):
+            digest.result()
+            os.write(fd, chunk)
+            done += chunk.nbytes
+            if done - flushed >= step:
+                if mode == "sync_file_range":
+                    libc.sync_file_range(fd, flushed, done - flushed, 2)  # SYNC_FILE_RANGE_WRITE
+                elif mode == "fdatasync thread" and (flusher is None or not flusher.is_alive()):
+                    flusher = threading.Thread(target=os.fdatasync, args=(fd,))
+                    flusher.start()
+                flushed = done
+        written = time.perf_counter() - t0
+        if flusher is not None:
+            flusher.join()
+        os.fsync(fd)
+        os.close(fd)
+        seconds = time.perf_counter() - t0
+        path.unlink()
+        return seconds, written
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(reps):
+                for mode in ("fsync at end", "sync_file_range", "fdatasync thread"):
+                    seconds, written = save(mode, pool)
+                    print(f"{mode:<17}: {seconds:.3f} s (hash+write phase {written:.3f} s), "
+                          f"{total / seconds / 1e9:.2f} GB/s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -202,10 +337,13 @@ def main() -> int:
     parser.add_argument("--state", choices=list(bench.STATES), default="a")
     parser.add_argument("--op", default="save",
                         choices=["save", "save_unchanged", "load_verify", "load_noverify",
-                                 "bounds"])
+                                 "bounds", "writeback"])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--pyinstrument", action="store_true", help="print a pyinstrument profile")
-    parser.add_argument("--bounds-mib", type=int, default=512)
+    parser.add_argument("--phases", action="store_true",
+                        help="time writes, fsyncs, hashing and waits inside each run")
+    parser.add_argument("--bounds-mib", type=int, default=512,
+                        help="data size for --op bounds and --op writeback")
     parser.add_argument("--summarise", type=Path, help="summarise a py-spy raw profile and exit")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--within", default="Repository.save",
@@ -215,8 +353,11 @@ def main() -> int:
         summarise(args.summarise, args.top, args.within)
     elif args.op == "bounds":
         bounds(args.bounds_mib * MiB)
+    elif args.op == "writeback":
+        writeback(args.bounds_mib * MiB)
     else:
-        run_op(args.size, args.state, args.op, args.repeat, args.pyinstrument)
+        run_op(args.size, args.state, args.op, args.repeat, args.pyinstrument,
+               Phases() if args.phases else None)
     return 0
 
 

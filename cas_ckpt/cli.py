@@ -234,10 +234,14 @@ def _fraction(text: str) -> float:
 # --------------------------------------------------------------------------------------------
 # Repository, output, progress
 # --------------------------------------------------------------------------------------------
-def repo_path(args: argparse.Namespace) -> Path | None:
-    """--repo, else $CAS_CKPT_REPO, else None."""
+def repo_path(args: argparse.Namespace) -> Path | str | None:
+    """--repo, else $CAS_CKPT_REPO, else None (a URL such as s3://bucket/prefix stays a string)."""
     given = args.repo or os.environ.get(ENV_REPO)
-    return Path(given) if given else None
+    return _location(given) if given else None
+
+
+def _location(given: str) -> Path | str:
+    return given if "://" in given else Path(given)
 
 
 @contextmanager
@@ -472,7 +476,7 @@ def tree_of(repo: Repository, root: bytes) -> bytes:
 # Commands
 # --------------------------------------------------------------------------------------------
 def cmd_init(args: argparse.Namespace) -> int:
-    path = Path(args.path) if args.path else (repo_path(args) or Path.cwd())
+    path = _location(args.path) if args.path else (repo_path(args) or Path.cwd())
     try:
         with cas_ckpt.open(path, create=False, read_only=True) as repo:
             _print(f"existing repository at {path} (hash {repo.config.hash}), left as it is")

@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from cas_ckpt import cid as cidlib
-from cas_ckpt.errors import DecodeError, InvalidCID
+from cas_ckpt.errors import DecodeError, InvalidCID, OutOfMemory
 
 LINK = 42
 HISTORY_LINK = 43
@@ -150,6 +150,8 @@ def decode(data: bytes, *, cid: bytes | None = None) -> Any:
         raise
     except RecursionError:
         raise DecodeError("nesting too deep", cid=name) from None
+    except MemoryError:
+        raise OutOfMemory(f"decoding node {name} of {len(data)} bytes ran out of memory") from None
     except (ValueError, TypeError, msgpack.UnpackException, UnicodeDecodeError, OverflowError) as e:
         raise DecodeError(f"malformed msgpack node: {type(e).__name__}: {e}", cid=name) from None
 

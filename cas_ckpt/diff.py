@@ -49,7 +49,7 @@ def leaves(reader: TreeReader, value: Any, path: str = "") -> dict[str, Any]:
             stack.extend((v, join_path(where, k)) for k, v in item.items())
         elif isinstance(item, list):
             stack.extend((v, join_path(where, i)) for i, v in enumerate(item))
-        elif isinstance(item, Tagged) and item.code == TUPLE:
+        elif isinstance(item, Tagged) and item.code == TUPLE and isinstance(item.value, list):
             stack.extend((v, join_path(where, i)) for i, v in enumerate(item.value))
         else:
             out[where] = item

@@ -27,6 +27,15 @@ class DecodeError(CasCkptError, ValueError):
         self.cid = cid
 
 
+class OutOfMemory(CasCkptError, MemoryError):
+    """Loading needs more memory than the process can get; names the size and what needed it.
+
+    Chunks are deduplicated, so a small node can rightly declare a huge value (a zero tensor is one
+    chunk repeated), and a hostile one can declare terabytes. Reads check every declared size
+    against the stored sizes, then allocate; a failed allocation is this error (also a MemoryError).
+    """
+
+
 class BlockNotFound(CasCkptError, KeyError):
     """No block with this CID is in the store."""
 

@@ -57,8 +57,12 @@ def check(
             refs.reflog(name)
         except CasCkptError as exc:
             report.store_problems.append(str(exc))
-    for pin in refs.pins():
-        roots.setdefault(pin, "pin")
+    report.store_problems.extend(_lost_refs(refs))
+    try:
+        for pin in refs.pins():
+            roots.setdefault(pin, "pin")
+    except CasCkptError as exc:
+        report.store_problems.append(str(exc))
     reach = walk(blocks, roots, check_raw=True)
     report.reachable_blocks = len(reach.live)
     problems: dict[bytes, Problem] = dict(reach.problems)
@@ -84,6 +88,33 @@ def check(
         report.blocks_checked += 1
     report.problems = sorted(problems.values(), key=lambda p: p.cid)
     return report
+
+
+def _lost_refs(refs: RefStore) -> list[str]:
+    """Refs whose reflog says they hold a checkpoint but that are gone (removed behind our back).
+
+    A ref may lag its last entry by one update (a crash between the reflog append and the ref
+    write), so only a ref matching neither the last entry's new nor its old value is reported.
+    """
+    lost = []
+    try:
+        names = refs.reflog_names()
+    except CasCkptError:
+        return []
+    for name in names:
+        try:
+            entries = refs.reflog(name)
+            if not entries:
+                continue
+            current = refs.get(name)
+        except CasCkptError:
+            continue  # reported with the ref's other problems
+        last = entries[-1]
+        if current not in (last.new, last.old):
+            held = cidlib.to_str(current) if current else "nothing"
+            wanted = cidlib.to_str(last.new) if last.new else "nothing"
+            lost.append(f"ref {name!r} holds {held} but its reflog says {wanted}")
+    return lost
 
 
 def _names(refs: RefStore, report: FsckReport) -> list[str]:

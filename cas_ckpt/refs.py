@@ -23,13 +23,15 @@ from cas_ckpt.errors import CorruptStore, InvalidRefName, RefLocked
 
 _FORBIDDEN = set(' \\*?[]:~^"<>|')
 MAX_REF_LENGTH = 1024
+MAX_SEGMENT_BYTES = 250  # on disk: a file name is at most 255 bytes, and locks add ".lock"
 
 
 def check_ref_name(name: object) -> str:
     """Return ``name`` if it is a valid ref name, else raise :class:`InvalidRefName`.
 
     Names are ``/``-separated segments; no empty, ``.`` or ``..`` segment, none starting with ``.``
-    or ending in ``.lock``, no control characters, whitespace or ``\\*?[]:~^"<>|``.
+    or ending in ``.lock`` or ``.tmp``, no control characters, whitespace or ``\\*?[]:~^"<>|``.
+    On disk (:class:`LocalRefStore`) a segment is also at most 250 bytes of UTF-8.
     """
     if not isinstance(name, str):
         raise InvalidRefName(name, "must be a string")
@@ -50,8 +52,9 @@ def check_ref_name(name: object) -> str:
             raise InvalidRefName(name, "has an empty segment (leading, trailing or double '/')")
         if segment.startswith("."):
             raise InvalidRefName(name, "has a segment starting with '.' (including '..')")
-        if segment.endswith(".lock"):
-            raise InvalidRefName(name, "has a segment ending in '.lock'")
+        if segment.endswith((".lock", ".tmp")):
+            # Lock and temp files: listings skip them, so GC would not see such a ref.
+            raise InvalidRefName(name, "has a segment ending in '.lock' or '.tmp'")
     return name
 
 
@@ -268,19 +271,22 @@ class LocalRefStore(RefStore):
 
     def ensure_dirs(self) -> None:
         for d in (self.refs_dir, self.logs_dir, self.pins_dir, self.locks_dir):
-            _fs.makedirs(d)
+            _fs.makedirs(_fs.refuse_links(self.root, d))
 
     def _path(self, base: Path, name: str) -> Path:
-        return base.joinpath(*check_ref_name(name).split("/"))
+        segments = check_ref_name(name).split("/")
+        if any(len(s.encode("utf-8")) > MAX_SEGMENT_BYTES for s in segments):
+            raise InvalidRefName(name, f"has a segment over {MAX_SEGMENT_BYTES} bytes (a file name)")
+        path = base.joinpath(*segments)
+        _fs.refuse_links(self.root, path.parent)  # the file itself is opened without following
+        return path
 
     def get(self, name: str) -> bytes | None:
         return self._read(self._path(self.refs_dir, name))
 
     def _read(self, path: Path) -> bytes | None:
         try:
-            if path.is_symlink():
-                raise CorruptStore(path, "ref file is a symlink; refusing to follow it")
-            text = path.read_text(encoding="ascii").strip()
+            text = _fs.read_bytes(path).decode("ascii").strip()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
         except UnicodeDecodeError:
@@ -299,9 +305,14 @@ class LocalRefStore(RefStore):
                 return False
             if new is None:
                 # As git does: a deleted ref takes its reflog along (step refs come and go often).
+                # The reflog goes first, durably: a ref left without a reflog is fine, a reflog
+                # naming a checkpoint for a ref that is gone is what fsck reports as a lost ref.
+                log = self._path(self.logs_dir, name)
+                if log.exists():
+                    log.unlink()
+                    _fs.fsync_dir(log.parent)
                 path.unlink()
                 _fs.fsync_dir(path.parent)
-                self._path(self.logs_dir, name).unlink(missing_ok=True)
             else:
                 self._append_log(name, ReflogEntry(current, new, time.time(), message))
                 _fs.atomic_write(path, (cidlib.to_str(new) + "\n").encode("ascii"))
@@ -363,13 +374,13 @@ class LocalRefStore(RefStore):
     @staticmethod
     def _lock_text(lock: Path) -> str | None:
         try:
-            return lock.read_text(errors="replace")
+            return _fs.read_bytes(lock).decode(errors="replace")
         except FileNotFoundError:
             return None
 
     def _break_stale(self, lock: Path, seen: str) -> None:
         # Re-check under a kernel lock: two breakers must not remove a lock a live writer just took.
-        self.locks_dir.mkdir(parents=True, exist_ok=True)
+        _fs.makedirs(_fs.refuse_links(self.root, self.locks_dir))
         with _fs.flocked(self.locks_dir / "refs.breaker", exclusive=True):
             if self._lock_text(lock) == seen:
                 lock.unlink(missing_ok=True)
@@ -377,15 +388,27 @@ class LocalRefStore(RefStore):
     def _append_log(self, name: str, entry: ReflogEntry) -> None:
         path = self._path(self.logs_dir, name)
         _fs.makedirs(path.parent)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = _fs.open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
         try:
-            _fs.write_all(fd, (entry.to_json() + "\n").encode("ascii"))
-            os.fsync(fd)
+            with _fs.naming(path):
+                # A torn line (an append cut short by a crash or a full disk) is dropped, never
+                # left for the next line to be glued to; a failed append leaves no part behind.
+                start = _whole_lines_length(fd)
+                if start != os.fstat(fd).st_size:
+                    os.ftruncate(fd, start)
+                try:
+                    _fs.write_all(fd, (entry.to_json() + "\n").encode("ascii"))
+                    os.fsync(fd)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, start)
+                    raise
         finally:
             os.close(fd)
 
     def _walk(self, base: Path, suffix_skip: tuple[str, ...] = (".lock", ".tmp")) -> list[str]:
         names = []
+        _fs.refuse_links(self.root, base)  # os.walk follows its top (not links below it)
         for dirpath, _dirs, files in os.walk(base):
             for f in files:
                 if f.endswith(suffix_skip) or f.startswith("."):
@@ -401,7 +424,7 @@ class LocalRefStore(RefStore):
     def reflog(self, name: str) -> list[ReflogEntry]:
         path = self._path(self.logs_dir, name)
         try:
-            lines = path.read_bytes().split(b"\n")
+            lines = _fs.read_bytes(path).split(b"\n")
         except FileNotFoundError:
             return []
         entries = []
@@ -411,8 +434,8 @@ class LocalRefStore(RefStore):
             try:
                 entries.append(ReflogEntry.from_json(line.decode("ascii")))
             except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-                if number == len(lines) - 1 or number == len(lines):
-                    continue  # a torn last line: the update it began never happened
+                if number == len(lines):
+                    continue  # a torn last line (no newline): the update it began never happened
                 raise CorruptStore(path, f"line {number}: {exc}") from None
         return entries
 
@@ -421,16 +444,25 @@ class LocalRefStore(RefStore):
 
     def pins(self) -> set[bytes]:
         try:
-            return {cidlib.to_bytes(n) for n in os.listdir(self.pins_dir) if n.startswith("b")}
+            names = os.listdir(_fs.refuse_links(self.root, self.pins_dir))
         except FileNotFoundError:
             return set()
+        found = set()
+        for name in names:
+            if name.endswith(".tmp") or name.startswith("."):
+                continue  # a pin() a crash cut short
+            try:
+                found.add(cidlib.to_bytes(name))
+            except ValueError:
+                raise CorruptStore(self.pins_dir / name, "pin file name is not a CID") from None
+        return found
 
     def pin(self, cid: bytes) -> None:
-        path = self.pins_dir / cidlib.to_str(cid)
+        path = _fs.refuse_links(self.root, self.pins_dir) / cidlib.to_str(cid)
         _fs.atomic_write(path, b"")
 
     def unpin(self, cid: bytes) -> bool:
-        path = self.pins_dir / cidlib.to_str(cid)
+        path = _fs.refuse_links(self.root, self.pins_dir) / cidlib.to_str(cid)
         try:
             path.unlink()
         except FileNotFoundError:
@@ -440,9 +472,11 @@ class LocalRefStore(RefStore):
 
     def read_config(self) -> dict[str, Any] | None:
         try:
-            text = self.config_path.read_text(encoding="utf-8")
+            text = _fs.read_bytes(self.config_path).decode("utf-8")
         except (FileNotFoundError, NotADirectoryError):  # NotADirectory: the root is a file
             return None
+        except UnicodeDecodeError:
+            raise CorruptStore(self.config_path, "not UTF-8 text") from None
         try:
             config = json.loads(text)
         except ValueError as exc:
@@ -459,7 +493,21 @@ class LocalRefStore(RefStore):
         return self.read_config() or config
 
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
-        return _flock_none(self.locks_dir / "gc.lock", exclusive)
+        return _flock_none(_fs.refuse_links(self.root, self.locks_dir) / "gc.lock", exclusive)
+
+
+def _whole_lines_length(fd: int) -> int:
+    """The length of the file up to and including its last newline."""
+    pos = os.fstat(fd).st_size
+    if pos == 0 or os.pread(fd, 1, pos - 1) == b"\n":
+        return pos
+    while pos > 0:
+        start = max(0, pos - 4096)
+        newline = os.pread(fd, pos - start, start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        pos = start
+    return 0
 
 
 @contextlib.contextmanager

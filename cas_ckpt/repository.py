@@ -25,7 +25,9 @@ from cas_ckpt.codec import HistoryLink, Link
 from cas_ckpt.diff import DiffReport, compare
 from cas_ckpt.errors import (
     BlockNotFound,
+    CasCkptError,
     CheckpointExpired,
+    CorruptBlock,
     DecodeError,
     InvalidCID,
     InvalidRefName,
@@ -44,6 +46,7 @@ from cas_ckpt.stores.local import LocalStore
 from cas_ckpt.stores.memory import MemoryStore
 from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter
 from cas_ckpt.usage import Usage, usage
+from cas_ckpt.walk import walk
 
 FORMAT = "cas_ckpt"
 FORMAT_VERSION = 1
@@ -287,9 +290,17 @@ class Repository:
                 value = reader.select(Link(tree), list(path), cidlib.to_str(root), exact=True)
             return reader.load(value)
         except BlockNotFound as exc:
-            if tree != root:
+            if tree != root and not self._held(root):
                 raise CheckpointExpired(cidlib.to_str(root), exc.cid) from None
-            raise
+            raise  # GC keeps what refs and pins hold: a block missing there is damage
+
+    def _held(self, root: bytes) -> bool:
+        """True if a ref or a pin holds ``root`` (so GC never removed its data)."""
+        try:
+            store = self.refs_store
+            return root in store.pins() or any(store.get(n) == root for n in store.names())
+        except CasCkptError:
+            return False
 
     def _reader(self, verify: bool | None, map_location: Any, mmap: bool = False) -> TreeReader:
         factory = None
@@ -356,9 +367,10 @@ class Repository:
     def set_ref(self, ref: str, target: Target, *, expected: Target | None = None) -> CID:
         """Point ``ref`` at ``target`` (compare-and-swap against ``expected`` when given)."""
         new = self._resolve(target)
-        self.blocks.get(new)  # never point a ref at a block that is not stored
-        old = self._resolve(expected) if expected is not None else self.refs_store.get(ref)
-        self._move_ref(ref, old, new, f"set to {cidlib.to_str(new)}")
+        with self.refs_store.lock(exclusive=False):  # GC cannot sweep it between check and move
+            self._check_complete(new)  # never point a ref at a partial checkpoint
+            old = self._resolve(expected) if expected is not None else self.refs_store.get(ref)
+            self._move_ref(ref, old, new, f"set to {cidlib.to_str(new)}")
         return cidlib.to_cid(new)
 
     def delete_ref(self, ref: str, *, expected: Target | None = None) -> None:
@@ -376,17 +388,36 @@ class Repository:
         Saves to ``ref`` continue its history, and share every unchanged block with ``source``.
         """
         new = self._resolve(source)
-        self.blocks.get(new)
-        self._move_ref(check_ref_name(ref), None, new, f"fork from {source}")
+        with self.refs_store.lock(exclusive=False):
+            self._check_complete(new)
+            self._move_ref(check_ref_name(ref), None, new, f"fork from {source}")
         return cidlib.to_cid(new)
 
     # -- maintenance ---------------------------------------------------------------------------
     def pin(self, target: Target) -> CID:
         """Keep ``target`` and everything it reaches through GC, without a ref."""
         cid = self._resolve(target)
-        self.blocks.get(cid)
-        self.refs_store.pin(cid)
+        with self.refs_store.lock(exclusive=False):
+            self._check_complete(cid)
+            self.refs_store.pin(cid)
         return cidlib.to_cid(cid)
+
+    def _check_complete(self, cid: bytes) -> None:
+        """Raise unless every block ``cid`` needs is stored and sound.
+
+        A ref or pin at a partial checkpoint (say, a commit from the history whose data GC removed)
+        would not load, and would make every later GC refuse to run. Call with the save lock held.
+        """
+        self.blocks.refresh()
+        self.blocks.get(cid)  # BlockNotFound / CorruptBlock for the root itself
+        problems = walk(self.blocks, {cid: "target"}, check_raw=True).problems
+        if problems:
+            first = next(iter(problems.values()))
+            if first.kind == "missing":
+                raise CheckpointExpired(cidlib.to_str(cid), first.cid)
+            if first.kind == "corrupt":
+                raise CorruptBlock(first.cid)
+            raise DecodeError(first.detail)
 
     def unpin(self, target: Target) -> bool:
         """Drop a pin; False if it was not pinned."""
@@ -537,6 +568,7 @@ def _check_config(config: dict[str, Any], location: str) -> _Config:
 
 
 MEMORY = "memory://"
+S3 = "s3://"
 _SKELETON = ("refs", "logs", "pins", "locks", "packs", "tmp")
 
 
@@ -562,10 +594,13 @@ def open(
     chunk_size: int = MAX_CHUNK,
     verify: bool = True,
     read_only: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Repository:
     """Open the repository at ``path``, creating it if missing (unless ``create=False``).
 
-    ``path`` is a directory, or ``"memory://"`` for a throwaway in-memory repository. ``hash``
+    ``path`` is a directory, ``"s3://bucket/prefix"`` for S3 or any S3-compatible server (the AWS
+    environment variables apply; ``storage_options`` such as ``cache_dir`` are described in
+    ``docs/scale-out.md``), or ``"memory://"`` for a throwaway in-memory repository. ``hash``
     (``"sha2-256"`` or ``"blake3"``) and ``chunk_size`` apply when creating; an existing repository
     keeps its own. ``verify=False`` skips re-hashing blocks on reads.
     """
@@ -573,6 +608,12 @@ def open(
         raise ValueError(f"unsupported hash {hash!r}; choose one of {sorted(cidlib.HASH_CODES)}")
     if not 4096 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be between 4096 and {MAX_CHUNK} bytes")
+    if str(path).startswith(S3):
+        config = {"format": FORMAT, "version": FORMAT_VERSION, "hash": hash, "chunk_size": chunk_size}
+        return _open_s3(str(path), config, create=create, verify=verify, read_only=read_only,
+                        options=dict(storage_options or {}))
+    if storage_options:
+        raise ValueError("storage_options apply to s3:// repositories only")
     if str(path) == MEMORY:
         return Repository(
             MemoryStore(verify=verify), MemoryRefStore(), hash=hash, chunk_size=chunk_size,
@@ -595,3 +636,26 @@ def open(
         refs.ensure_dirs()
     store = LocalStore(root, verify=verify, read_only=read_only)
     return Repository(store, refs, create=False, location=str(root))
+
+
+def _open_s3(
+    url: str, config: dict[str, Any], *, create: bool, verify: bool, read_only: bool,
+    options: dict[str, Any],
+) -> Repository:
+    from cas_ckpt.refs_s3 import s3_stores  # boto3 only when an s3:// repository is opened
+
+    blocks, refs = s3_stores(url, verify=verify, read_only=read_only, **options)
+    try:
+        if refs.read_config() is None:
+            if not create or read_only:
+                raise RepositoryError(f"no cas_ckpt repository at {url}")
+            # Lease and probe objects may be another process's, creating this repository right now.
+            foreign = [m for m in refs.bucket.list("", limit=100) if not m.key.startswith("locks/")]
+            if foreign and refs.read_config() is None:
+                raise RepositoryError(f"{url} holds other objects and is not a cas_ckpt repository")
+            refs.init_config(config)
+        _check_config(refs.read_config() or {}, url)
+        return Repository(blocks, refs, create=False, location=url)
+    except BaseException:
+        blocks.close()
+        raise

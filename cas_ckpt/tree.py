@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -40,7 +41,14 @@ from multiformats import CID
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
 from cas_ckpt.codec import Link, Tagged
-from cas_ckpt.errors import CorruptBlock, DecodeError, InvalidCID, PathNotFound, StateTypeError
+from cas_ckpt.errors import (
+    CorruptBlock,
+    DecodeError,
+    InvalidCID,
+    OutOfMemory,
+    PathNotFound,
+    StateTypeError,
+)
 from cas_ckpt.stores.base import BlockStore, BlockWriter
 
 TUPLE, BIGINT, NDARRAY, BLOB, SCALAR, PAGES, CID_VALUE = 1, 2, 3, 4, 5, 6, 7
@@ -51,6 +59,10 @@ SPLIT_LIMIT = 64 * 1024  # containers whose encoding is larger get a node of the
 PAGE_LIMIT = MAX_CHUNK - 64  # nodes are cut into pages below this size
 MAX_LINKS = 16384  # chunk links kept in one descriptor before they move into link pages
 MAX_DEPTH = 256
+# Node reads allowed for one load. A tree cas_ckpt writes reads each node about once (a node holds
+# at least 64 KiB of structure, or a page of ~1 MiB); a hostile DAG whose nodes each link twice to
+# the one below would otherwise expand to 2**depth reads (a "billion laughs").
+MAX_NODE_READS = 1 << 18
 MAX_KEY = 64 * 1024
 MAX_BIGINT_BYTES = 64 * 1024
 CDC_MIN, CDC_AVG, CDC_MAX = 64 * 1024, 256 * 1024, MAX_CHUNK
@@ -142,8 +154,9 @@ class TreeWriter:
         plan = self._prepare(state, "", 0)
         try:
             return self._put_node(self._body(plan, ""))
-        finally:
+        except BaseException:
             _release(plan)
+            raise
 
     # -- first walk: check types, start hashing ------------------------------------------------
     def _prepare(self, value: Any, path: str, depth: int) -> Any:
@@ -193,7 +206,17 @@ class TreeWriter:
             return self._prepare_array(array, path, kind_name)
         if isinstance(value, CID):
             return self._cid_value(value, path)
+        if kind is Link:
+            return self._linked(value, path)
         raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}")
+
+    def _linked(self, value: Link, path: str) -> Link:
+        """A sub-tree already stored (e.g. by another process): linked as it is, not re-encoded."""
+        if not cidlib.is_node(value.cid):
+            raise StateTypeError(path, f"link to {cidlib.to_str(value.cid)}: not a node")
+        if not self.writer.has(value.cid):
+            raise StateTypeError(path, f"link to {cidlib.to_str(value.cid)}: block not stored")
+        return value
 
     def _cid_value(self, value: CID, path: str) -> Tagged:
         """A CID in the state: a strong link to a block that must already be stored."""
@@ -230,7 +253,7 @@ class TreeWriter:
             header["kind"] = kind
         self.logical_bytes += data.nbytes
         if data.nbytes <= INLINE_LIMIT:
-            return Tagged(NDARRAY, {**header, "data": bytes(data)})
+            return Tagged(NDARRAY, {**header, "data": data})  # msgpack packs the view: no copy
         size = self.chunk_size
         chunks = [data[i : i + size] for i in range(0, data.nbytes, size)]
         header["chunk_size"] = size
@@ -384,8 +407,16 @@ class TreeReader:
         self.verify = store.verify if verify is None else verify
         self.tensor_factory = tensor_factory
         self.mmap = mmap
+        self.node_reads = 0
 
     def node(self, cid: bytes) -> Any:
+        self.node_reads += 1
+        if self.node_reads > MAX_NODE_READS:
+            raise DecodeError(
+                f"over {MAX_NODE_READS} node reads for one value: its sub-trees are shared so "
+                "many times that loading multiplies them (cas_ckpt never writes such a tree)",
+                cid=cidlib.to_str(cid),
+            )
         return codec.decode(self.store.get(cid, verify=self.verify), cid=cid)
 
     # -- navigation ----------------------------------------------------------------------------
@@ -405,22 +436,29 @@ class TreeReader:
     def _join_pages(self, spec: Any) -> Any:
         if not isinstance(spec, dict) or spec.get("kind") not in ("map", "list", "tuple"):
             raise DecodeError("malformed page set")
-        pages = [self.node(_link(p).cid) for p in _seq(spec.get("pages"), "pages")]
-        if spec["kind"] == "map":
-            joined: dict[Any, Any] = {}
-            for page in pages:
-                if not isinstance(page, dict):
-                    raise DecodeError("map page is not a map")
-                for key in page:
-                    if key in joined:
-                        raise DecodeError(f"key {key!r} appears in two pages")
-                joined.update(page)
-            return joined
-        items: list[Any] = []
-        for page in pages:
-            if not isinstance(page, list):
-                raise DecodeError("list page is not a list")
-            items.extend(page)
+        # Pages are read one at a time (a bad one fails before the rest are read), and a page
+        # repeated is decoded once: a hostile page set cannot multiply the decoding work.
+        pages = _Pages(self)
+        try:
+            if spec["kind"] == "map":
+                joined: dict[Any, Any] = {}
+                for link in _seq(spec.get("pages"), "pages"):
+                    page = pages.get(_link(link).cid)
+                    if not isinstance(page, dict):
+                        raise DecodeError("map page is not a map")
+                    for key in page:
+                        if key in joined:
+                            raise DecodeError(f"key {key!r} appears in two pages")
+                    joined.update(page)
+                return joined
+            items: list[Any] = []
+            for link in _seq(spec.get("pages"), "pages"):
+                page = pages.get(_link(link).cid)
+                if not isinstance(page, list):
+                    raise DecodeError("list page is not a list")
+                items.extend(page)
+        except MemoryError:
+            raise OutOfMemory("joining the pages of a container ran out of memory") from None
         return Tagged(TUPLE, items) if spec["kind"] == "tuple" else items
 
     def select(self, root: Any, path: Sequence[Any], root_cid: str, *, exact: bool = False) -> Any:
@@ -436,7 +474,7 @@ class TreeReader:
             if isinstance(value, dict):
                 key, used = (rest[0], 1) if exact else _match_key(value, rest)
             elif isinstance(value, list) or (isinstance(value, Tagged) and value.code == TUPLE):
-                items = value if isinstance(value, list) else value.value
+                items = value if isinstance(value, list) else _seq(value.value, "tuple")
                 key, used = _index(rest[0]), 1
                 if key is None or not -len(items) <= key < len(items):
                     raise PathNotFound(".".join(map(str, [*done, rest[0]])), root_cid)
@@ -494,28 +532,18 @@ class TreeReader:
     def _chunk_links(self, header: dict[str, Any]) -> list[bytes]:
         if "chunk_pages" in header:
             links: list[Any] = []
+            pages = _Pages(self)  # a page repeated is decoded once
             for page in _seq(header["chunk_pages"], "chunk_pages"):
-                links.extend(_seq(self.node(_link(page).cid), "chunk page"))
+                links.extend(_seq(pages.get(_link(page).cid), "chunk page"))
         else:
             links = list(_seq(header.get("chunks"), "chunks"))
         return [_link(x).cid for x in links]
 
     def _fill(self, cids: list[bytes], sizes: list[int], out: memoryview) -> None:
-        """Read chunks into consecutive slices of ``out`` in parallel threads."""
-        offsets = [0]
-        for s in sizes:
-            offsets.append(offsets[-1] + s)
-        if offsets[-1] != out.nbytes:
-            raise DecodeError(f"chunks hold {offsets[-1]} bytes, expected {out.nbytes}")
-
-        def read(i: int) -> None:
-            self.store.get_into(cids[i], out[offsets[i] : offsets[i + 1]], verify=self.verify)
-
-        if len(cids) == 1:
-            read(0)
-            return
-        for future in [self.pool.submit(read, i) for i in range(len(cids))]:
-            future.result()
+        """Read chunks into consecutive slices of ``out`` (in parallel: see the store)."""
+        if sum(sizes) != out.nbytes:
+            raise DecodeError(f"chunks hold {sum(sizes)} bytes, expected {out.nbytes}")
+        self.store.get_many_into(cids, sizes, out, self.pool, verify=self.verify)
 
     def _sizes(self, cids: list[bytes]) -> list[int]:
         return [self.store.size(c) for c in cids]
@@ -531,26 +559,35 @@ class TreeReader:
         if order not in ("C", "F"):
             raise DecodeError(f"unknown array order {order!r}")
         nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > sys.maxsize:
+            raise DecodeError(f"array of shape {shape} is larger than any buffer")
         if "data" in header:
             data = header["data"]
             if not isinstance(data, bytes) or len(data) != nbytes:
                 raise DecodeError("inline array data does not match its shape")
             flat = np.frombuffer(data, dtype=np.uint8).copy()
         else:
+            kind = header.get("kind", "numpy")
+            mapping = self.mmap and kind == "numpy"
+            # Allocate first: a declared size the process cannot hold fails here, before any
+            # chunk link page is read (one chunk repeated can declare terabytes in a small node).
+            out = None if mapping else _allocate(nbytes, f"an array of shape {shape}")
             cids = self._chunk_links(header)
-            sizes = self._sizes(cids)  # bounds the allocation by what is really stored
+            sizes = self._sizes(cids)  # the declared size must be what is really stored
             if sum(sizes) != nbytes:
                 raise DecodeError(f"array chunks hold {sum(sizes)} bytes, shape needs {nbytes}")
-            kind = header.get("kind", "numpy")
-            mapped = self.store.map_blocks(cids) if self.mmap and kind == "numpy" else None
+            mapped = self.store.map_blocks(cids) if mapping else None
             if mapped is not None:
                 self._verify_mapped(cids, sizes, mapped)
                 flat = np.frombuffer(mapped, dtype=np.uint8)  # read-only, backed by the pack
             else:
-                flat = np.empty(nbytes, dtype=np.uint8)
+                flat = out if out is not None else _allocate(nbytes, f"an array of shape {shape}")
                 self._fill(cids, sizes, memoryview(flat))
         array = flat.view(dtype)
-        array = array.reshape(shape[::-1]).T if order == "F" else array.reshape(shape)
+        try:
+            array = array.reshape(shape[::-1]).T if order == "F" else array.reshape(shape)
+        except ValueError as exc:  # e.g. a zero-size shape whose other dimensions overflow
+            raise DecodeError(f"array shape {shape} is impossible: {exc}") from None
         kind = header.get("kind", "numpy")
         if kind == "numpy":
             return array
@@ -576,11 +613,16 @@ class TreeReader:
         size = header.get("size")
         if type(size) is not int or size < 0:
             raise DecodeError("malformed blob size")
+        if size > sys.maxsize:
+            raise DecodeError(f"blob of {size} bytes is larger than any buffer")
+        try:
+            buffer = bytearray(size)  # first: a size the process cannot hold fails here
+        except MemoryError:
+            raise OutOfMemory(f"cannot allocate {size} bytes for a byte string") from None
         cids = self._chunk_links(header)
         sizes = self._sizes(cids)
         if sum(sizes) != size:
             raise DecodeError(f"blob chunks hold {sum(sizes)} bytes, header says {size}")
-        buffer = bytearray(size)
         self._fill(cids, sizes, memoryview(buffer))
         if header.get("str"):
             try:
@@ -588,6 +630,27 @@ class TreeReader:
             except UnicodeDecodeError:
                 raise DecodeError("text blob is not UTF-8") from None
         return bytes(buffer)
+
+
+class _Pages:
+    """Decoded page nodes of one container or one chunk list, each decoded once."""
+
+    def __init__(self, reader: TreeReader) -> None:
+        self.reader = reader
+        self.seen: dict[bytes, Any] = {}
+
+    def get(self, cid: bytes) -> Any:
+        page = self.seen.get(cid)
+        if page is None:
+            page = self.seen[cid] = self.reader.node(cid)
+        return page
+
+
+def _allocate(nbytes: int, what: str) -> np.ndarray[Any, Any]:
+    try:
+        return np.empty(nbytes, dtype=np.uint8)
+    except MemoryError:
+        raise OutOfMemory(f"cannot allocate {nbytes} bytes for {what}") from None
 
 
 def _link(value: Any) -> Link:

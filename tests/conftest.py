@@ -7,6 +7,11 @@ and ``long`` (many more examples), selected with ``CAS_CKPT_LONG=1``.
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -53,3 +58,54 @@ def local_repo(tmp_path: os.PathLike[str]) -> Iterator[cas_ckpt.Repository]:
     """A fresh repository on disk (``repo.location`` is its directory)."""
     with cas_ckpt.open(str(tmp_path) + "/repo") as repository:
         yield repository
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[str]:
+    """A real S3-protocol server process (moto) on 127.0.0.1 for the session; yields its endpoint."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the moto S3 server did not start") from None
+            time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def s3_env(moto_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> str:
+    """The AWS environment variables pointed at the moto server (and nothing else); its endpoint."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path) + "/no-aws-config")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path) + "/no-aws-credentials")
+    return moto_server
+
+
+@pytest.fixture
+def s3_url(s3_env: str) -> str:
+    """A fresh, empty bucket on the moto server: ``s3://<bucket>/repo``."""
+    import boto3
+
+    bucket = f"test-{uuid.uuid4().hex[:20]}"
+    boto3.client("s3", endpoint_url=s3_env).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/repo"

@@ -140,10 +140,14 @@ def test_fuzz_accepted_names_stay_inside_the_repository(name: str) -> None:
 
 
 # -- compare-and-swap semantics (shared by both ref stores) --------------------------------------
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def refs(request: pytest.FixtureRequest, tmp_path: Path) -> cas_ckpt.RefStore:
     if request.param == "memory":
         return cas_ckpt.MemoryRefStore()
+    if request.param == "s3":  # conditional writes on a real S3-protocol server (see test_s3.py)
+        from cas_ckpt.refs_s3 import S3RefStore
+
+        return S3RefStore(request.getfixturevalue("s3_url"))
     store = cas_ckpt.LocalRefStore(tmp_path / "repo")
     store.ensure_dirs()
     return store

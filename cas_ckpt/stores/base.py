@@ -8,9 +8,11 @@ store was opened with ``verify=False``.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -139,6 +141,25 @@ class BlockStore(ABC):
             raise BlockNotFound(cidlib.to_str(cid), self._missing_hint())
         if (self.verify if verify is None else verify) and not cidlib.matches(cid, out):
             raise CorruptBlock(cidlib.to_str(cid))
+
+    def get_many_into(
+        self, cids: list[bytes], sizes: list[int], out: memoryview, pool: Executor, *,
+        verify: bool | None = None,
+    ) -> None:
+        """Read blocks of these ``sizes`` into consecutive slices of ``out``, in parallel on ``pool``.
+
+        Remote stores override this to fetch blocks that lie back to back in one request.
+        """
+        offsets = [0, *itertools.accumulate(sizes)]
+
+        def read(i: int) -> None:
+            self.get_into(cids[i], out[offsets[i] : offsets[i + 1]], verify=verify)
+
+        if len(cids) == 1:
+            read(0)
+            return
+        for future in [pool.submit(read, i) for i in range(len(cids))]:
+            future.result()
 
     def map_blocks(self, cids: list[bytes]) -> memoryview | None:
         """A read-only view of these blocks if they lie back to back in one file, else None.

@@ -32,6 +32,7 @@ FOOTER_MAGIC = b"CASPKEND"
 FOOTER = struct.Struct("<Q32s8s")  # trailer length, sha256(trailer), magic
 DEFAULT_PACK_SIZE = 256 * 1024 * 1024
 SMALL_PACK = 32 * 1024 * 1024  # GC merges packs smaller than this
+WRITEBACK_STEP = 32 * 1024 * 1024  # start disk writeback every this many bytes of a pack
 SMALL_BLOCK = 256 * 1024  # blocks below this are buffered before the write syscall
 
 
@@ -51,11 +52,29 @@ def read_trailer(fd: int, path: Path) -> list[tuple[bytes, int, int]]:
     size = os.fstat(fd).st_size
     if size < len(PACK_MAGIC) + FOOTER.size or os.pread(fd, 8, 0) != PACK_MAGIC:
         raise CorruptStore(path, "not a cas_ckpt pack (bad header or too short)")
-    length, digest, magic = FOOTER.unpack(os.pread(fd, FOOTER.size, size - FOOTER.size))
-    start = size - FOOTER.size - length
-    if magic != FOOTER_MAGIC or start < len(PACK_MAGIC):
+    need = trailer_length(os.pread(fd, FOOTER.size, size - FOOTER.size), size, path)
+    return parse_trailer(os.pread(fd, need, size - need), size, path)
+
+
+def trailer_length(footer: bytes, size: int, path: object) -> int:
+    """Bytes the index and footer take at the end of a pack of ``size`` bytes, from its last 48."""
+    length, _, magic = FOOTER.unpack(footer)
+    if magic != FOOTER_MAGIC or size - FOOTER.size - length < len(PACK_MAGIC):
         raise CorruptStore(path, "bad pack footer")
-    trailer = os.pread(fd, length, start)
+    return length + FOOTER.size
+
+
+def parse_trailer(tail: bytes, size: int, path: object) -> list[tuple[bytes, int, int]]:
+    """Check and decode the index of a pack of ``size`` bytes from its last bytes (``tail``).
+
+    ``tail`` holds at least the index and footer; :class:`CorruptStore` naming ``path`` if damaged.
+    """
+    need = trailer_length(tail[-FOOTER.size :], size, path)
+    if len(tail) < need:
+        raise CorruptStore(path, "pack is truncated")
+    _, digest, _ = FOOTER.unpack(tail[-FOOTER.size :])
+    start = size - need
+    trailer = tail[len(tail) - need : len(tail) - FOOTER.size]
     if hashlib.sha256(trailer).digest() != digest:
         raise CorruptStore(path, "pack index checksum mismatch")
     try:
@@ -78,6 +97,33 @@ def _entry(entry: object) -> tuple[bytes, int, int]:
     return cidlib.check_binary(cid), offset, length
 
 
+def plan_sweep(
+    packs: dict[str, tuple[list[tuple[bytes, int, int]], int, float]], cids: set[bytes], min_age: float
+) -> tuple[dict[str, list[tuple[bytes, int, int]]], int]:
+    """Which packs a sweep rewrites (pack -> its surviving entries), and how many blocks go.
+
+    ``packs`` maps each pack to (entries, size in bytes, age in seconds). Packs younger than
+    ``min_age`` are left alone. A pack losing blocks is rewritten with its survivors (or removed,
+    when none survive); small packs (under ``SMALL_PACK``) are merged along when at least two packs
+    would be written anyway.
+    """
+    doomed: dict[str, list[tuple[bytes, int, int]]] = {}
+    small: dict[str, list[tuple[bytes, int, int]]] = {}
+    removed = 0
+    for name, (entries, size, age) in packs.items():
+        if age < min_age:
+            continue
+        live = [e for e in entries if e[0] not in cids]
+        if len(live) < len(entries):
+            doomed[name] = live
+            removed += len(entries) - len(live)
+        elif size < SMALL_PACK:
+            small[name] = live
+    if len(small) + sum(1 for live in doomed.values() if live) >= 2:
+        doomed.update(small)  # worth merging: fewer files for every later open and read
+    return doomed, removed
+
+
 class _PackWriter(BlockWriter):
     """Appends blocks to a temp pack; rolls to a new pack past the store's pack size."""
 
@@ -88,6 +134,7 @@ class _PackWriter(BlockWriter):
         self._tmp: Path | None = None
         self._entries: list[tuple[bytes, int, int]] = []
         self._offset = 0
+        self._written_back = 0
         self._buffer = bytearray()
         self.published: list[str] = []
 
@@ -99,12 +146,14 @@ class _PackWriter(BlockWriter):
         self._fd = fd
         self._buffer[:] = PACK_MAGIC
         self._offset = len(PACK_MAGIC)
+        self._written_back = 0
         self._entries = []
         return fd
 
     def _flush(self) -> None:
         if self._buffer and self._fd is not None:
-            _fs.write_all(self._fd, self._buffer)
+            with _fs.naming(self._tmp):
+                _fs.write_all(self._fd, self._buffer)
             self._buffer.clear()
 
     def _append(self, cid: bytes, data: bytes | memoryview) -> None:
@@ -118,9 +167,13 @@ class _PackWriter(BlockWriter):
                 self._flush()
         else:
             self._flush()
-            _fs.write_all(fd, data)
+            with _fs.naming(self._tmp):
+                _fs.write_all(fd, data)
         self._entries.append((cid, self._offset, size))
         self._offset += size
+        if self._offset - self._written_back >= WRITEBACK_STEP:
+            _fs.start_writeback(fd, self._written_back, self._offset - self._written_back)
+            self._written_back = self._offset
 
     def _publish(self) -> None:
         """Seal the current pack: trailer, fsync, link into packs/, fsync dir, index it."""
@@ -128,7 +181,8 @@ class _PackWriter(BlockWriter):
         trailer = encode_trailer(self._entries)
         self._buffer += trailer
         self._flush()
-        os.fsync(self._fd)
+        with _fs.naming(self._tmp):
+            os.fsync(self._fd)
         os.close(self._fd)
         self._fd = None
         name = f"{hashlib.sha256(trailer).hexdigest()}.pack"
@@ -147,18 +201,24 @@ class _PackWriter(BlockWriter):
             try:
                 if self._fd is not None:
                     self._publish()
+            except BaseException:
+                self._discard()  # a failed publish must not leave its temp pack behind
+                raise
             finally:
                 self.closed = True
 
     def abort(self) -> None:
         with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
-            if self._tmp is not None:
-                self._tmp.unlink(missing_ok=True)
-                self._tmp = None
+            self._discard()
             self.closed = True
+
+    def _discard(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp = None
 
 
 class LocalStore(BlockStore):
@@ -178,12 +238,14 @@ class LocalStore(BlockStore):
         self.tmp_dir = self.root / "tmp"
         self.pack_size = pack_size
         if not read_only:
-            _fs.makedirs(self.pack_dir)
-            _fs.makedirs(self.tmp_dir)
+            _fs.makedirs(_fs.refuse_links(self.root, self.pack_dir))
+            _fs.makedirs(_fs.refuse_links(self.root, self.tmp_dir))
         self._lock = threading.RLock()
         self._index: dict[bytes, Location] = {}
         self._packs: dict[str, list[tuple[bytes, int, int]]] = {}
         self._fds: dict[str, int] = {}
+        self._readers = 0  # reads in flight (see _reading)
+        self._retired: list[int] = []  # descriptors of dropped packs, closed when no read is
         self._maps: dict[str, mmap.mmap] = {}
         self.corrupt_packs: dict[str, str] = {}
         self.refresh()
@@ -192,7 +254,8 @@ class LocalStore(BlockStore):
     def refresh(self) -> None:
         with self._lock:
             try:
-                names = {n for n in os.listdir(self.pack_dir) if n.endswith(".pack")}
+                listing = os.listdir(_fs.refuse_links(self.root, self.pack_dir))
+                names = {n for n in listing if n.endswith(".pack")}
             except FileNotFoundError:
                 names = set()
             for gone in set(self._packs) - names:
@@ -203,8 +266,11 @@ class LocalStore(BlockStore):
     def _load_pack(self, name: str) -> None:
         path = self.pack_dir / name
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = _fs.open_nofollow(path, os.O_RDONLY)
         except FileNotFoundError:
+            return
+        except CorruptStore as exc:  # a planted link: never read what it points at
+            self.corrupt_packs[name] = str(exc)
             return
         try:
             entries = read_trailer(fd, path)
@@ -226,7 +292,10 @@ class LocalStore(BlockStore):
         self._maps.pop(name, None)  # arrays still viewing it keep the mapping alive
         fd = self._fds.pop(name, None)
         if fd is not None:
-            os.close(fd)
+            # Another thread may be reading through it right now: closing it could hand its
+            # number to a new file under that read. Closed once no read is in flight.
+            self._retired.append(fd)
+            self._close_retired()
         for cid, _, _ in entries:
             loc = self._index.get(cid)
             if loc is not None and loc.pack == name:
@@ -246,7 +315,7 @@ class LocalStore(BlockStore):
             with self._lock:
                 fd = self._fds.get(pack)
                 if fd is None:
-                    fd = self._fds[pack] = os.open(self.pack_dir / pack, os.O_RDONLY)
+                    fd = self._fds[pack] = _fs.open_nofollow(self.pack_dir / pack, os.O_RDONLY)
         return fd
 
     def _locate(self, cid: bytes) -> Location | None:
@@ -257,6 +326,10 @@ class LocalStore(BlockStore):
         return loc
 
     def map_blocks(self, cids: list[bytes]) -> memoryview | None:
+        with self._reading():
+            return self._map_blocks(cids)
+
+    def _map_blocks(self, cids: list[bytes]) -> memoryview | None:
         locations = [self._locate(c) for c in cids]
         first = locations[0] if locations else None
         if first is None:
@@ -295,39 +368,61 @@ class LocalStore(BlockStore):
         return self.pack_dir / loc.pack, loc.offset, loc.length
 
     # -- reads ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Mark a read in flight: pack descriptors dropped meanwhile stay open until it ends."""
+        with self._lock:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._readers -= 1
+                self._close_retired()
+
+    def _close_retired(self) -> None:
+        if not self._readers:
+            for fd in self._retired:
+                os.close(fd)
+            self._retired.clear()
+
+    def _moved(self, cid: bytes, old: Location) -> Location | None:
+        """Where a block is after its pack vanished under a read (GC repacked it); None if gone."""
+        self.refresh()
+        loc = self._index.get(cid)
+        return None if loc == old else loc
+
     def _read(self, cid: bytes) -> bytes | None:
-        for _ in range(2):
+        with self._reading():
             loc = self._locate(cid)
-            if loc is None:
-                return None
-            try:
-                data = os.pread(self._fd(loc.pack), loc.length, loc.offset)
-            except FileNotFoundError:
-                self.refresh()  # the pack was compacted away under us
-                continue
-            if len(data) != loc.length:
-                raise CorruptBlock(cidlib.to_str(cid), f"pack {loc.pack} is truncated")
-            return data
-        return None
+            while loc is not None:
+                try:
+                    data = os.pread(self._fd(loc.pack), loc.length, loc.offset)
+                except FileNotFoundError:
+                    loc = self._moved(cid, loc)  # GC may repack it again and again: follow it
+                    continue
+                if len(data) != loc.length:
+                    raise CorruptBlock(cidlib.to_str(cid), f"pack {loc.pack} is truncated")
+                return data
+            return None
 
     def _read_into(self, cid: bytes, out: memoryview) -> bool:
-        for _ in range(2):
+        with self._reading():
             loc = self._locate(cid)
-            if loc is None:
-                return False
-            if loc.length != out.nbytes:
-                raise CorruptBlock(
-                    cidlib.to_str(cid), f"stored size {loc.length} != expected {out.nbytes}"
-                )
-            try:
-                n = _fs.pread_into(self._fd(loc.pack), out, loc.offset)
-            except FileNotFoundError:
-                self.refresh()
-                continue
-            if n != loc.length:
-                raise CorruptBlock(cidlib.to_str(cid), f"pack {loc.pack} is truncated")
-            return True
-        return False
+            while loc is not None:
+                if loc.length != out.nbytes:
+                    raise CorruptBlock(
+                        cidlib.to_str(cid), f"stored size {loc.length} != expected {out.nbytes}"
+                    )
+                try:
+                    n = _fs.pread_into(self._fd(loc.pack), out, loc.offset)
+                except FileNotFoundError:
+                    loc = self._moved(cid, loc)
+                    continue
+                if n != loc.length:
+                    raise CorruptBlock(cidlib.to_str(cid), f"pack {loc.pack} is truncated")
+                return True
+            return False
 
     def _has(self, cid: bytes) -> bool:
         return cid in self._index
@@ -360,24 +455,14 @@ class LocalStore(BlockStore):
         """
         self._check_writable()
         now = time.time()
-        doomed: dict[str, list[tuple[bytes, int, int]]] = {}  # pack -> its surviving entries
-        removed = 0
-        small: dict[str, list[tuple[bytes, int, int]]] = {}
+        packs = {}
         for name, entries in self.packs().items():
             try:
                 stat = (self.pack_dir / name).stat()
             except FileNotFoundError:
                 continue
-            if now - stat.st_mtime < min_age:
-                continue
-            live = [e for e in entries if e[0] not in cids]
-            if len(live) < len(entries):
-                doomed[name] = live
-                removed += len(entries) - len(live)
-            elif stat.st_size < SMALL_PACK:
-                small[name] = live
-        if len(small) + sum(1 for live in doomed.values() if live) >= 2:
-            doomed.update(small)  # worth merging: fewer files for every later open and read
+            packs[name] = (entries, stat.st_size, now - stat.st_mtime)
+        doomed, removed = plan_sweep(packs, cids, min_age)
         before = sum(self._pack_size(name) for name in doomed)
         after = self._repack(doomed)
         return removed, before - after
@@ -425,8 +510,8 @@ class LocalStore(BlockStore):
         removed = 0
         for path in self.tmp_dir.glob("*.pack.tmp"):
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
+                fd = _fs.open_nofollow(path, os.O_RDONLY)
+            except (FileNotFoundError, CorruptStore):  # gone, or a planted link: not ours
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -440,7 +525,8 @@ class LocalStore(BlockStore):
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
+            for fd in [*self._fds.values(), *self._retired]:
                 os.close(fd)
             self._fds.clear()
+            self._retired.clear()
             self._maps.clear()  # mappings close when the last array viewing them goes

@@ -46,10 +46,23 @@ PACK_SIZE = 384 * 1024  # small packs: a save rolls over several of them (argv c
 CRASH_EXIT = 77
 DONE_EXIT = 0
 
-_REAL = {name: getattr(os, name) for name in (
-    "open", "write", "fsync", "link", "rename", "replace", "unlink", "remove", "mkdir", "rmdir",
-    "ftruncate", "truncate",
-)}
+_REAL = {
+    name: getattr(os, name)
+    for name in (
+        "open",
+        "write",
+        "fsync",
+        "link",
+        "rename",
+        "replace",
+        "unlink",
+        "remove",
+        "mkdir",
+        "rmdir",
+        "ftruncate",
+        "truncate",
+    )
+}
 
 
 def open_repo(root: Path, *, create: bool = False) -> cas_ckpt.Repository:
@@ -88,6 +101,13 @@ def _setup_one(root: Path) -> dict[str, Any]:
     return {"main": (str(cid), _support.digest(_state("a", 0)))}
 
 
+def _setup_two(root: Path) -> dict[str, Any]:
+    with open_repo(root, create=True) as repo:
+        repo.save(_state("a", 3), ref="main")
+        cid = repo.save(_state("a", 0), ref="main")
+    return {"main": (str(cid), _support.digest(_state("a", 0)))}
+
+
 def _run_save(root: Path) -> None:
     with open_repo(root) as repo:
         repo.save(_state("b", 1), ref="main")
@@ -108,8 +128,7 @@ def _setup_gc(root: Path) -> dict[str, Any]:
         for i in range(3):
             repo.save(_state("g", i), ref="main")  # the first two become garbage
         repo.save(_state("k", 5), ref="keep")
-        kept = {ref: (str(repo.resolve(ref)), _support.digest(repo.load(ref)))
-                for ref in ("main", "keep")}
+        kept = {ref: (str(repo.resolve(ref)), _support.digest(repo.load(ref))) for ref in ("main", "keep")}
     # a temp pack left by a writer that died (no lock held): GC's clean_temp removes it
     (root / "tmp" / "0123456789abcdef0123456789abcdef.pack.tmp").write_bytes(b"CASPACK1 partial")
     return kept
@@ -131,7 +150,7 @@ SCENARIOS = {
     "save": Scenario("save", _setup_one, _run_save),
     "new-ref": Scenario("new-ref", _setup_one, _run_new_ref),
     "gc": Scenario("gc", _setup_gc, _run_gc),
-    "refops": Scenario("refops", _setup_one, _run_refops),
+    "refops": Scenario("refops", _setup_two, _run_refops),
 }
 
 
@@ -389,9 +408,7 @@ class Outcome:
     failures: list[str] = field(default_factory=list)
 
 
-def check_image(
-    image: Path, scenario: str, base: dict[str, Any], done: bool, outcome: Outcome
-) -> None:
+def check_image(image: Path, scenario: str, base: dict[str, Any], done: bool, outcome: Outcome) -> None:
     root = image / "repo"
     rules = allowed(scenario, base)
     if scenario == "init" and not (root / "config.json").exists():
@@ -497,8 +514,7 @@ def run_scenario(work: Path, name: str, outcome: Outcome, max_points: int) -> No
                 check_image(image, name, base, done, outcome)
             except Exception as exc:
                 outcome.failures.append(
-                    f"{name} point {n} ({label}) image {image.name}: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{name} point {n} ({label}) image {image.name}: {type(exc).__name__}: {exc}"
                 )
         if done:
             return

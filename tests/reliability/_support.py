@@ -9,14 +9,16 @@ faults, fuzz inputs...) to that JSON file, so ``docs/reliability.md`` quotes rea
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import struct
 import sys
+import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,17 @@ def child_env(**extra: str) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def scratch_dir(fallback: Path) -> Iterator[Path]:
+    """A tmpfs directory when there is one (fsyncs and many small files cost nothing there)."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        with tempfile.TemporaryDirectory(dir=shm, prefix="cas-ckpt-rel-") as tmp:
+            yield Path(tmp)
+    else:
+        yield fallback
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,7 +190,7 @@ def packs_sound(root: str | os.PathLike[str]) -> list[str]:
     store = cas_ckpt.LocalStore(root, read_only=True)
     try:
         problems.extend(f"damaged pack {n}: {why}" for n, why in store.corrupt_packs.items())
-        for cid in store.keys():
+        for cid in list(store.keys()):
             try:
                 store.get(cid, verify=True)
             except cas_ckpt.CasCkptError as exc:
@@ -189,8 +202,10 @@ def packs_sound(root: str | os.PathLike[str]) -> list[str]:
 
 def fsck_problems(repo: cas_ckpt.Repository) -> list[str]:
     report = repo.fsck()
-    out = [f"{p.kind} {p.cid}: {p.detail} (needed by {', '.join(map(str, p.needed_by))})"
-           for p in report.problems]
+    out = [
+        f"{p.kind} {p.cid}: {p.detail} (needed by {', '.join(map(str, p.needed_by))})"
+        for p in report.problems
+    ]
     out.extend(report.store_problems)
     return out
 

@@ -57,12 +57,20 @@ def test_processes_save_while_gc_runs(tmp_path: Path) -> None:
     cas_ckpt.open(repo_dir).close()
     env = child_env()
     child = str(HERE / "_conc_child.py")
-    gc = subprocess.Popen([PYTHON, child, "gc", str(repo_dir), str(stop)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    gc = subprocess.Popen(
+        [PYTHON, child, "gc", str(repo_dir), str(stop)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     savers = [
         subprocess.Popen(
             [PYTHON, child, "saver", str(repo_dir), str(k), str(SAVES), str(tmp_path / f"log{k}")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for k in range(PROCESSES)
     ]
@@ -79,8 +87,11 @@ def test_processes_save_while_gc_runs(tmp_path: Path) -> None:
     gc_runs, gc_freed = map(int, out.split())
     assert gc_runs >= 2 and gc_freed > 0, "GC did not really run alongside the saves"
 
-    saves = [tuple(parts) for k in range(PROCESSES)
-             for parts in (line.split() for line in (tmp_path / f"log{k}").read_text().splitlines())]
+    saves = [
+        tuple(parts)
+        for k in range(PROCESSES)
+        for parts in (line.split() for line in (tmp_path / f"log{k}").read_text().splitlines())
+    ]
     assert len(saves) == PROCESSES * SAVES
     with cas_ckpt.open(repo_dir, create=False) as repo:
         _check(repo, saves)  # type: ignore[arg-type]
@@ -90,8 +101,14 @@ def test_processes_save_while_gc_runs(tmp_path: Path) -> None:
         for cid, dig in heads.items():
             assert digest(repo.load(cid)) == dig
         assert not fsck_problems(repo)
-    record("concurrency_processes", processes=PROCESSES, saves=len(saves), conflicts_retried=conflicts,
-           gc_runs=gc_runs, seconds=timer.seconds)
+    record(
+        "concurrency_processes",
+        processes=PROCESSES,
+        saves=len(saves),
+        conflicts_retried=conflicts,
+        gc_runs=gc_runs,
+        seconds=timer.seconds,
+    )
 
 
 def test_threads_share_a_repository(tmp_path: Path) -> None:
@@ -109,8 +126,7 @@ def test_threads_share_a_repository(tmp_path: Path) -> None:
             try:
                 for i in range(THREAD_SAVES):
                     ref = "shared" if i % 2 == 0 else f"own/{k}"
-                    value: dict[str, Any] = {"k": k, "i": i, "common": common,
-                                             **small_state(f"t{k}", i)}
+                    value: dict[str, Any] = {"k": k, "i": i, "common": common, **small_state(f"t{k}", i)}
                     while True:
                         try:
                             cid = repo.save(value, ref=ref)
@@ -148,6 +164,122 @@ def test_threads_share_a_repository(tmp_path: Path) -> None:
             raise errors[0]
         assert counts["gc_runs"] >= 2
         _check(repo, saves)
-    record("concurrency_threads", threads=THREADS, saves=len(saves),
-           conflicts_retried=counts["conflicts"], gc_runs=counts["gc_runs"], loads=counts["loads"],
-           seconds=timer.seconds)
+    record(
+        "concurrency_threads",
+        threads=THREADS,
+        saves=len(saves),
+        conflicts_retried=counts["conflicts"],
+        gc_runs=counts["gc_runs"],
+        loads=counts["loads"],
+        seconds=timer.seconds,
+    )
+
+
+def test_threads_load_while_gc_repacks(tmp_path: Path) -> None:
+    """Loads in threads while GC in another thread keeps merging the packs they read from.
+
+    Every GC here rewrites the small packs, the loaded checkpoint's among them, and drops the old
+    ones: a reader must never see a closed (or reused) file descriptor, so never an error, and with
+    ``verify=False`` (nothing re-hashed) never wrong bytes.
+    """
+    timer = Timer()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    counts = {"loads": 0, "gc_runs": 0}
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        expected = {}
+        for k in range(3):
+            value = {"k": k, **small_state(f"load{k}", k), "big": np.full(300_000, k, dtype=np.int32)}
+            repo.save(value, ref=f"keep/{k}")
+            expected[f"keep/{k}"] = digest(value)
+
+        def loader(verify: bool) -> None:
+            try:
+                while not stop.is_set():
+                    for ref, want in expected.items():
+                        assert digest(repo.load(ref, verify=verify)) == want, f"{ref} wrong bytes"
+                        counts["loads"] += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+        def churn() -> None:
+            try:
+                i = 0
+                while not stop.is_set():
+                    repo.save(small_state("churn", i), ref="churn")
+                    repo.gc()
+                    counts["gc_runs"] += 1
+                    i += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=loader, args=(v,)) for v in (True, False, False)]
+        threads.append(threading.Thread(target=churn))
+        for t in threads:
+            t.start()
+        stop.wait(20.0 if LONG else 4.0)
+        stop.set()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        assert counts["gc_runs"] >= 3 and counts["loads"] >= 10
+        assert not fsck_problems(repo)
+    record("concurrency_threads", loads=counts["loads"], gc_runs=counts["gc_runs"], seconds=timer.seconds)
+
+
+def test_refs_never_point_at_collected_checkpoints(tmp_path: Path) -> None:
+    """set_ref / fork / pin to a checkpoint whose data GC removed (its commit stays in the history)
+    are refused, and a thread moving refs back in history while another runs GC never leaves a ref
+    at a partial checkpoint (which would also make every later GC refuse to run)."""
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        old = repo.save(small_state("old", 0), ref="main")
+        repo.save(small_state("new", 1), ref="main")
+        repo.gc()  # the old checkpoint's data goes; its commit node stays for the history
+        assert str(old) in [str(c.cid) for c in repo.log("main")]
+        for call in (lambda: repo.set_ref("back", old), lambda: repo.fork(old, "f"),
+                     lambda: repo.pin(old)):
+            try:
+                call()
+            except (cas_ckpt.CheckpointExpired, cas_ckpt.BlockNotFound):
+                pass
+            else:
+                raise AssertionError("a ref or pin now names a checkpoint whose data is gone")
+        assert repo.fsck().ok
+
+        # Racing: one thread saves and moves "flip" between the two newest checkpoints, GC runs.
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def mover() -> None:
+            try:
+                i = 2
+                while not stop.is_set():
+                    head = repo.save(small_state("m", i), ref="main")
+                    i += 1
+                    for target in (head, *[c.cid for c in repo.log("main", limit=3)]):
+                        try:
+                            repo.set_ref("flip", target)
+                        except (cas_ckpt.CheckpointExpired, cas_ckpt.BlockNotFound):
+                            pass
+            except BaseException as exc:
+                errors.append(exc)
+
+        def collector() -> None:
+            try:
+                while not stop.is_set():
+                    repo.gc()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=mover), threading.Thread(target=collector)]
+        for t in threads:
+            t.start()
+        stop.wait(8.0 if LONG else 3.0)
+        stop.set()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        assert not fsck_problems(repo)
+        repo.load("flip")

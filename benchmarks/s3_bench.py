@@ -1,0 +1,172 @@
+"""Save and load throughput of an s3:// repository against plain boto3 moving the same bytes.
+
+One run, one server: a moto S3 server started on 127.0.0.1 (or the server AWS_ENDPOINT_URL names,
+with the credentials of the environment). The state is ``--arrays`` float32 arrays of ``--size-mb``
+MiB in all, random (nothing deduplicates). Compared, on the same bytes:
+
+- cas_ckpt ``save`` (hash, spool into a pack, multipart upload) and ``load`` (index read, ranged
+  GETs of chunk runs in parallel, hash check), then a ``load`` served by a warm local block cache;
+- boto3 ``put_object`` / ``get_object`` of each array, one after another;
+- boto3 ``upload_fileobj`` / ``download_fileobj`` of each array (its transfer manager: parallel
+  multipart parts and ranged GETs);
+- boto3 ranged GETs of 16 MiB, 16 at a time, of one object holding all the arrays: the access
+  pattern of a cas_ckpt load (moto reads a whole object for every ranged GET, so on moto this
+  costs far more than on S3).
+
+    .venv/bin/python benchmarks/s3_bench.py --size-mb 256 --json s3-bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import boto3
+import numpy as np
+
+import cas_ckpt
+
+MiB = 1024 * 1024
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """AWS_ENDPOINT_URL if set, else a moto server on a free loopback port for this run."""
+    if os.environ.get("AWS_ENDPOINT_URL"):
+        yield os.environ["AWS_ENDPOINT_URL"]
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
+                          AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+        yield os.environ["AWS_ENDPOINT_URL"]
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def make_state(size_mb: int, arrays: int) -> dict[str, np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(0)
+    n = size_mb * MiB // 4 // arrays
+    return {f"layer{i}": rng.random(n, dtype=np.float32) for i in range(arrays)}
+
+
+def timed(run: Callable[[], Any]) -> tuple[float, Any]:
+    started = time.perf_counter()
+    result = run()
+    return time.perf_counter() - started, result
+
+
+def bench_cas(url: str, state: dict[str, Any], cache: str) -> dict[str, float]:
+    with cas_ckpt.open(url) as repo:
+        save, _ = timed(lambda: repo.save(state))
+    seconds: dict[str, float] = {"cas_ckpt save": save}
+    with cas_ckpt.open(url, create=False, storage_options={"cache_dir": cache}) as repo:
+        seconds["cas_ckpt load"], loaded = timed(repo.load)
+        assert all(np.array_equal(loaded[k], v) for k, v in state.items())
+    with cas_ckpt.open(url, create=False, storage_options={"cache_dir": cache}) as repo:
+        seconds["cas_ckpt load, cache warm"], loaded = timed(repo.load)
+        assert all(np.array_equal(loaded[k], v) for k, v in state.items())
+    return seconds
+
+
+def bench_boto3(bucket: str, state: dict[str, Any]) -> dict[str, float]:
+    client = boto3.client("s3")
+    blobs = {name: array.tobytes() for name, array in state.items()}
+
+    def put() -> None:
+        for name, data in blobs.items():
+            client.put_object(Bucket=bucket, Key=f"plain/{name}", Body=data)
+
+    def get() -> None:
+        for name, data in blobs.items():
+            assert client.get_object(Bucket=bucket, Key=f"plain/{name}")["Body"].read() == data
+
+    def upload() -> None:
+        for name, data in blobs.items():
+            client.upload_fileobj(io.BytesIO(data), bucket, f"managed/{name}")
+
+    whole = b"".join(blobs.values())
+    client.put_object(Bucket=bucket, Key="ranged/all", Body=whole)
+    ranges = [(start, min(start + 16 * MiB, len(whole))) for start in range(0, len(whole), 16 * MiB)]
+
+    def ranged() -> None:
+        def one(span: tuple[int, int]) -> bytes:
+            r = client.get_object(Bucket=bucket, Key="ranged/all", Range=f"bytes={span[0]}-{span[1] - 1}")
+            return r["Body"].read()
+
+        with ThreadPoolExecutor(16) as pool:
+            assert b"".join(pool.map(one, ranges)) == whole
+
+    def download() -> None:
+        for name, data in blobs.items():
+            out = io.BytesIO()
+            client.download_fileobj(bucket, f"managed/{name}", out)
+            assert out.getvalue() == data
+
+    return {label: timed(run)[0] for label, run in [
+        ("boto3 put_object", put), ("boto3 get_object", get),
+        ("boto3 upload_fileobj", upload), ("boto3 download_fileobj", download),
+        ("boto3 16 MiB ranged GETs", ranged),
+    ]}
+
+
+BASELINE = {"save": "boto3 upload_fileobj", "load": "boto3 download_fileobj"}
+
+
+def report(seconds: dict[str, float], nbytes: int) -> str:
+    lines = [f"{'operation':<28} {'seconds':>8} {'MiB/s':>8} {'vs boto3 transfer manager':>26}"]
+    for label, value in seconds.items():
+        kind = "save" if any(w in label for w in ("save", "put", "upload")) else "load"
+        ratio = seconds[BASELINE[kind]] / value
+        lines.append(f"{label:<28} {value:8.2f} {nbytes / MiB / value:8.1f} {ratio:25.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-mb", type=int, default=256, help="total state size (default 256)")
+    parser.add_argument("--arrays", type=int, default=8, help="number of arrays (default 8)")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    state = make_state(args.size_mb, args.arrays)
+    nbytes = sum(a.nbytes for a in state.values())
+    with s3_server() as endpoint, tempfile.TemporaryDirectory() as cache:
+        bucket = f"bench-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        seconds = bench_cas(f"s3://{bucket}/cas", state, cache)
+        seconds.update(bench_boto3(bucket, state))
+    print(f"{nbytes / MiB:.0f} MiB in {len(state)} arrays, endpoint {endpoint}, "
+          f"{os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(report(seconds, nbytes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bytes": nbytes, "arrays": len(state), "endpoint": endpoint,
+                       "cpus": os.cpu_count(), "seconds": seconds}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

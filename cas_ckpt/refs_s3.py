@@ -1,0 +1,448 @@
+"""Refs, reflogs, pins, config and the save/GC lock in S3, moved only by conditional writes.
+
+Layout below the repository's prefix (see ``docs/scale-out.md``)::
+
+    config.json                 created once with If-None-Match: *
+    refs/<name>                 "<cid>\\n<entry id>\\n": the commit and the reflog entry that set it
+    logs/<name>/<entry id>.json one reflog entry: {"old", "new", "time", "message", "prev"}
+    pins/<cid>                  empty
+    locks/gc                    GC's exclusive lease
+    locks/saves/<id>            one lease per save in progress
+
+An update writes its reflog entry first (a new object), then moves the ref with ``If-Match`` on the
+ETag it read (``If-None-Match: *`` to create): a lost race is a failed condition, and the loser
+deletes its entry. Each entry names the entry before it (``prev``), and the ref names the latest,
+so the reflog is the chain from the ref back: entries of updates that lost or were cut short by a
+crash are never part of it. There are no lock files: a lock on S3 is a *lease*, an object its
+holder rewrites every ``lease_timeout / 4`` seconds; one not rewritten for ``lease_timeout`` seconds
+(by the server's clock) belongs to a dead process and is removed with a conditional DELETE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt.errors import CorruptStore, InvalidRefName, RefLocked, RepositoryError
+from cas_ckpt.refs import ReflogEntry, RefStore, check_ref_name
+from cas_ckpt.stores.s3 import S3Store
+from cas_ckpt.stores.s3_bucket import Meta, S3Bucket, backoff
+
+MAX_KEY = 1024  # S3's limit on a key, in UTF-8 bytes
+_ENTRY_ID = 20 + 1 + 32  # "<seq:020d>-<uuid hex>"
+LEASE_TIMEOUT = 60.0
+MAX_TRIES = 100  # compare-and-swap attempts of one unconditional update under contention
+
+
+@dataclass(frozen=True)
+class _Head:
+    """A ref object as read: its CID, the reflog entry that set it, and its ETag."""
+
+    cid: bytes
+    entry: str | None
+    etag: str
+
+
+def _seq(entry: str | None) -> int:
+    return int(entry.split("-", 1)[0]) if entry else 0
+
+
+class _Lease:
+    """A lock object kept alive by a heartbeat thread: rewritten with If-Match on its last ETag.
+
+    If the rewrite's condition fails, someone judged this holder dead and removed the object: the
+    lease is lost, and :meth:`beat` says so.
+    """
+
+    def __init__(self, bucket: S3Bucket, key: str, etag: str, body: Callable[[], bytes], interval: float):
+        self.bucket, self.key, self.etag, self.body = bucket, key, etag, body
+        self.interval = interval
+        self.lost = False
+        self.renewed = time.monotonic()
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True,
+                                        name=f"cas_ckpt-lease-{key}")
+        self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                if not self.beat():
+                    return
+            except RepositoryError:
+                continue  # unreachable for now: staleness is judged on the server's clock, retry
+
+    def beat(self, *, unless_newer_than: float = 0.0) -> bool:
+        """Rewrite the lease (unless it was rewritten that recently); False if it was lost.
+
+        A lease rewritten less than ``lease_timeout`` ago cannot have been judged stale, so a check
+        right after a heartbeat needs no request.
+        """
+        with self._mutex:
+            if not self.lost and time.monotonic() - self.renewed >= unless_newer_than:
+                started = time.monotonic()
+                etag = self.bucket.put(self.key, self.body(), match=self.etag)
+                if etag is None:
+                    self.lost = True
+                else:
+                    self.etag, self.renewed = etag, started
+            return not self.lost
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        with self._mutex:
+            if not self.lost:
+                with contextlib.suppress(RepositoryError):  # left behind, it goes stale
+                    self.bucket.delete(self.key, match=self.etag)
+
+
+class S3RefStore(RefStore):
+    """Refs and the rest of a repository's small mutable state in an S3 bucket.
+
+    ``lease_timeout``: seconds without a heartbeat after which a save's or GC's lease is taken for
+    dead. ``lock_timeout``: how long to wait for a lock (None: as long as it takes, like a flock).
+    """
+
+    def __init__(
+        self,
+        bucket: S3Bucket | str,
+        *,
+        lease_timeout: float = LEASE_TIMEOUT,
+        lock_timeout: float | None = None,
+        poll: float = 0.5,
+        read_only: bool = False,
+    ) -> None:
+        self.bucket = bucket if isinstance(bucket, S3Bucket) else S3Bucket(bucket)
+        if not read_only:
+            self.bucket.check_conditional_writes()
+        self.lease_timeout = lease_timeout
+        self.lock_timeout = lock_timeout
+        self.poll = poll
+        self._local = threading.local()
+        self._held: list[_Lease] = []  # every lease this store holds, in any thread
+        self._held_lock = threading.Lock()
+        self._beats = 0
+
+    # -- keys ----------------------------------------------------------------------------------
+    def _name(self, name: str) -> str:
+        check_ref_name(name)
+        longest = f"{self.bucket.prefix}logs/{name}/{'0' * _ENTRY_ID}.json"
+        if len(longest.encode("utf-8")) > MAX_KEY:
+            raise InvalidRefName(name, f"too long for an S3 key under {self.bucket.url}")
+        return name
+
+    def _where(self, key: str) -> str:
+        return self.bucket.where(key)
+
+    # -- refs ----------------------------------------------------------------------------------
+    def get(self, name: str) -> bytes | None:
+        head = self._head(self._name(name))
+        return head.cid if head else None
+
+    def _head(self, name: str) -> _Head | None:
+        key = f"refs/{name}"
+        got = self.bucket.get(key)
+        if got is None:
+            return None
+        body, etag = got
+        try:
+            lines = body.decode("ascii").split("\n")
+            return _Head(cidlib.to_bytes(lines[0].strip()), (lines[1:] or [""])[0].strip() or None, etag)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CorruptStore(self._where(key), f"ref object does not hold a valid CID: {exc}") from None
+
+    def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
+        self._name(name)
+        self.check_lease()  # a save whose lease was taken over must not move a ref
+        for attempt in range(MAX_TRIES):
+            head = self._head(name)
+            if not check(head.cid if head else None):
+                return False
+            moved = self._delete(name, head) if new is None else self._update(name, head, new, message)
+            if moved:
+                return True
+            time.sleep(backoff(attempt) / 10)  # lost a race: read again, the check decides
+        raise RefLocked(name, self._where(f"refs/{name}"), f"{MAX_TRIES} concurrent updates in a row")
+
+    def _update(self, name: str, head: _Head | None, new: bytes, message: str) -> bool:
+        if head is None:
+            self._check_clash(name)
+        seq = max(_seq(head.entry if head else None) + 1, time.time_ns() // 1000)
+        entry_id = f"{seq:020d}-{uuid.uuid4().hex}"
+        record = json.loads(ReflogEntry(head.cid if head else None, new, time.time(), message).to_json())
+        record["prev"] = head.entry if head else None
+        log_key = f"logs/{name}/{entry_id}.json"
+        self.bucket.put(log_key, json.dumps(record).encode("ascii"), create=True)
+        value = f"{cidlib.to_str(new)}\n{entry_id}\n".encode("ascii")
+        key = f"refs/{name}"
+        if head is None:
+            etag = self.bucket.put(key, value, create=True)
+        else:
+            etag = self.bucket.put(key, value, match=head.etag)
+        if etag is not None:
+            return True
+        again = self._head(name)
+        if again is not None and again.entry == entry_id:
+            return True  # a retried request failed its condition on our own first attempt
+        self.bucket.delete(log_key)  # lost the race: the entry records nothing
+        return False
+
+    def _delete(self, name: str, head: _Head | None) -> bool:
+        assert head is not None  # check() refuses an absent ref
+        if not self.bucket.delete(f"refs/{name}", match=head.etag):
+            return False
+        # As git does, the reflog goes with the ref: the entries up to the one deleted (newer ones
+        # belong to a ref re-created meanwhile). A crash here leaves entries no chain reaches.
+        last = _seq(head.entry) if head.entry else None
+        doomed = [m.key for m in self._entries(name) if last is None or _seq(_entry_id(m.key)) <= last]
+        self.bucket.delete_many(doomed)
+        return True
+
+    def _check_clash(self, name: str) -> None:
+        """A ref cannot sit above or below another ref (``runs`` and ``runs/exp``)."""
+        if self.bucket.any(f"refs/{name}/"):
+            raise InvalidRefName(name, "refs exist below this name")
+        parts = name.split("/")
+        for i in range(1, len(parts)):
+            parent = "/".join(parts[:i])
+            if self.bucket.head(f"refs/{parent}") is not None:
+                raise InvalidRefName(name, f"clashes with the existing ref {parent!r}")
+
+    def names(self) -> list[str]:
+        names = (m.key[len("refs/") :] for m in self.bucket.list("refs/"))
+        return sorted(n for n in names if _is_ref_name(n))
+
+    # -- reflogs -------------------------------------------------------------------------------
+    def _entries(self, name: str) -> list[Meta]:
+        return [m for m in self.bucket.list(f"logs/{name}/", delimiter="/") if m.key.endswith(".json")]
+
+    def reflog(self, name: str) -> list[ReflogEntry]:
+        head = self._head(self._name(name))
+        if head is None or head.entry is None:
+            return []
+        keys = [m.key for m in self._entries(name) if _seq(_entry_id(m.key)) <= _seq(head.entry)]
+        records = dict(zip(map(_entry_id, keys), self.bucket.pool.map(self._record, keys), strict=True))
+        chain: list[ReflogEntry] = []
+        current: str | None = head.entry
+        while current is not None and current in records:
+            entry, current = records[current]
+            chain.append(entry)
+        return chain[::-1]
+
+    def _record(self, key: str) -> tuple[ReflogEntry, str | None]:
+        got = self.bucket.get(key)
+        if got is None:
+            raise CorruptStore(self._where(key), "reflog entry vanished while being read")
+        try:
+            text = got[0].decode("ascii")
+            prev = json.loads(text).get("prev")
+            return ReflogEntry.from_json(text), prev if isinstance(prev, str) else None
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            raise CorruptStore(self._where(key), f"bad reflog entry: {exc}") from None
+
+    def reflog_names(self) -> list[str]:
+        names = {m.key[len("logs/") : m.key.rindex("/")] for m in self.bucket.list("logs/")}
+        return sorted(n for n in names if _is_ref_name(n))
+
+    # -- pins and config -----------------------------------------------------------------------
+    def pins(self) -> set[bytes]:
+        found = set()
+        for meta in self.bucket.list("pins/"):
+            try:
+                found.add(cidlib.to_bytes(meta.key[len("pins/") :]))
+            except ValueError:
+                raise CorruptStore(self._where(meta.key), "pin object name is not a CID") from None
+        return found
+
+    def pin(self, cid: bytes) -> None:
+        self.bucket.put(f"pins/{cidlib.to_str(cid)}", b"")
+
+    def unpin(self, cid: bytes) -> bool:
+        key = f"pins/{cidlib.to_str(cid)}"
+        if self.bucket.head(key) is None:
+            return False
+        self.bucket.delete(key)
+        return True
+
+    def read_config(self) -> dict[str, Any] | None:
+        got = self.bucket.get("config.json")
+        if got is None:
+            return None
+        try:
+            config = json.loads(got[0].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CorruptStore(self._where("config.json"), f"not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise CorruptStore(self._where("config.json"), "not a JSON object")
+        return config
+
+    def init_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        data = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+        self.bucket.put("config.json", data, create=True)
+        return self.read_config() or config
+
+    # -- the save/GC lock: leases --------------------------------------------------------------
+    def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        return self._hold(exclusive)
+
+    @contextlib.contextmanager
+    def _hold(self, exclusive: bool) -> Iterator[None]:
+        lease = self._take_gc_lock() if exclusive else self._register_save()
+        mine = self._local.__dict__.setdefault("leases", [])
+        mine.append(lease)
+        with self._held_lock:
+            self._held.append(lease)
+        try:
+            yield
+        finally:  # possibly in another thread (a lock held across a DCP save): remove, not pop
+            mine.remove(lease)
+            with self._held_lock:
+                self._held.remove(lease)
+            lease.release()
+
+    def check_lease(self) -> None:
+        """Renew the leases this thread holds (or, holding none, every lease of this store) if
+        they were not renewed lately; :class:`RepositoryError` if one was lost."""
+        leases = list(getattr(self._local, "leases", []))
+        if not leases:
+            with self._held_lock:
+                leases = list(self._held)
+        for lease in leases:
+            if not lease.beat(unless_newer_than=lease.interval):
+                raise RepositoryError(
+                    f"lost the repository lease {self._where(lease.key)}: another process judged "
+                    f"this one dead (no heartbeat for {self.lease_timeout:g} s) and may have run "
+                    "GC; nothing was changed, retry"
+                )
+
+    def _body(self) -> bytes:
+        self._beats += 1
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "beat": self._beats}
+        return json.dumps(holder).encode()
+
+    def _lease(self, key: str, etag: str) -> _Lease:
+        return _Lease(self.bucket, key, etag, self._body, self.lease_timeout / 4)
+
+    def _waiter(self, what: str) -> Callable[[], None]:
+        """Sleep a little between polls; RepositoryError once ``lock_timeout`` has passed."""
+        deadline = None if self.lock_timeout is None else time.monotonic() + self.lock_timeout
+        attempts = itertools.count()
+
+        def wait() -> None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise RepositoryError(f"timed out after {self.lock_timeout:g} s waiting for {what}")
+            time.sleep(min(self.poll, backoff(next(attempts))))
+
+        return wait
+
+    def _register_save(self) -> _Lease:
+        """Shared: register under locks/saves/, unless a live GC holds locks/gc (then wait)."""
+        key = f"locks/saves/{uuid.uuid4().hex}"
+        wait = self._waiter(f"GC to finish ({self._where('locks/gc')})")
+        while True:
+            etag = self.bucket.put(key, self._body(), create=True)
+            if etag is None:
+                raise RepositoryError(f"could not register the save at {self._where(key)}")
+            if not self._gc_running():  # GC writes its lock then lists saves: one of us sees the other
+                return self._lease(key, etag)
+            self.bucket.delete(key, match=etag)  # a GC runs: let it finish first
+            while self._gc_running():
+                wait()
+
+    def _gc_running(self) -> bool:
+        """True if a live GC holds locks/gc; a stale one (its holder died) is removed."""
+        meta = self.bucket.head("locks/gc")
+        if meta is None:
+            return False
+        if meta.age > self.lease_timeout:
+            self.bucket.delete("locks/gc", match=meta.etag)
+            return self.bucket.head("locks/gc") is not None
+        return True
+
+    def _take_gc_lock(self) -> _Lease:
+        """Exclusive: create locks/gc, then wait until no live save is registered."""
+        wait = self._waiter(f"another GC ({self._where('locks/gc')})")
+        while True:
+            etag = self.bucket.put("locks/gc", self._body(), create=True)
+            if etag is not None:
+                break
+            meta = self.bucket.head("locks/gc")
+            if meta is not None and meta.age > self.lease_timeout:
+                self.bucket.delete("locks/gc", match=meta.etag)  # its holder died
+                continue
+            wait()
+        lease = self._lease("locks/gc", etag)
+        try:
+            self._await_saves(lease)
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def _await_saves(self, lease: _Lease) -> None:
+        wait = self._waiter("saves in progress to finish")
+        while True:
+            live = []
+            for meta in self.bucket.list("locks/saves/"):
+                if meta.age > self.lease_timeout:
+                    self.bucket.delete(meta.key, match=meta.etag)  # a dead save's registration
+                else:
+                    live.append(meta)
+            if not live:
+                return
+            if lease.lost:
+                raise RepositoryError("lost the GC lease while waiting for saves")
+            wait()
+
+
+def _entry_id(key: str) -> str:
+    return key.rsplit("/", 1)[1][: -len(".json")]
+
+
+def _is_ref_name(name: str) -> bool:
+    try:
+        check_ref_name(name)
+    except InvalidRefName:
+        return False
+    return True
+
+
+def s3_stores(
+    url: str,
+    *,
+    verify: bool = True,
+    read_only: bool = False,
+    client: Any = None,
+    endpoint_url: str | None = None,
+    allow_http: bool = False,
+    unsafe_no_conditional_writes: bool = False,
+    workers: int | None = None,
+    lease_timeout: float = LEASE_TIMEOUT,
+    lock_timeout: float | None = None,
+    **store_options: Any,
+) -> tuple[S3Store, S3RefStore]:
+    """The block store and ref store of the repository at ``url``, sharing one client.
+
+    ``store_options`` go to :class:`S3Store` (``cache_dir``, ``min_grace``, ``pack_size``...).
+    """
+    bucket = S3Bucket(
+        url, client=client, endpoint_url=endpoint_url, allow_http=allow_http,
+        unsafe_no_conditional_writes=unsafe_no_conditional_writes,
+        **({"workers": workers} if workers else {}),
+    )
+    refs = S3RefStore(bucket, lease_timeout=lease_timeout, lock_timeout=lock_timeout, read_only=read_only)
+    blocks = S3Store(bucket, verify=verify, read_only=read_only, **store_options)
+    blocks.lease_check = refs.check_lease
+    return blocks, refs

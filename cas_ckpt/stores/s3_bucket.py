@@ -1,0 +1,484 @@
+"""One S3 bucket and key prefix: the boto3 client, retries, clear errors, conditional requests.
+
+boto3 is imported only when a bucket is opened (``pip install cas_ckpt[s3]``), never by ``import
+cas_ckpt``. It honours the standard AWS variables (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``,
+``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_MAX_ATTEMPTS``...). Transient failures (5xx, throttling,
+timeouts, reset connections) are retried with bounded exponential backoff: botocore's "standard" mode
+for requests, and here for response bodies cut short. Credential, permission and missing-bucket
+errors become a :class:`RepositoryError` that says which. Conditional requests (``If-None-Match: *``
+to create, ``If-Match`` to replace or delete) are what refs, locks and packs rely on; a server that
+ignores them is refused unless the user opts into ``unsafe_no_conditional_writes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import random
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from cas_ckpt.errors import CorruptStore, RepositoryError
+
+SCHEME = "s3://"
+PART_SIZE = 16 * 1024 * 1024  # multipart part size; objects up to this size are one PUT
+WORKERS = 16  # parallel requests per bucket (uploads, downloads, index reads)
+MAX_ATTEMPTS = 6  # boto3 "standard" retries (5xx, throttling, connection errors), backoff <= 20 s
+STREAM_ATTEMPTS = 4  # a response body cut short (reset, timeout) is fetched again this often
+_CONFLICT = ("PreconditionFailed", "ConditionalRequestConflict")
+_ALIASES = {"404": "NoSuchKey", "NotFound": "NoSuchKey", "412": "PreconditionFailed"}
+
+
+class Unsupported(RepositoryError):
+    """The server does not implement a request cas_ckpt needs (e.g. conditional writes)."""
+
+
+class Meta(NamedTuple):
+    """One object: key (below the prefix), ETag, size and age (seconds, by the server's clock)."""
+
+    key: str
+    etag: str
+    size: int
+    age: float
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix/")`` (``""`` for the bucket's root)."""
+    if not url.startswith(SCHEME):
+        raise ValueError(f"not an s3:// URL: {url!r}")
+    bucket, _, path = url[len(SCHEME) :].partition("/")
+    if not bucket:
+        raise RepositoryError(f"{url}: no bucket name (expected s3://BUCKET/PREFIX)")
+    prefix = "/".join(part for part in path.split("/") if part)
+    return bucket, prefix + "/" if prefix else ""
+
+
+_LOADER: list[Any] = []  # botocore's service-model loader, shared: parsing the S3 model takes 0.1 s
+_LOADER_LOCK = threading.Lock()
+
+
+def _make_client(endpoint_url: str | None, workers: int) -> Any:
+    """A client with a fresh session (so credentials and settings are read from the environment now)."""
+    import boto3
+    import botocore
+    import botocore.loaders
+    import botocore.session
+    from botocore.config import Config
+
+    # Explicit retry settings would override AWS_MAX_ATTEMPTS / AWS_RETRY_MODE: leave those to the user.
+    tuned = "AWS_MAX_ATTEMPTS" in os.environ or "AWS_RETRY_MODE" in os.environ
+    retries = {} if tuned else {"retries": {"mode": "standard", "max_attempts": MAX_ATTEMPTS}}
+    config = Config(
+        connect_timeout=10, read_timeout=60, max_pool_connections=workers + 4, **retries
+    )
+    core = botocore.session.get_session()
+    with _LOADER_LOCK:
+        if not _LOADER:
+            _LOADER.append(botocore.loaders.create_loader())
+        core.register_component("data_loader", _LOADER[0])
+    session = boto3.session.Session(botocore_session=core)
+    client = session.client("s3", endpoint_url=endpoint_url, config=config)
+    if "IfMatch" not in client.meta.service_model.operation_model("DeleteObject").input_shape.members:
+        raise RepositoryError(
+            f"botocore {botocore.__version__} cannot send conditional deletes: pip install -U boto3"
+        )
+    return client
+
+
+def _check_endpoint(endpoint: str, allow_http: bool) -> None:
+    """Refuse plain http beyond this machine: credentials and data would cross the network in clear."""
+    parts = urllib.parse.urlsplit(endpoint)
+    if parts.scheme != "http" or allow_http:
+        return
+    host = parts.hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise RepositoryError(
+            f"refusing plain http to {endpoint}: use https, or pass allow_http=True to accept "
+            "sending credentials and data unencrypted"
+        )
+
+
+def _code(exc: Any) -> str:
+    error = exc.response.get("Error", {})
+    code = str(error.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    return _ALIASES.get(code, code)
+
+
+def _server_now(response: dict[str, Any]) -> float:
+    """The server's clock (its Date header): ages are judged on it, so local clock skew does not matter."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return parsedate_to_datetime(date).timestamp() if date else time.time()
+    except (TypeError, ValueError):
+        return time.time()
+
+
+def backoff(attempt: int) -> float:
+    """Seconds to wait before attempt ``attempt + 1``: exponential, jittered, at most 2."""
+    return min(2.0, 0.05 * 2**attempt) * (0.5 + random.random() / 2)
+
+
+class _ShortRead(Exception):
+    """A response body ended early."""
+
+
+class S3Bucket:
+    """One bucket and key prefix: the boto3 client, retries, error messages, conditional requests.
+
+    Keys passed to the methods are relative to the prefix. With ``unsafe_no_conditional_writes`` the
+    conditions are checked by a HEAD before the request instead (racy: see ``docs/scale-out.md``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        client: Any = None,
+        endpoint_url: str | None = None,
+        allow_http: bool = False,
+        unsafe_no_conditional_writes: bool = False,
+        workers: int = WORKERS,
+    ) -> None:
+        self.bucket, self.prefix = parse_url(url)
+        self.url = f"{SCHEME}{self.bucket}/{self.prefix}".rstrip("/")
+        self.unsafe = unsafe_no_conditional_writes
+        self.workers = workers
+        self.client = client if client is not None else _make_client(endpoint_url, workers)
+        self.endpoint = str(self.client.meta.endpoint_url)
+        _check_endpoint(self.endpoint, allow_http)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._probed = False
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """Threads for parallel requests (they never wait on each other)."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="cas_ckpt-s3")
+            return self._pool
+
+    def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def where(self, key: str) -> str:
+        return f"{SCHEME}{self.bucket}/{self.prefix}{key}"
+
+    # -- errors --------------------------------------------------------------------------------
+    def _call(self, op: str, key: str, ok: tuple[str, ...] = (), **kwargs: Any) -> Any:
+        """Run one client operation; return the error code instead of raising when it is in ``ok``."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return getattr(self.client, op)(Bucket=self.bucket, **kwargs)
+        except ClientError as exc:
+            code = _code(exc)
+            if code in ok:
+                return code
+            raise self._client_error(exc, code, op, key) from exc
+        except BotoCoreError as exc:
+            raise self._transport_error(exc, op) from exc
+
+    def _client_error(self, exc: Any, code: str, op: str, key: str) -> RepositoryError:
+        detail = exc.response.get("Error", {}).get("Message") or code
+        if code == "NoSuchBucket":
+            return RepositoryError(
+                f"S3 bucket {self.bucket!r} does not exist (endpoint {self.endpoint}): create it, "
+                "or check the URL and AWS_ENDPOINT_URL"
+            )
+        if code == "InvalidAccessKeyId":
+            return RepositoryError(
+                f"S3 at {self.endpoint} does not know this access key (InvalidAccessKeyId): check "
+                "AWS_ACCESS_KEY_ID or AWS_PROFILE"
+            )
+        if code == "SignatureDoesNotMatch":
+            return RepositoryError(
+                f"S3 at {self.endpoint} rejected the request signature (SignatureDoesNotMatch): "
+                "check AWS_SECRET_ACCESS_KEY (and this machine's clock)"
+            )
+        if code in ("ExpiredToken", "InvalidToken", "TokenRefreshRequired", "ExpiredTokenException"):
+            return RepositoryError(f"S3 credentials expired or invalid ({code}): refresh them")
+        if code in ("AccessDenied", "AllAccessDisabled", "Forbidden", "403"):
+            return RepositoryError(
+                f"S3 denied {op} on {self.where(key)} ({code}: {detail}): the credentials need "
+                "s3:ListBucket, GetObject, PutObject, DeleteObject and AbortMultipartUpload there"
+            )
+        if code in ("NotImplemented", "501"):
+            return Unsupported(f"the S3 server at {self.endpoint} does not implement {op}: {detail}")
+        return RepositoryError(f"S3 {op} on {self.where(key)} failed: {code}: {detail}")
+
+    def _transport_error(self, exc: Exception, op: str) -> RepositoryError:
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+        if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            return RepositoryError(
+                "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                f"AWS_PROFILE ({exc})"
+            )
+        return RepositoryError(f"S3 {op} at {self.endpoint} failed after retries: {exc}")
+
+    def _streamed(self, op: str, key: str, read: Callable[[], Any]) -> Any:
+        """Run a request and read its body, again if the body is cut short (retries are bounded)."""
+        from botocore.exceptions import BotoCoreError
+        from urllib3.exceptions import HTTPError
+
+        for attempt in range(STREAM_ATTEMPTS):
+            try:
+                return read()
+            except (BotoCoreError, HTTPError, OSError, _ShortRead) as exc:
+                if attempt == STREAM_ATTEMPTS - 1:
+                    raise RepositoryError(
+                        f"S3 {op} of {self.where(key)} kept failing while reading: {exc}"
+                    ) from exc
+                time.sleep(backoff(attempt))
+        raise AssertionError("unreachable")
+
+    # -- reads ---------------------------------------------------------------------------------
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        """A whole (small) object and its ETag; None if absent."""
+
+        def read() -> tuple[bytes, str] | None:
+            r = self._call("get_object", key, ok=("NoSuchKey",), Key=self.prefix + key)
+            if isinstance(r, str):
+                return None
+            with contextlib.closing(r["Body"]) as body:
+                return body.read(), r["ETag"]
+
+        result: tuple[bytes, str] | None = self._streamed("get_object", key, read)
+        return result
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        """``length`` bytes at ``offset`` (one ranged GET); None if the object is gone."""
+        if length == 0:
+            return b""
+
+        def read() -> bytes | None:
+            r = self._call("get_object", key, ok=("NoSuchKey",), Key=self.prefix + key,
+                           Range=f"bytes={offset}-{offset + length - 1}")
+            if isinstance(r, str):
+                return None
+            self._check_length(r, key, offset, length)
+            with contextlib.closing(r["Body"]) as body:
+                data: bytes = body.read()
+            if len(data) != length:
+                raise _ShortRead(f"{len(data)} of {length} bytes")
+            return data
+
+        data: bytes | None = self._streamed("get_object", key, read)
+        return data
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> bool:
+        """Fill ``out`` from ``key`` at ``offset`` without an extra copy; False if the object is gone."""
+        if out.nbytes == 0:
+            return True
+
+        def read() -> bool:
+            r = self._call("get_object", key, ok=("NoSuchKey",), Key=self.prefix + key,
+                           Range=f"bytes={offset}-{offset + out.nbytes - 1}")
+            if isinstance(r, str):
+                return False
+            self._check_length(r, key, offset, out.nbytes)
+            with contextlib.closing(r["Body"]) as body:
+                done = 0
+                while done < out.nbytes:
+                    n = body.readinto(out[done:])
+                    if not n:
+                        raise _ShortRead(f"{done} of {out.nbytes} bytes")
+                    done += n
+            return True
+
+        done: bool = self._streamed("get_object", key, read)
+        return done
+
+    def _check_length(self, response: dict[str, Any], key: str, offset: int, length: int) -> None:
+        if response.get("ContentLength") != length:
+            raise CorruptStore(
+                self.where(key), f"holds fewer bytes than its index says ({length} at {offset})"
+            )
+
+    def head(self, key: str) -> Meta | None:
+        r = self._call("head_object", key, ok=("NoSuchKey",), Key=self.prefix + key)
+        if isinstance(r, str):
+            return None
+        age = _server_now(r) - r["LastModified"].timestamp()
+        return Meta(key, r["ETag"], r["ContentLength"], age)
+
+    def list(self, prefix: str, *, delimiter: str | None = None, limit: int | None = None) -> list[Meta]:
+        """Objects below ``prefix`` (direct children only with ``delimiter="/"``; at most ``limit``)."""
+        found = []
+        extra: dict[str, Any] = {"Delimiter": delimiter} if delimiter else {}
+        if limit is not None:
+            extra["MaxKeys"] = limit
+        token: dict[str, str] = {}
+        while True:
+            r = self._call("list_objects_v2", prefix, Prefix=self.prefix + prefix, **extra, **token)
+            now = _server_now(r)
+            for obj in r.get("Contents", []):
+                key = obj["Key"][len(self.prefix) :]
+                found.append(Meta(key, obj["ETag"], obj["Size"], now - obj["LastModified"].timestamp()))
+            if not r.get("IsTruncated") or (limit is not None and len(found) >= limit):
+                return found
+            token = {"ContinuationToken": r["NextContinuationToken"]}
+
+    def any(self, prefix: str) -> bool:
+        """True if some object's key starts with ``prefix``."""
+        return bool(self.list(prefix, limit=1))
+
+    # -- writes --------------------------------------------------------------------------------
+    def put(self, key: str, body: bytes, *, create: bool = False, match: str | None = None) -> str | None:
+        """Write an object: only if absent (``create``) or only if its ETag is ``match``.
+
+        Returns the new ETag, or None when the condition failed.
+        """
+        if self.unsafe and (create or match):
+            current = self.head(key)
+            if (create and current is not None) or (match and (current is None or current.etag != match)):
+                return None
+            create, match = False, None
+        condition = {"IfNoneMatch": "*"} if create else {"IfMatch": match} if match else {}
+        ok = (*_CONFLICT, "NoSuchKey") if condition else ()
+        r = self._call("put_object", key, ok=ok, Key=self.prefix + key, Body=body, **condition)
+        return None if isinstance(r, str) else str(r["ETag"])
+
+    def delete(self, key: str, *, match: str | None = None) -> bool:
+        """Delete an object (only if its ETag is ``match``); False when that condition failed.
+
+        An absent object counts as deleted.
+        """
+        if self.unsafe and match:
+            current = self.head(key)
+            if current is not None and current.etag != match:
+                return False
+            match = None
+        condition = {"IfMatch": match} if match else {}
+        r = self._call("delete_object", key, ok=(*_CONFLICT, "NoSuchKey"), Key=self.prefix + key,
+                       **condition)
+        return not (isinstance(r, str) and r in _CONFLICT)
+
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete these objects (unconditionally), a thousand per request."""
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": self.prefix + k} for k in keys[start : start + 1000]]
+            r = self._call("delete_objects", keys[start], Delete={"Objects": batch, "Quiet": True})
+            for error in r.get("Errors", []):
+                if error.get("Code") != "NoSuchKey":
+                    raise RepositoryError(
+                        f"S3 could not delete {error.get('Key')}: {error.get('Code')}: "
+                        f"{error.get('Message')}"
+                    )
+
+    def put_file(self, key: str, path: Path, *, part_size: int = PART_SIZE) -> bool:
+        """Create ``key`` from a file only if absent: one PUT, or parallel multipart parts.
+
+        Returns False if the object already existed (nothing was written).
+        """
+        size = path.stat().st_size
+        if size <= part_size:
+            return self._created(key, self.put(key, path.read_bytes(), create=True))
+        upload = self._call("create_multipart_upload", key, Key=self.prefix + key)["UploadId"]
+        try:
+            count = -(-size // part_size)
+            futures = [
+                self.pool.submit(self._upload_part, key, upload, n, path, part_size) for n in range(count)
+            ]
+            parts = [f.result() for f in futures]
+            return self._complete(key, upload, parts)
+        except BaseException:
+            with contextlib.suppress(RepositoryError):
+                self.abort_upload(key, upload)
+            raise
+
+    def _created(self, key: str, etag: str | None) -> bool:
+        if etag is not None:
+            return True
+        if self.head(key) is None:  # a 409 conflict with a concurrent writer, not an existing object
+            raise RepositoryError(f"S3 refused to create {self.where(key)} and it does not exist")
+        return False
+
+    def _upload_part(self, key: str, upload: str, n: int, path: Path, part_size: int) -> dict[str, Any]:
+        with open(path, "rb") as f:
+            f.seek(n * part_size)
+            data = f.read(part_size)
+        r = self._call("upload_part", key, Key=self.prefix + key, UploadId=upload, PartNumber=n + 1,
+                       Body=data)
+        return {"PartNumber": n + 1, "ETag": r["ETag"]}
+
+    def _complete(self, key: str, upload: str, parts: list[dict[str, Any]]) -> bool:
+        condition = {} if self.unsafe else {"IfNoneMatch": "*"}
+        if self.unsafe and self.head(key) is not None:
+            self.abort_upload(key, upload)
+            return False
+        r = self._call("complete_multipart_upload", key, ok=(*_CONFLICT, "NoSuchUpload"),
+                       Key=self.prefix + key, UploadId=upload, MultipartUpload={"Parts": parts},
+                       **condition)
+        if not isinstance(r, str):
+            return True
+        if r != "NoSuchUpload":  # it exists: an identical object (or a conflict _created reports)
+            with contextlib.suppress(RepositoryError):
+                self.abort_upload(key, upload)
+            return self._created(key, None)
+        if self.head(key) is None:  # NoSuchUpload after a retry: did the first attempt land?
+            raise RepositoryError(f"S3 lost the multipart upload of {self.where(key)}")
+        return True
+
+    def abort_upload(self, key: str, upload: str) -> None:
+        self._call("abort_multipart_upload", key, ok=("NoSuchUpload",), Key=self.prefix + key,
+                   UploadId=upload)
+
+    def uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        """Unfinished multipart uploads below ``prefix``: (key, upload id, age in seconds)."""
+        found = []
+        token: dict[str, str] = {}
+        while True:
+            r = self._call("list_multipart_uploads", prefix, Prefix=self.prefix + prefix, **token)
+            now = _server_now(r)
+            for up in r.get("Uploads", []):
+                age = now - up["Initiated"].timestamp()
+                found.append((up["Key"][len(self.prefix) :], up["UploadId"], age))
+            if not r.get("IsTruncated"):
+                return found
+            token = {"KeyMarker": r["NextKeyMarker"], "UploadIdMarker": r["NextUploadIdMarker"]}
+
+    # -- conditional writes --------------------------------------------------------------------
+    def check_conditional_writes(self) -> None:
+        """Refuse to write (:class:`RepositoryError`) unless the server honours ``If-None-Match: *``
+        and ``If-Match`` on PUT and ``If-Match`` on DELETE; probed once per bucket object."""
+        if self._probed or self.unsafe:
+            return
+        key = f"locks/probe-{uuid.uuid4().hex}"
+        missing = []
+        created = self.put(key, b"1", create=True)
+        try:
+            if created is None or self.put(key, b"2", create=True):
+                missing.append("If-None-Match: * on PUT")
+            if self.put(key, b"3", match='"00000000000000000000000000000000"'):
+                missing.append("If-Match on PUT")
+            if self.head(key) is not None and self.delete(key, match='"00000000000000000000000000000000"'):
+                missing.append("If-Match on DELETE")
+        except Unsupported as exc:
+            missing.append(str(exc))
+        finally:
+            with contextlib.suppress(RepositoryError):
+                self.delete(key)
+        if missing:
+            raise RepositoryError(
+                f"the S3 server at {self.endpoint} ignores conditional requests ({'; '.join(missing)}): "
+                "refs and GC would not be safe there. Use a server that supports them, or pass "
+                "unsafe_no_conditional_writes=True if only one process ever writes (docs/scale-out.md)"
+            )
+        self._probed = True

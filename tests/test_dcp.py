@@ -1,0 +1,486 @@
+"""torch.distributed.checkpoint through cas_ckpt.dcp: real gloo process groups on 127.0.0.1.
+
+The many-rank tests run ``tests/scripts/dcp_worker.py`` as 2 or 3 processes; the rest run DCP in
+this process without a process group.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
+from torch.distributed.checkpoint.planner import SavePlanner  # noqa: E402
+
+import cas_ckpt  # noqa: E402
+from cas_ckpt.cid import to_bytes as cid_bytes  # noqa: E402
+from cas_ckpt.codec import Link  # noqa: E402
+from cas_ckpt.dcp import MixedCheckpoints, Reader, Writer, load_full  # noqa: E402
+from cas_ckpt.tree import TreeReader  # noqa: E402
+
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+WORKER = SCRIPTS / "dcp_worker.py"
+MiB = 1024 * 1024
+
+
+def _worker_module() -> Any:
+    spec = importlib.util.spec_from_file_location("dcp_worker", WORKER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+worker = _worker_module()
+
+
+def run_ranks(
+    scenario: str, world: int, repo: Path, out: Path, env: dict[str, str] | None = None
+) -> list[int]:
+    """Run one scenario as ``world`` processes; return their exit codes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(rank), str(world), str(port), str(repo),
+             str(out)],
+            env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for rank in range(world)
+    ]
+    codes = []
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        if proc.returncode not in (0, -signal.SIGKILL):
+            print(output.decode(errors="replace"))
+        codes.append(proc.returncode)
+    return codes
+
+
+def results(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:
+    return [json.loads((out / f"{scenario}-{rank}.json").read_text()) for rank in range(world)]
+
+
+def expected_full(bump: float = 1.0) -> dict[str, Any]:
+    """The state the third (async) save holds, unsharded."""
+    full = worker.full_state()
+    full["w"] = full["w"] + bump
+    return full
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Many ranks
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """A repository that 2 ranks saved into (see the ``save`` scenario)."""
+    base = tmp_path_factory.mktemp("dcp")
+    repo, out = base / "repo", base / "out"
+    out.mkdir()
+    assert run_ranks("save", 2, repo, out) == [0, 0]
+    return repo, results(out, "save", 2)
+
+
+def test_two_ranks_write_one_commit_per_save(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    path, ranks = saved
+    repo = cas_ckpt.open(path)
+    for key in ("cid1", "cid2", "cid3"):  # every rank learns the commit from dcp.save's result
+        assert ranks[0][key] == ranks[1][key]
+    assert str(repo.resolve("main")) == ranks[0]["cid3"]
+    assert [c.step for c in repo.log("main")] == [3, 2, 1]
+    assert [str(c.cid) for c in repo.log("main")] == [ranks[0][k] for k in ("cid3", "cid2", "cid1")]
+    report = repo.fsck()
+    assert not report.problems and not report.store_problems
+
+
+def test_replicas_differing_across_ranks_fail_the_save(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    path, ranks = saved
+    for rank in ranks:
+        assert "ReplicaMismatch" in rank["mismatch"] and "'seed'" in rank["mismatch"]
+    assert str(cas_ckpt.open(path).resolve("main")) == ranks[0]["cid3"]  # the ref did not move
+
+
+def test_identical_bytes_are_stored_once(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    path, ranks = saved
+    # the 3 MiB replicated tensor is written by one rank only (DCP's dedup + the replica check)
+    written = sum(r["written1"] for r in ranks)
+    assert 8 * MiB <= written < 10 * MiB  # w 4 + z 1..2 (both ranks may race) + r 3
+    # the two shards of z hold the same bytes: one node, one set of chunks
+    repo = cas_ckpt.open(path)
+    tree = TreeReader(repo.blocks, repo.pool)
+    root = tree.resolve(Link(cid_bytes(repo.commit("main").tree)))
+    z = tree.resolve(tree.resolve(root["data"])["model.z"])
+    assert len(z) == 2 and z[0] == z[1]
+    # an unchanged second save writes no chunk or shard node again
+    assert [r["written2"] for r in ranks] == [0, 0]
+    assert ranks[0]["packs2"] - ranks[0]["packs1"] < 4096
+    assert repo.stats().total_bytes < 4 * MiB + 1 * MiB + 3 * MiB + 4 * MiB + 64 * 1024
+
+
+def test_load_into_one_process_without_process_group(
+    saved: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    path, _ = saved
+    repo = cas_ckpt.open(path)
+    full = expected_full()
+    target = {
+        "model": {name: torch.zeros_like(t) for name, t in full.items()},
+        "step": 0,
+        "opt": {"lr": None, "betas": None, "name": None},
+    }
+    dcp.load(target, storage_reader=Reader(repo, "main"))
+    for name, tensor in full.items():
+        assert same_bits(target["model"][name], tensor), name
+    assert target["step"] == 3 and target["opt"] == {"lr": 0.1, "betas": (0.9, 0.999), "name": "adam"}
+    whole = load_full(repo, "main")
+    assert all(same_bits(whole["model"][n], t) for n, t in full.items())
+    assert whole["opt"]["betas"] == (0.9, 0.999)
+
+
+def test_load_into_three_ranks(saved: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
+    path, _ = saved
+    repo = tmp_path / "repo"
+    shutil.copytree(path, repo)
+    assert run_ranks("load", 3, repo, tmp_path) == [0, 0, 0]
+    for rank in results(tmp_path, "load", 3):
+        # the ref moved between the Readers: refused on every rank before anything was copied
+        assert "MixedCheckpoints" in rank["mixed"] and rank["untouched"]
+        assert rank["exact"] == {"w": True, "z": True, "h": True, "r": True}
+        assert rank["values"] == [3, 0.1, [0.9, 0.999], "adam"]
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_rank_killed_during_save_leaves_ref_and_repo_intact(
+    saved: tuple[Path, list[dict[str, Any]]], tmp_path: Path, victim: int
+) -> None:
+    path, ranks = saved
+    repo_path = tmp_path / "repo"
+    shutil.copytree(path, repo_path)
+    codes = run_ranks("kill", 2, repo_path, tmp_path, env={"CAS_CKPT_KILL_RANK": str(victim)})
+    survivor = 1 - victim
+    assert codes[victim] == -signal.SIGKILL and codes[survivor] == 0
+    assert json.loads((tmp_path / f"kill-{survivor}.json").read_text())["raised"]
+    repo = cas_ckpt.open(repo_path)
+    assert str(repo.resolve("main")) == ranks[0]["cid3"]
+    assert not repo.fsck().problems
+    repo.gc()  # sweeps what the failed save stored, and the dead rank's temp pack
+    assert not list((repo_path / "tmp").iterdir())
+    report = repo.fsck()
+    assert not report.problems and not report.store_problems
+    whole = load_full(repo)
+    assert all(same_bits(whole["model"][n], t) for n, t in expected_full().items())
+
+
+def test_a_dcp_checkpoint_is_a_normal_checkpoint(
+    saved: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    path, ranks = saved
+    repo = cas_ckpt.open(path)
+    state = repo.load("main")
+    assert state["format"] == "cas_ckpt.dcp"
+    shards = state["data"]["model.w"]  # one tensor per DCP chunk, where metadata says it lies
+    assert state["metadata"]["tensors"]["model.w"]["chunks"] == [
+        [[0, 0], [1024, 512]], [[1024, 0], [1024, 512]]
+    ]
+    assert same_bits(torch.cat(shards), expected_full()["w"])
+    changed = repo.diff(ranks[0]["cid1"], "main")
+    assert {c.path for c in changed.changed} == {"data.model.w.0", "data.model.w.1"}
+    with open(tmp_path / "c.car", "wb") as f:
+        repo.export_car("main", f)
+    other = cas_ckpt.open(tmp_path / "other")
+    with open(tmp_path / "c.car", "rb") as f:
+        other.import_car(f, ref="main")
+    assert same_bits(load_full(other)["model"]["z"], expected_full()["z"])
+
+
+def test_saving_from_one_process_shares_the_ranks_chunks(
+    saved: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    path, _ = saved
+    repo_path = tmp_path / "repo"
+    shutil.copytree(path, repo_path)
+    repo = cas_ckpt.open(repo_path)
+    before = repo.stats().total_bytes
+    full = expected_full()  # unsharded now: chunks are cut at the same 1 MiB boundaries
+    writer = Writer(repo, "single")
+    dcp.save({"model": full, "step": 3, "opt": {"lr": 0.1}}, storage_writer=writer)
+    assert writer.stats.bytes_written < 64 * 1024
+    assert repo.stats().total_bytes - before < 64 * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# One process, no process group
+# --------------------------------------------------------------------------------------------
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "model": {
+            "w": torch.randn(300, 200, generator=g),
+            "bf": torch.randn(17, 3, generator=g).to(torch.bfloat16),
+            "i8": torch.randint(-128, 127, (5000,), dtype=torch.int8, generator=g),
+            "mask": torch.rand(9, generator=g) > 0.5,
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "view": torch.arange(40.0).reshape(5, 8)[:, 1::2],  # not contiguous
+        },
+        "optim": {"state": {0: {"step": torch.tensor(4.0)}}, "param_groups": [{"lr": 0.01, "params": [0]}]},
+        "epoch": 2,
+        "meta": {"name": "run", "betas": (0.9, 0.95), "none": None, "blob": b"x" * 40000,
+                 "array": np.arange(6, dtype=np.int16)},
+    }
+
+
+def _blank(state: Any) -> Any:
+    """A load target shaped like ``state``: zero tensors, None for the values DCP pickles."""
+    if isinstance(state, dict):
+        return {k: _blank(v) for k, v in state.items()}
+    if isinstance(state, list) and any(isinstance(v, (dict, torch.Tensor)) for v in state):
+        return [_blank(v) for v in state]
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    return None
+
+
+def _str_keys(state: Any) -> Any:
+    """``state`` as DCP's flattening gives it back whole: every dict key a str."""
+    if isinstance(state, dict):
+        return {str(k): _str_keys(v) for k, v in state.items()}
+    if isinstance(state, list) and any(isinstance(v, (dict, torch.Tensor)) for v in state):
+        return [_str_keys(v) for v in state]
+    return state
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_equal, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and same_bits(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b and type(a) is type(b)
+
+
+@pytest.mark.parametrize("location", ["local", "memory"])
+def test_round_trip_in_one_process(tmp_path: Path, location: str) -> None:
+    repo = cas_ckpt.open(tmp_path / "r" if location == "local" else "memory://")
+    state = _state()
+    meta = dcp.save(state, storage_writer=Writer(repo, "main", step=9, metadata={"run": "a"}))
+    assert meta.storage_meta.checkpoint_id == str(repo.resolve("main"))
+    commit = repo.commit("main")
+    assert (commit.step, commit.metadata) == (9, {"run": "a"})
+    target = _blank(state)
+    dcp.load(target, storage_reader=Reader(repo, "main"))
+    assert _equal(state, target)
+    assert _equal(_str_keys(state), load_full(repo))
+
+
+def test_no_pickle_is_stored_and_objects_are_refused(tmp_path: Path) -> None:
+    repo = cas_ckpt.open(tmp_path / "r")
+    dcp.save(_state(), storage_writer=Writer(repo, "main"))
+    for cid in repo.blocks:  # torch.save writes a zip archive around a pickle
+        block = repo.blocks.get(cid)
+        assert not block.startswith(b"PK\x03\x04") and b"\x80\x02" not in block[:2]
+
+    class Opaque:
+        pass
+
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.ones(3), "obj": {"x": Opaque()}}, storage_writer=Writer(repo, "other"))
+    assert "obj.x: cannot save a value of type" in str(info.value)
+    assert "other" not in repo.refs()
+
+
+def test_async_save(tmp_path: Path) -> None:
+    repo = cas_ckpt.open(tmp_path / "r")
+    state = _state()
+    future = dcp.async_save(state, storage_writer=Writer(repo, "main", step=1))
+    meta = future.result(timeout=60)
+    assert meta.storage_meta.checkpoint_id == str(repo.resolve("main"))
+    assert _equal(_str_keys(state), load_full(repo))
+
+
+def test_plan_caching_never_uses_a_stale_plan(tmp_path: Path) -> None:
+    repo = cas_ckpt.open(tmp_path / "r")
+
+    class CachingPlannerForTest(DefaultSavePlanner):  # its own cache key
+        def __init__(self) -> None:
+            super().__init__(enable_plan_caching=True)
+
+    try:
+        writer = Writer(repo, "main")
+        first, second = _state(), _state()
+        second["model"]["w"] += 1
+        second["epoch"] = 3
+        dcp.save(first, storage_writer=writer, planner=CachingPlannerForTest())
+        cid_first = repo.resolve("main")
+        dcp.save(second, storage_writer=writer, planner=CachingPlannerForTest())  # a cache hit
+        assert _equal(_str_keys(second), load_full(repo))
+        assert _equal(_str_keys(first), load_full(repo, cid_first))
+        # A new Writer on a cache hit: still right
+        second["model"]["w"] += 1
+        dcp.save(second, storage_writer=Writer(repo, "main"), planner=CachingPlannerForTest())
+        assert _equal(_str_keys(second), load_full(repo))
+    finally:
+        for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans,
+                      SavePlanner._cached_global_plan, SavePlanner._cached_metadata,
+                      SavePlanner._cached_final_save_plan):
+            cache.pop("CachingPlannerForTest", None)
+
+
+def test_checkpoint_id_names_the_ref_and_reset_is_optional(tmp_path: Path) -> None:
+    repo = cas_ckpt.open(tmp_path / "r")
+    state = _state()
+    dcp.save(state, storage_writer=Writer(repo, "main"))  # reset() is not called at all here
+    dcp.save(state, checkpoint_id="runs/b", storage_writer=Writer(repo, "main"))
+    assert set(repo.refs()) == {"main", "runs/b"}
+    pinned = repo.resolve("main")
+    reader = Reader(repo, "main")
+    state["epoch"] = 7
+    dcp.save(state, storage_writer=Writer(repo, "main"))
+    target = _blank(state)
+    dcp.load(target, storage_reader=reader)  # the Reader keeps the commit it resolved
+    assert target["epoch"] == 2 and reader.cid == pinned
+    dcp.load(target, checkpoint_id="main", storage_reader=reader)  # an id re-targets it
+    assert target["epoch"] == 7
+
+
+def test_ref_moves_only_by_compare_and_swap(tmp_path: Path) -> None:
+    repo = cas_ckpt.open(tmp_path / "r")
+    state = _state()
+    dcp.save(state, storage_writer=Writer(repo, "main"))
+    stale = repo.resolve("main")
+    dcp.save(state | {"epoch": 5}, storage_writer=Writer(repo, "main"))
+    head = repo.resolve("main")
+    with pytest.raises(CheckpointException, match="RefConflict"):
+        dcp.save(state, storage_writer=Writer(repo, "main", expected=stale))
+    assert repo.resolve("main") == head
+
+
+def _gc_finishes(repo: cas_ckpt.Repository, seconds: float = 30) -> bool:
+    done = threading.Event()
+    threading.Thread(target=lambda: (repo.gc(), done.set()), daemon=True).start()
+    return done.wait(seconds)
+
+
+def test_a_failed_save_does_not_block_gc(tmp_path: Path) -> None:
+    repo = cas_ckpt.open(tmp_path / "r")
+    with pytest.raises(CheckpointException):
+        dcp.save({"x": object()}, storage_writer=Writer(repo, "main"))
+    gc.collect()  # the dropped Writer releases the save lock its coordinator held
+    assert _gc_finishes(repo)
+    writer = Writer(repo, "main")  # or close() it explicitly
+    with pytest.raises(CheckpointException):
+        dcp.save({"x": object()}, storage_writer=writer)
+    writer.close()
+    assert _gc_finishes(repo)
+
+
+def test_gc_waits_for_a_save_from_planning_to_commit(tmp_path: Path) -> None:
+    repo = cas_ckpt.open(tmp_path / "r")
+    seen: dict[str, bool] = {}
+    done = threading.Event()
+
+    class GcDuringSave(DefaultSavePlanner):
+        def create_global_plan(self, all_plans: Any) -> Any:
+            threading.Thread(target=lambda: (repo.gc(), done.set()), daemon=True).start()
+            done.wait(0.5)  # long enough for a GC nothing holds off to finish
+            return super().create_global_plan(all_plans)
+
+        def finish_plan(self, new_plan: Any) -> Any:  # right before write_data
+            seen["gc ran before the writes"] = done.is_set()
+            return super().finish_plan(new_plan)
+
+    state = _state()
+    dcp.save(state, storage_writer=Writer(repo, "main"), planner=GcDuringSave())
+    assert seen == {"gc ran before the writes": False}
+    assert done.wait(30) and repo.fsck().ok
+    assert _equal(_str_keys(state), load_full(repo))
+
+
+def test_use_collectives_false_is_refused(tmp_path: Path) -> None:
+    repo = cas_ckpt.open(tmp_path / "r")
+    with pytest.raises((ValueError, CheckpointException), match="use_collectives"):
+        dcp.save(_state(), storage_writer=Writer(repo, "main"), use_collectives=False)
+
+
+def test_reader_refuses_what_is_not_a_dcp_checkpoint(tmp_path: Path) -> None:
+    repo = cas_ckpt.open(tmp_path / "r")
+    repo.save({"w": np.zeros(3)}, ref="plain")
+    with pytest.raises(cas_ckpt.RepositoryError, match="not a checkpoint written through"):
+        load_full(repo, "plain")
+    with pytest.raises(CheckpointException, match="not a checkpoint written through"):
+        dcp.load({"w": torch.zeros(3)}, storage_reader=Reader(repo, "plain"))
+
+
+def test_values_are_handed_to_the_planner_from_msgpack(tmp_path: Path) -> None:
+    """load_bytes gets a buffer pickled in memory from decoded values, never stored bytes."""
+    repo = cas_ckpt.open(tmp_path / "r")
+    dcp.save({"meta": {"k": [1, 2]}}, storage_writer=Writer(repo, "main"))
+    seen: list[bytes] = []
+
+    class Spy(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            seen.append(value.getvalue())
+            super().load_bytes(read_item, value)
+
+    target: dict[str, Any] = {"meta": {"k": None}}
+    dcp.load(target, storage_reader=Reader(repo, "main"), planner=Spy())
+    assert target["meta"]["k"] == [1, 2] and len(seen) == 1
+    stored = {repo.blocks.get(c) for c in repo.blocks}
+    assert seen[0] not in stored
+
+
+def test_mixed_checkpoints_error_is_exported() -> None:
+    assert issubclass(MixedCheckpoints, cas_ckpt.RepositoryError)
+
+
+def test_a_state_may_link_subtrees_already_stored(tmp_path: Path) -> None:
+    """The hook the coordinator's tree uses: a Link in a state is an already-stored sub-tree."""
+    repo = cas_ckpt.open(tmp_path / "r")
+    part = repo.commit(repo.save({"x": np.arange(5000)}, ref="part")).tree
+    repo.save({"linked": Link(cid_bytes(part))}, ref="whole")
+    assert np.array_equal(repo.load("whole")["linked"]["x"], np.arange(5000))
+    assert repo.fsck().ok
+    missing = cid_bytes(repo.hasher.node(b"\x90"))
+    with pytest.raises(cas_ckpt.StateTypeError, match="block not stored"):
+        repo.save({"a": Link(missing)})
+    raw = cid_bytes(repo.hasher.raw(b"chunk"))
+    with pytest.raises(cas_ckpt.StateTypeError, match="not a node"):
+        repo.save({"a": Link(raw)})

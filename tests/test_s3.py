@@ -1,0 +1,616 @@
+"""S3 repositories against a real S3-protocol server process (moto, started by conftest.py).
+
+Faults (503s, connections reset mid-body, conditional headers dropped) come from a real HTTP proxy
+in front of moto, never from stand-ins for cas_ckpt's own classes.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import closing
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import boto3
+import numpy as np
+import pytest
+from helpers import assert_state_equal
+
+import cas_ckpt
+from cas_ckpt import cid as cidlib
+from cas_ckpt import cli
+from cas_ckpt.refs_s3 import S3RefStore
+from cas_ckpt.stores.base import BlockStore
+from cas_ckpt.stores.s3 import S3Bucket, S3Store
+from cas_ckpt.testing import BlockStoreTests, raw_block
+
+FAST = {"min_grace": 0.0}  # tests may collect what they just wrote
+
+
+def _split(url: str) -> tuple[str, str]:
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    return bucket, prefix + "/"
+
+
+def _keys(url: str, below: str = "") -> list[str]:
+    bucket, prefix = _split(url)
+    listing = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix + below)
+    return sorted(o["Key"][len(prefix) :] for o in listing.get("Contents", []))
+
+
+# -- a fault-injecting HTTP proxy in front of moto -------------------------------------------------
+class Proxy:
+    """Forwards requests to moto; can answer 503, reset connections, cut bodies, drop headers.
+
+    ``fail``: that many next requests get ``503 SlowDown``; ``reset``: that many are closed without an
+    answer; ``cut``: that many ranged GETs lose the second half of their body. Every request is
+    recorded as (method, path, range header).
+    """
+
+    def __init__(self, upstream: str) -> None:
+        parts = urllib.parse.urlsplit(upstream)
+        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self.requests: list[tuple[str, str, str]] = []
+        self.fail = self.reset = self.cut = 0
+        self.failed = 0
+        self.strip: set[str] = set()
+        self.active = self.max_active = 0
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Forward)
+        self.server.daemon_threads = True
+        self.server.proxy = self  # type: ignore[attr-defined]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def take(self, what: str) -> bool:
+        with self.lock:
+            if getattr(self, what) > 0:
+                setattr(self, what, getattr(self, what) - 1)
+                return True
+            return False
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def gets(self, below: str = "/packs/") -> list[tuple[str, str, str]]:
+        return [r for r in self.requests if r[0] == "GET" and below in r[1]]
+
+
+class _Forward(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _forward(self) -> None:
+        proxy: Proxy = self.server.proxy  # type: ignore[attr-defined]
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        with proxy.lock:
+            proxy.requests.append((self.command, self.path, self.headers.get("Range", "")))
+        if proxy.take("fail"):
+            proxy.failed += 1
+            self._answer(503, b"<Error><Code>SlowDown</Code><Message>reduce your rate</Message></Error>")
+            return
+        if proxy.take("reset"):
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in proxy.strip}
+        with proxy.lock:
+            proxy.active += 1
+            proxy.max_active = max(proxy.max_active, proxy.active)
+        try:
+            conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+            conn.request(self.command, self.path, body=body, headers=headers)
+            response = conn.getresponse()
+            data = response.read()
+            conn.close()
+        finally:
+            with proxy.lock:
+                proxy.active -= 1
+        self.send_response(response.status)
+        for key, value in response.getheaders():
+            if key.lower() not in ("transfer-encoding", "connection", "server", "date", "content-length"):
+                self.send_header(key, value)
+        length = response.getheader("Content-Length", str(len(data)))
+        self.send_header("Content-Length", length)
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        if self.headers.get("Range") and len(data) > 1 and proxy.take("cut"):
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        self.wfile.write(data)
+
+    def _answer(self, status: int, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+
+@pytest.fixture
+def proxy(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Proxy]:
+    """A proxy in front of moto; AWS_ENDPOINT_URL points at it (the bucket of s3_url exists)."""
+    p = Proxy(os.environ["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+    yield p
+    p.close()
+
+
+def state(step: int) -> dict[str, Any]:
+    rng = np.random.default_rng(step)
+    return {"w": rng.random((300, 200)), "b": np.arange(10, dtype=np.int16) + step, "step": step,
+            "blob": bytes(range(256)) * 200, "name": f"run-{step}"}
+
+
+# -- the block-store conformance suite ------------------------------------------------------------
+class TestS3Store(BlockStoreTests):
+    @pytest.fixture
+    def store(self, s3_url: str) -> Iterator[BlockStore]:
+        with closing(S3Store(s3_url, **FAST)) as s:
+            yield s
+
+    def corrupt(self, store: BlockStore, cid: bytes) -> None:
+        """Rewrite the pack object holding ``cid`` with one byte of the block flipped."""
+        assert isinstance(store, S3Store)
+        loc = store._index[cid]
+        client, bucket = store.bucket.client, store.bucket.bucket
+        key = f"{store.bucket.prefix}packs/{loc.pack}"
+        data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+        data[loc.offset + loc.length // 2] ^= 0x01
+        client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+
+    def leftovers(self, store: BlockStore) -> list[str]:
+        assert isinstance(store, S3Store)
+        uploads = [key for key, _, _ in store.bucket.uploads("")]
+        spooled = sorted(os.listdir(store.tmp_dir)) if store.tmp_dir.exists() else []  # gone: closed
+        return spooled + uploads
+
+    # -- S3 only -------------------------------------------------------------------------------
+    def test_second_instance_sees_committed_blocks(self, s3_url: str) -> None:
+        with closing(S3Store(s3_url)) as first, closing(S3Store(s3_url)) as second:
+            cid, data = raw_block(1)
+            first.put(cid, data)
+            assert second.get(cid) == data  # a miss lists the packs again
+            more = dict(raw_block(i) for i in range(2, 12))
+            with first.writer() as writer:
+                for c, d in more.items():
+                    writer.put(c, d)
+            second.refresh()
+            assert set(second.keys()) == {cid, *more}
+            assert _keys(s3_url, "packs/") == sorted(f"packs/{n}" for n in first.packs())
+
+    def test_big_packs_upload_in_parallel_parts_and_roll_over(self, proxy: Proxy, s3_url: str) -> None:
+        blocks = dict(raw_block(i, 1024 * 1024) for i in range(24))
+        with closing(S3Store(s3_url, pack_size=13 * 2**20, part_size=5 * 2**20)) as store:
+            with store.writer() as writer:
+                for cid, data in blocks.items():
+                    writer.put(cid, data)
+            assert len(writer.published) == 2  # rolled over at 13 MiB
+            assert all(store.get(c) == d for c, d in blocks.items())
+        bucket, prefix = _split(s3_url)
+        client = boto3.client("s3")
+        for name in writer.published:
+            etag = client.head_object(Bucket=bucket, Key=f"{prefix}packs/{name}")["ETag"]
+            assert etag.strip('"').endswith("-3")  # three multipart parts
+        assert proxy.max_active >= 2, "parts were uploaded one at a time"
+
+    @pytest.mark.parametrize("size", [3000, 1024 * 1024], ids=["one PUT", "multipart"])
+    def test_an_existing_pack_is_never_overwritten(self, s3_url: str, tmp_path: Path, size: int) -> None:
+        blocks = dict(raw_block(i, size) for i in range(6))
+        with closing(S3Store(s3_url, part_size=5 * 2**20)) as store:
+            with store.writer() as writer:
+                for cid, data in blocks.items():
+                    writer.put(cid, data)
+            (name,) = writer.published
+            copy = tmp_path / name
+            copy.write_bytes(store.bucket.get(f"packs/{name}")[0])  # type: ignore[index]
+            victim = next(iter(blocks))
+            self.corrupt(store, victim)
+            # The very same pack uploaded again (a writer that had not seen it): created only if
+            # absent, so the (now damaged) object stays as it is.
+            assert store.bucket.put_file(f"packs/{name}", copy, part_size=5 * 2**20) is False
+            with pytest.raises(cas_ckpt.CorruptBlock):
+                store.get(victim)
+            assert store.bucket.uploads("") == []  # the refused multipart upload was aborted
+
+    def test_gc_keeps_packs_younger_than_the_grace_period(self, s3_url: str) -> None:
+        cid, data = raw_block(1)
+        with closing(S3Store(s3_url)) as store:  # min_grace: one hour by default
+            store.put(cid, data)
+            assert store.delete({cid}) == (0, 0)
+            assert store.get(cid) == data
+        with closing(S3Store(s3_url, **FAST)) as store:
+            removed, freed = store.delete({cid})
+            assert removed == 1 and freed > len(data)
+            assert _keys(s3_url, "packs/") == []
+
+    def test_clean_temp_aborts_abandoned_uploads(self, s3_url: str) -> None:
+        bucket, prefix = _split(s3_url)
+        boto3.client("s3").create_multipart_upload(Bucket=bucket, Key=f"{prefix}packs/dead.pack")
+        with closing(S3Store(s3_url, **FAST)) as store:
+            assert [k for k, _, _ in store.bucket.uploads("")] == ["packs/dead.pack"]
+            assert store.clean_temp() == 1
+            assert store.bucket.uploads("") == []
+
+
+# -- repositories through cas_ckpt.open("s3://...") ------------------------------------------------
+def test_save_load_log_reflog_gc_fsck(s3_url: str) -> None:
+    with cas_ckpt.open(s3_url, chunk_size=16 * 1024, storage_options=FAST) as repo:
+        cids = [repo.save(state(i), step=i, message=f"s{i}") for i in range(3)]
+        repo.save({"x": 1}, ref="runs/exp-1")
+        assert_state_equal(state(2), repo.load())
+        assert_state_equal(state(0)["w"], repo.load(cids[0], path="w"))
+        assert [c.step for c in repo.log()] == [2, 1, 0]
+        assert [e.new for e in repo.reflog()] == [cidlib.to_bytes(c) for c in cids]
+        assert sorted(repo.refs()) == ["main", "runs/exp-1"]
+        report = repo.gc()
+        assert report.blocks_freed > 0  # steps 0 and 1 had their own arrays
+        with pytest.raises(cas_ckpt.CheckpointExpired):
+            repo.load(cids[0])
+        assert_state_equal(state(2), repo.load())
+        assert repo.fsck().ok
+        repo.delete_ref("runs/exp-1")
+        assert repo.reflog("runs/exp-1") == []
+        assert _keys(s3_url, "logs/runs/") == []
+    with cas_ckpt.open(s3_url, create=False, read_only=True) as again:
+        assert_state_equal(state(2), again.load())
+        with pytest.raises(cas_ckpt.RepositoryError, match="read-only"):
+            again.save({"x": 2})
+    layout = {key.split("/")[0] for key in _keys(s3_url)}
+    assert layout == {"config.json", "logs", "packs", "refs"}  # no lock or probe objects left
+
+
+def test_open_refuses_missing_repositories_and_foreign_prefixes(s3_url: str) -> None:
+    with pytest.raises(cas_ckpt.RepositoryError, match="no cas_ckpt repository"):
+        cas_ckpt.open(s3_url, create=False)
+    bucket, prefix = _split(s3_url)
+    boto3.client("s3").put_object(Bucket=bucket, Key=f"{prefix}someone-else.txt", Body=b"x")
+    with pytest.raises(cas_ckpt.RepositoryError, match="holds other objects"):
+        cas_ckpt.open(s3_url)
+    with pytest.raises(ValueError, match="storage_options"):
+        cas_ckpt.open("memory://", storage_options={"cache_dir": "x"})
+
+
+def test_car_export_and_import(s3_url: str, tmp_path: Path) -> None:
+    with cas_ckpt.open(s3_url) as repo:
+        root = repo.save(state(1))
+        repo.export_car(root, tmp_path / "c.car")
+    with cas_ckpt.open(tmp_path / "local") as local:
+        local.import_car(tmp_path / "c.car", ref="main")
+        assert_state_equal(state(1), local.load())
+    with cas_ckpt.open(s3_url.replace("/repo", "/copy")) as other:
+        assert other.import_car(tmp_path / "c.car", ref="main").roots == [root]
+        assert_state_equal(state(1), other.load())
+
+
+def test_cli_on_s3(s3_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def run(*argv: str) -> tuple[int, str]:
+        code = cli.main(["--repo", s3_url, *argv])
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err
+        return code, out
+
+    assert run("init")[0] == 0
+    with cas_ckpt.open(s3_url, storage_options=FAST) as repo:
+        first = repo.save(state(1), step=1)
+        second = repo.save(state(2), step=2)
+    code, out = run("log")
+    assert code == 0 and str(second) in out and str(first) in out
+    assert run("refs")[1].split() == [str(second), "main"]
+    code, out = run("fsck")
+    assert code == 0 and "ok" in out
+    code, out = run("export", "main", "-o", str(tmp_path / "m.car"))
+    assert code == 0 and (tmp_path / "m.car").stat().st_size > 0
+    code, out = run("gc", "--dry-run")
+    assert code == 0 and "would remove" in out
+    code, out = run("gc")  # the one-hour minimum grace on S3 keeps what was just written
+    assert code == 0 and "removed 0 blocks" in out
+    assert cli.main(["--repo", s3_url.replace("/repo", "/none"), "log"]) != 0
+    assert "no cas_ckpt repository" in capsys.readouterr().err
+
+
+# -- refs: races, reflog chains, leases -----------------------------------------------------------
+RACER = """
+import os, sys, time
+import cas_ckpt
+
+url, go, name, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+with cas_ckpt.open(url) as repo:
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    for _ in range(count):
+        while True:  # read, increment, write back only if nobody moved the ref meanwhile
+            head = repo.resolve("main")
+            value = repo.load(head, path="i")
+            try:
+                cid = repo.save({"i": value + 1, "writer": name}, expected=head)
+            except cas_ckpt.RefConflict:
+                continue
+            print("saved", cid, flush=True)
+            break
+"""
+
+
+def test_processes_racing_on_one_ref_lose_no_update(s3_url: str, tmp_path: Path) -> None:
+    with cas_ckpt.open(s3_url) as repo:
+        start = repo.save({"i": 0, "writer": "start"})
+    script, go = tmp_path / "racer.py", tmp_path / "go"
+    script.write_text(RACER)
+    count, names = 15, ("alpha", "beta", "gamma")
+    env = {**os.environ, "PYTHONPATH": str(Path(cas_ckpt.__file__).parent.parent)}
+    procs = [
+        subprocess.Popen([sys.executable, str(script), s3_url, str(go), name, str(count)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for name in names
+    ]
+    time.sleep(1.0)
+    go.touch()
+    saved: list[str] = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        words = out.split()
+        saved += [words[i + 1] for i, word in enumerate(words) if word == "saved"]
+    assert len(set(saved)) == len(names) * count
+    with cas_ckpt.open(s3_url) as repo:
+        assert repo.load("main", path="i") == len(names) * count  # every increment survived
+        log = repo.reflog("main")[1:]
+        assert sorted(cidlib.to_str(e.new) for e in log) == sorted(saved)
+        assert log[0].old == cidlib.to_bytes(start)
+        assert all(a.new == b.old for a, b in itertools.pairwise(log))
+        history = [str(c.cid) for c in repo.log("main")]
+        assert history == [cidlib.to_str(e.new) for e in reversed(log)] + [str(start)]
+    assert len(_keys(s3_url, "logs/main/")) == len(saved) + 1  # losers removed their entries
+    assert _keys(s3_url, "locks/") == []
+
+
+def test_threads_racing_unconditional_sets_keep_one_chain(s3_url: str) -> None:
+    refs = S3RefStore(s3_url)
+    values = [cidlib.Hasher().node(bytes([i])) for i in range(40)]
+
+    def writer(part: list[bytes]) -> None:
+        for value in part:
+            assert refs.set_if_equals("main", None, value)
+
+    threads = [threading.Thread(target=writer, args=(values[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log = refs.reflog("main")
+    assert sorted(e.new for e in log) == sorted(values)
+    assert all(a.new == b.old for a, b in itertools.pairwise(log)) and log[-1].new == refs.get("main")
+    # An entry a crash left behind (written, but its ref update never happened) is not in the chain.
+    bucket, prefix = _split(s3_url)
+    orphan = {"old": None, "new": cidlib.to_str(values[0]), "time": 1.0, "message": "x", "prev": None}
+    boto3.client("s3").put_object(Bucket=bucket, Key=f"{prefix}logs/main/{'0' * 20}-dead.json",
+                                  Body=json.dumps(orphan).encode())
+    assert refs.reflog("main") == log
+
+
+def test_gc_waits_for_a_save_in_progress(s3_url: str) -> None:
+    options = {**FAST, "lease_timeout": 30.0}
+    with cas_ckpt.open(s3_url, storage_options=options) as repo:
+        old = repo.save({"w": np.arange(300_000.0)})
+        repo.delete_ref("main")  # old's blocks are now unreachable...
+        done: dict[str, Any] = {}
+
+        def collect() -> None:
+            done["report"] = repo.gc()
+            done["gc"] = time.monotonic()
+
+        with repo.refs_store.lock(exclusive=False):  # ...but a save in progress reuses them
+            gc = threading.Thread(target=collect)
+            gc.start()
+            time.sleep(1.5)
+            assert gc.is_alive(), "GC ran while a save held the lock"
+            assert _keys(s3_url, "locks/gc")  # it holds its own lease, waiting
+            repo.set_ref("main", old)
+            done["save"] = time.monotonic()
+        gc.join(timeout=60)
+        assert done["gc"] > done["save"] and done["report"].live_blocks > 0
+        assert np.array_equal(repo.load()["w"], np.arange(300_000.0))
+        assert repo.fsck().ok
+
+
+def test_save_waits_for_gc_and_stale_leases_are_broken(s3_url: str) -> None:
+    with cas_ckpt.open(s3_url, storage_options={**FAST, "lease_timeout": 1.0}) as repo:
+        bucket, prefix = _split(s3_url)
+        client = boto3.client("s3")
+        # A GC that died holding its lock: a save waits until the lease is stale, then breaks it.
+        client.put_object(Bucket=bucket, Key=f"{prefix}locks/gc", Body=b"{}")
+        started = time.monotonic()
+        repo.save({"a": 1})
+        assert time.monotonic() - started >= 0.9
+        # A save that died registered: GC waits until the registration is stale, then removes it.
+        client.put_object(Bucket=bucket, Key=f"{prefix}locks/saves/dead", Body=b"{}")
+        started = time.monotonic()
+        repo.gc()
+        assert time.monotonic() - started >= 0.9
+        assert _keys(s3_url, "locks/") == []
+
+
+def test_a_save_that_lost_its_lease_moves_no_ref(s3_url: str) -> None:
+    with cas_ckpt.open(s3_url, storage_options={"lease_timeout": 1.0}) as repo:
+        first = repo.save({"a": 1})
+        bucket, prefix = _split(s3_url)
+        second = repo.save({"a": 2}, ref="other")
+        with repo.refs_store.lock(exclusive=False):
+            (key,) = _keys(s3_url, "locks/saves/")  # a GC judged us dead and removed it
+            boto3.client("s3").delete_object(Bucket=bucket, Key=prefix + key)
+            time.sleep(0.3)  # more than a heartbeat interval (lease_timeout / 4)
+            with pytest.raises(cas_ckpt.RepositoryError, match="lost the repository lease"):
+                repo.set_ref("main", second)
+        assert repo.resolve() == first and len(repo.reflog()) == 1
+
+
+# -- reads: ranged, coalesced, cached --------------------------------------------------------------
+def test_chunks_of_an_array_come_in_one_ranged_get(proxy: Proxy, s3_url: str) -> None:
+    array = np.random.default_rng(0).random(512 * 1024)  # 4 MiB: 64 chunks of 64 KiB
+    with cas_ckpt.open(s3_url, chunk_size=64 * 1024) as repo:
+        repo.save({"w": array})
+    with cas_ckpt.open(s3_url) as repo:
+        before = len(proxy.gets())
+        assert np.array_equal(repo.load()["w"], array)
+        gets = proxy.gets()[before:]
+    assert all(r[2].startswith("bytes=") for r in gets)
+    assert len(gets) <= 6, gets  # commit, tree node, one run of 64 chunks (plus the index read)
+
+
+def test_local_cache_serves_repeated_loads(proxy: Proxy, s3_url: str, tmp_path: Path) -> None:
+    options = {"cache_dir": str(tmp_path / "cache")}
+    with cas_ckpt.open(s3_url, chunk_size=64 * 1024, storage_options=options) as repo:
+        repo.save(state(1))
+        first_gets = len(proxy.gets())
+        assert_state_equal(state(1), repo.load())
+        assert len(proxy.gets()) > first_gets
+    def block_reads(since: int) -> list[tuple[str, str, str]]:
+        return [r for r in proxy.gets()[since:] if not r[2].startswith("bytes=-")]  # not index reads
+
+    with cas_ckpt.open(s3_url, storage_options=options) as repo:  # a new process, say
+        before = len(proxy.gets())
+        assert_state_equal(state(1), repo.load())
+        assert block_reads(before) == []  # every block came from the cache
+    # A damaged cache copy fails its hash and is fetched again.
+    cached = next(p for p in (tmp_path / "cache").iterdir() if p.suffix == ".pack")
+    data = bytearray(cached.read_bytes())
+    data[len(data) // 3 : len(data) // 3 + 64] = b"\xff" * 64
+    cached.write_bytes(bytes(data))
+    with cas_ckpt.open(s3_url, storage_options=options) as repo:
+        before = len(proxy.gets())
+        assert_state_equal(state(1), repo.load())
+        assert block_reads(before) != []
+
+
+# -- failures --------------------------------------------------------------------------------------
+def test_transient_failures_are_retried(proxy: Proxy, s3_url: str) -> None:
+    proxy.fail = 2
+    with cas_ckpt.open(s3_url, chunk_size=16 * 1024) as repo:
+        assert proxy.failed == 2 and proxy.fail == 0
+        proxy.reset = 1
+        repo.save(state(1))
+        assert proxy.reset == 0
+        proxy.cut = 2  # two ranged GETs lose half their body: read again
+        assert_state_equal(state(1), repo.load())
+        assert proxy.cut == 0
+
+
+def test_persistent_failures_end_with_a_clear_error(
+    proxy: Proxy, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # the standard variable is honoured
+    proxy.fail = 10**6
+    started = time.monotonic()
+    with pytest.raises(cas_ckpt.RepositoryError, match="SlowDown"):
+        cas_ckpt.open(s3_url)
+    assert time.monotonic() - started < 15
+    assert 2 <= len(proxy.requests) <= 4  # the probe's PUT twice, then its clean-up DELETE twice
+
+
+def test_missing_bucket_and_plain_http_are_refused(s3_env: str) -> None:
+    with pytest.raises(cas_ckpt.RepositoryError, match="bucket 'no-such-bucket' does not exist"):
+        cas_ckpt.open("s3://no-such-bucket/repo")
+    with pytest.raises(cas_ckpt.RepositoryError, match="refusing plain http"):
+        S3Bucket("s3://b/p", endpoint_url="http://192.0.2.1:9000")
+    assert S3Bucket("s3://b/p", endpoint_url="http://192.0.2.1:9000", allow_http=True).prefix == "p/"
+
+
+@pytest.fixture(scope="module")
+def auth_server() -> Iterator[tuple[str, dict[str, str]]]:
+    """A second moto server that checks credentials (after its first 3 requests set up a user)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        setup = {"endpoint_url": endpoint, "region_name": "us-east-1",
+                 "aws_access_key_id": "setup", "aws_secret_access_key": "setup"}
+        iam = boto3.client("iam", **setup)
+        iam.create_user(UserName="nobody")  # no policy: may do nothing
+        key = iam.create_access_key(UserName="nobody")["AccessKey"]
+        boto3.client("s3", **setup).create_bucket(Bucket="guarded")
+        yield endpoint, {"id": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("key_id", "secret", "message"),
+    [
+        ("AKIAUNKNOWN000000000", "x", "does not know this access key"),
+        (None, "wrong", "SignatureDoesNotMatch"),
+        (None, None, "denied"),
+    ],
+    ids=["unknown key", "bad secret", "no permission"],
+)
+def test_credential_errors_say_what_is_wrong(
+    auth_server: tuple[str, dict[str, str]], s3_env: str, monkeypatch: pytest.MonkeyPatch,
+    key_id: str | None, secret: str | None, message: str,
+) -> None:
+    endpoint, user = auth_server
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id or user["id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret or user["secret"])
+    with pytest.raises(cas_ckpt.RepositoryError, match=message):
+        cas_ckpt.open("s3://guarded/repo")
+
+
+def test_no_credentials_at_all(s3_env: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(cas_ckpt.RepositoryError, match="no AWS credentials"):
+        cas_ckpt.open("s3://any-bucket/repo")
+
+
+def test_servers_without_conditional_writes_are_refused(proxy: Proxy, s3_url: str) -> None:
+    with cas_ckpt.open(s3_url) as repo:  # made while the server still honoured them
+        root = repo.save({"a": 1})
+    proxy.strip = {"if-none-match", "if-match"}
+    with pytest.raises(cas_ckpt.RepositoryError, match="ignores conditional requests"):
+        cas_ckpt.open(s3_url)
+    with cas_ckpt.open(s3_url, create=False, read_only=True) as reader:  # reading needs none
+        assert reader.load(root) == {"a": 1}
+    unsafe = {"unsafe_no_conditional_writes": True}
+    with cas_ckpt.open(s3_url, storage_options=unsafe) as repo:
+        assert repo.save({"a": 2}, expected=root) != root
+        assert repo.load() == {"a": 2}
+
+
+def test_boto3_is_imported_only_for_s3() -> None:
+    code = (
+        "import sys, cas_ckpt; cas_ckpt.open('memory://').save({'a': 1}); "
+        "print(sorted(m for m in sys.modules if m.startswith(('boto', 'moto'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
