@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cas_ckpt import cid as cidlib
-from cas_ckpt.errors import CorruptStore, InvalidRefName, RefLocked, RepositoryError
+from cas_ckpt.errors import CorruptStore, InvalidRefName, RepositoryError
 from cas_ckpt.refs import ReflogEntry, RefStore, check_ref_name
 from cas_ckpt.stores.s3 import S3Store
 from cas_ckpt.stores.s3_bucket import Meta, S3Bucket, backoff
@@ -54,7 +54,11 @@ class _Head:
 
 
 def _seq(entry: str | None) -> int:
-    return int(entry.split("-", 1)[0]) if entry else 0
+    """The sequence number of a reflog entry id (0 for none, -1 for a malformed one)."""
+    try:
+        return int(entry.split("-", 1)[0]) if entry else 0
+    except ValueError:
+        return -1
 
 
 class _Lease:
@@ -81,7 +85,7 @@ class _Lease:
                 if not self.beat():
                     return
             except RepositoryError:
-                continue  # unreachable for now: staleness is judged on the server's clock, retry
+                continue  # a request failed even after retries: beat again next time
 
     def beat(self, *, unless_newer_than: float = 0.0) -> bool:
         """Rewrite the lease (unless it was rewritten that recently); False if it was lost.
@@ -131,8 +135,11 @@ class S3RefStore(RefStore):
         self.lock_timeout = lock_timeout
         self.poll = poll
         self._local = threading.local()
-        self._held: list[_Lease] = []  # every lease this store holds, in any thread
-        self._held_lock = threading.Lock()
+        self._gc_leases: list[_Lease] = []
+        self._shared: _Lease | None = None  # one save registration, shared by the whole process
+        self._shared_users = 0
+        self._mutex = threading.Lock()  # held only briefly, never across a request that waits
+        self._joining = threading.Lock()
         self._beats = 0
 
     # -- keys ----------------------------------------------------------------------------------
@@ -174,7 +181,7 @@ class S3RefStore(RefStore):
             if moved:
                 return True
             time.sleep(backoff(attempt) / 10)  # lost a race: read again, the check decides
-        raise RefLocked(name, self._where(f"refs/{name}"), f"{MAX_TRIES} concurrent updates in a row")
+        raise RepositoryError(f"ref {name!r} changed under each of {MAX_TRIES} attempts to update it")
 
     def _update(self, name: str, head: _Head | None, new: bytes, message: str) -> bool:
         if head is None:
@@ -299,17 +306,41 @@ class S3RefStore(RefStore):
 
     @contextlib.contextmanager
     def _hold(self, exclusive: bool) -> Iterator[None]:
-        lease = self._take_gc_lock() if exclusive else self._register_save()
+        lease = self._take_gc_lock() if exclusive else self._join_saves()
         mine = self._local.__dict__.setdefault("leases", [])
         mine.append(lease)
-        with self._held_lock:
-            self._held.append(lease)
         try:
             yield
         finally:  # possibly in another thread (a lock held across a DCP save): remove, not pop
             mine.remove(lease)
-            with self._held_lock:
-                self._held.remove(lease)
+            if exclusive:
+                with self._mutex:
+                    self._gc_leases.remove(lease)
+                lease.release()
+            else:
+                self._leave_saves()
+
+    def _join_saves(self) -> _Lease:
+        """Shared: every holder in this process shares one registration, so nested and overlapping
+        holders never wait for a GC that is waiting for them (as flocks of one process do not)."""
+        with self._joining:  # one registration at a time (it may wait for a GC)
+            with self._mutex:
+                if self._shared is not None and not self._shared.lost:
+                    self._shared_users += 1
+                    return self._shared
+            lease = self._register_save()  # without _mutex: a GC in this process can finish
+            with self._mutex:
+                self._shared = lease
+                self._shared_users += 1
+                return lease
+
+    def _leave_saves(self) -> None:
+        with self._mutex:
+            self._shared_users -= 1
+            lease = self._shared if self._shared_users == 0 else None
+            if lease is not None:
+                self._shared = None
+        if lease is not None:
             lease.release()
 
     def check_lease(self) -> None:
@@ -317,8 +348,8 @@ class S3RefStore(RefStore):
         they were not renewed lately; :class:`RepositoryError` if one was lost."""
         leases = list(getattr(self._local, "leases", []))
         if not leases:
-            with self._held_lock:
-                leases = list(self._held)
+            with self._mutex:
+                leases = [*self._gc_leases, *([self._shared] if self._shared else [])]
         for lease in leases:
             if not lease.beat(unless_newer_than=lease.interval):
                 raise RepositoryError(
@@ -389,6 +420,8 @@ class S3RefStore(RefStore):
         except BaseException:
             lease.release()
             raise
+        with self._mutex:
+            self._gc_leases.append(lease)
         return lease
 
     def _await_saves(self, lease: _Lease) -> None:

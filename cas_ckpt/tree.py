@@ -29,7 +29,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,7 @@ SPLIT_LIMIT = 64 * 1024  # containers whose encoding is larger get a node of the
 PAGE_LIMIT = MAX_CHUNK - 64  # nodes are cut into pages below this size
 MAX_LINKS = 16384  # chunk links kept in one descriptor before they move into link pages
 MAX_DEPTH = 256
+FILLS_IN_FLIGHT = 4  # arrays being read at once during a load
 # Node reads allowed for one load. A tree cas_ckpt writes reads each node about once (a node holds
 # at least 64 KiB of structure, or a page of ~1 MiB); a hostile DAG whose nodes each link twice to
 # the one below would otherwise expand to 2**depth reads (a "billion laughs").
@@ -407,6 +408,8 @@ class TreeReader:
         self.verify = store.verify if verify is None else verify
         self.tensor_factory = tensor_factory
         self.mmap = mmap
+        self._fills: ThreadPoolExecutor | None = None
+        self._inflight: list[Future[None]] = []
         self.node_reads = 0
 
     def node(self, cid: bytes) -> Any:
@@ -489,15 +492,41 @@ class TreeReader:
         return value
 
     # -- materialising -------------------------------------------------------------------------
-    def load(self, value: Any, depth: int = 0) -> Any:
-        """Turn a decoded value into Python objects, reading what it links to."""
+    def load(self, value: Any) -> Any:
+        """Turn a decoded value into Python objects, reading what it links to.
+
+        Arrays are allocated as the tree is walked and filled in the background, several at a
+        time, so small arrays keep the read threads as busy as large ones; all are complete
+        before this returns.
+        """
+        self._inflight = []
+        with ThreadPoolExecutor(FILLS_IN_FLIGHT, thread_name_prefix="cas_ckpt-fill") as fills:
+            self._fills = fills
+            try:
+                result = self._load(value, 0)
+            except BaseException:
+                for future in self._inflight:
+                    future.cancel()
+                raise
+            finally:
+                self._fills = None
+            for future in self._inflight:
+                future.result()
+        return result
+
+    def _load(self, value: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise DecodeError(f"state nested deeper than {MAX_DEPTH}")
         value = self.resolve(value, depth)
-        if isinstance(value, dict):
-            return {k: self.load(v, depth + 1) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self.load(v, depth + 1) for v in value]
+        try:
+            if isinstance(value, dict):
+                return {k: self._load(v, depth + 1) for k, v in value.items()}
+            if isinstance(value, list):
+                return [self._load(v, depth + 1) for v in value]
+        except MemoryError as exc:
+            if isinstance(exc, OutOfMemory):
+                raise
+            raise OutOfMemory(f"no memory for a container of {len(value)} items") from None
         if isinstance(value, Tagged):
             return self._load_tagged(value, depth)
         if value is None or isinstance(value, (bool, int, float, str, bytes)):
@@ -507,7 +536,7 @@ class TreeReader:
     def _load_tagged(self, value: Tagged, depth: int) -> Any:
         code, body = value.code, value.value
         if code == TUPLE:
-            return tuple(self.load(v, depth + 1) for v in _seq(body, "tuple"))
+            return tuple(self._load(v, depth + 1) for v in _seq(body, "tuple"))
         if code == BIGINT:
             if not isinstance(body, bytes) or not body:
                 raise DecodeError("malformed bigint")
@@ -539,10 +568,20 @@ class TreeReader:
             links = list(_seq(header.get("chunks"), "chunks"))
         return [_link(x).cid for x in links]
 
-    def _fill(self, cids: list[bytes], sizes: list[int], out: memoryview) -> None:
-        """Read chunks into consecutive slices of ``out`` (in parallel: see the store)."""
+    def _fill(
+        self, cids: list[bytes], sizes: list[int], out: memoryview, *, later: bool = False
+    ) -> None:
+        """Read chunks into consecutive slices of ``out`` (in parallel: see the store).
+
+        ``later``: start now, finish before :meth:`load` returns.
+        """
         if sum(sizes) != out.nbytes:
             raise DecodeError(f"chunks hold {sum(sizes)} bytes, expected {out.nbytes}")
+        if later and self._fills is not None:
+            self._inflight.append(self._fills.submit(
+                self.store.get_many_into, cids, sizes, out, self.pool, verify=self.verify
+            ))
+            return
         self.store.get_many_into(cids, sizes, out, self.pool, verify=self.verify)
 
     def _sizes(self, cids: list[bytes]) -> list[int]:
@@ -582,7 +621,9 @@ class TreeReader:
                 flat = np.frombuffer(mapped, dtype=np.uint8)  # read-only, backed by the pack
             else:
                 flat = out if out is not None else _allocate(nbytes, f"an array of shape {shape}")
-                self._fill(cids, sizes, memoryview(flat))
+                # A tensor moved to map_location is copied at once: its bytes must be there.
+                later = kind == "numpy" or self.tensor_factory is None
+                self._fill(cids, sizes, memoryview(flat), later=later)
         array = flat.view(dtype)
         try:
             array = array.reshape(shape[::-1]).T if order == "F" else array.reshape(shape)

@@ -234,6 +234,38 @@ class TestS3Store(BlockStoreTests):
                 store.get(victim)
             assert store.bucket.uploads("") == []  # the refused multipart upload was aborted
 
+    def test_delete_rewrites_a_pack_with_the_survivors(self, s3_url: str) -> None:
+        blocks = dict(raw_block(i, 5000) for i in range(10))
+        with closing(S3Store(s3_url)) as store, store.writer() as writer:
+            for cid, data in blocks.items():
+                writer.put(cid, data)
+        (old,) = _keys(s3_url, "packs/")
+        gone = set(list(blocks)[:4])
+        with closing(S3Store(s3_url, **FAST)) as fresh:  # a GC process that never wrote
+            assert fresh.delete(gone)[0] == 4
+            (new,) = _keys(s3_url, "packs/")
+            assert new != old  # the survivors' new pack was made, then the old one deleted
+            assert set(fresh.keys()) == set(blocks) - gone
+        with closing(S3Store(s3_url)) as reader:
+            assert all(reader.get(c) == d for c, d in blocks.items() if c not in gone)
+            assert not any(reader.has(c) for c in gone)
+
+    def test_a_truncated_pack_names_the_block(self, s3_url: str) -> None:
+        blocks = dict(raw_block(i, 4000) for i in range(4))
+        with closing(S3Store(s3_url)) as store:
+            with store.writer() as writer:
+                for cid, data in blocks.items():
+                    writer.put(cid, data)
+            first, *_, last = blocks
+            loc = store._index[last]
+            client, bucket = store.bucket.client, store.bucket.bucket
+            key = f"{store.bucket.prefix}packs/{loc.pack}"
+            whole = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+            client.put_object(Bucket=bucket, Key=key, Body=whole[: loc.offset + 10])
+            with pytest.raises(cas_ckpt.CorruptBlock, match=f"{cidlib.to_str(last)}.*truncated"):
+                store.get(last)
+            assert store.get(first) == blocks[first]
+
     def test_gc_keeps_packs_younger_than_the_grace_period(self, s3_url: str) -> None:
         cid, data = raw_block(1)
         with closing(S3Store(s3_url)) as store:  # min_grace: one hour by default
@@ -337,6 +369,7 @@ import cas_ckpt
 
 url, go, name, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 with cas_ckpt.open(url) as repo:
+    print("ready", flush=True)
     while not os.path.exists(go):
         time.sleep(0.01)
     for _ in range(count):
@@ -364,7 +397,8 @@ def test_processes_racing_on_one_ref_lose_no_update(s3_url: str, tmp_path: Path)
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for name in names
     ]
-    time.sleep(1.0)
+    for proc in procs:  # all started: race from the same instant
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     go.touch()
     saved: list[str] = []
     for proc in procs:
@@ -432,6 +466,29 @@ def test_gc_waits_for_a_save_in_progress(s3_url: str) -> None:
         assert done["gc"] > done["save"] and done["report"].live_blocks > 0
         assert np.array_equal(repo.load()["w"], np.arange(300_000.0))
         assert repo.fsck().ok
+
+
+def test_saves_and_gc_in_threads_of_one_process(s3_url: str) -> None:
+    with cas_ckpt.open(s3_url, storage_options=FAST) as repo:
+        errors: list[BaseException] = []
+
+        def run(work: Any) -> None:
+            try:
+                work()
+            except BaseException as exc:
+                errors.append(exc)
+
+        saver = threading.Thread(target=run, args=(lambda: [repo.save(state(i)) for i in range(6)],))
+        collector = threading.Thread(target=run, args=(lambda: [repo.gc() for _ in range(3)],))
+        saver.start()
+        collector.start()
+        saver.join(timeout=120)
+        collector.join(timeout=120)
+        assert not saver.is_alive() and not collector.is_alive(), "deadlock"
+        assert errors == []
+        assert_state_equal(state(5), repo.load())
+        assert repo.fsck().ok
+    assert _keys(s3_url, "locks/") == []
 
 
 def test_save_waits_for_gc_and_stale_leases_are_broken(s3_url: str) -> None:

@@ -257,12 +257,15 @@ class S3Store(BlockStore):
     # -- index ---------------------------------------------------------------------------------
     def refresh(self) -> None:
         with self._refresh_lock:
+            with self._lock:
+                known = set(self._packs) | set(self.corrupt_packs)  # a pack added later stays
             listing = {m.key.rsplit("/", 1)[1]: m for m in self.bucket.list("packs/")}
             listing = {name: m for name, m in listing.items() if name.endswith(".pack")}
             with self._lock:
-                for gone in set(self._packs) - set(listing):
+                for gone in known - set(listing):
                     self._drop_pack(gone)
-                self._meta = listing
+                    self.corrupt_packs.pop(gone, None)
+                self._meta.update(listing)
                 new = sorted(set(listing) - set(self._packs) - set(self.corrupt_packs))
             sizes = [listing[name].size for name in new]
             indexes = self.bucket.pool.map(self._read_index, new, sizes)
@@ -345,7 +348,8 @@ class S3Store(BlockStore):
             data = self.cache.read(loc) if self.cache is not None else None
             if data is not None:
                 return data
-            data = self.bucket.get_range(f"packs/{loc.pack}", loc.offset, loc.length)
+            with self._truncated(cid, loc):
+                data = self.bucket.get_range(f"packs/{loc.pack}", loc.offset, loc.length)
             if data is None:
                 self.refresh()  # the pack was compacted away under us
                 continue
@@ -364,12 +368,22 @@ class S3Store(BlockStore):
                 )
             if self.cache is not None and self.cache.read_into(loc, out):
                 return True
-            if not self.bucket.read_into(f"packs/{loc.pack}", loc.offset, out):
+            with self._truncated(cid, loc):
+                found = self.bucket.read_into(f"packs/{loc.pack}", loc.offset, out)
+            if not found:
                 self.refresh()
                 continue
             self._keep(loc.pack, loc.offset, out, [loc.offset])
             return True
         return False
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _truncated(cid: bytes, loc: Location) -> Iterator[None]:
+        try:
+            yield
+        except CorruptStore:  # the object is shorter than its own index says
+            raise CorruptBlock(cidlib.to_str(cid), f"pack {loc.pack} is truncated") from None
 
     def _keep(self, pack: str, offset: int, data: memoryview, blocks: list[int]) -> None:
         if self.cache is not None:
@@ -437,8 +451,11 @@ class S3Store(BlockStore):
     def _fetch_run(self, run: list[int], locs: list[Location], offsets: list[int], out: memoryview) -> bool:
         first = locs[run[0]]
         view = out[offsets[run[0]] : offsets[run[-1] + 1]]
-        if not self.bucket.read_into(f"packs/{first.pack}", first.offset, view):
-            return False
+        try:
+            if not self.bucket.read_into(f"packs/{first.pack}", first.offset, view):
+                return False
+        except CorruptStore:
+            return False  # read block by block: the damaged one is named
         self._keep(first.pack, first.offset, view, [locs[i].offset for i in run])
         return True
 
@@ -458,6 +475,9 @@ class S3Store(BlockStore):
 
     # -- writes --------------------------------------------------------------------------------
     def writer(self) -> BlockWriter:
+        return self._writer()
+
+    def _writer(self) -> _S3PackWriter:
         self._check_writable()
         os.makedirs(self.tmp_dir, mode=0o700, exist_ok=True)  # private, like mkdtemp
         return _S3PackWriter(self)
@@ -502,7 +522,7 @@ class S3Store(BlockStore):
         """Copy these entries into new packs, then delete the old packs; return the new names."""
         if not packs:
             return []
-        writer = _S3PackWriter(self)
+        writer = self._writer()
         try:
             for name, live in packs.items():
                 locs = [Location(name, offset, length) for _, offset, length in live]

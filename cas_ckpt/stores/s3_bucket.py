@@ -13,6 +13,7 @@ ignores them is refused unless the user opts into ``unsafe_no_conditional_writes
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import random
@@ -61,15 +62,18 @@ def parse_url(url: str) -> tuple[str, str]:
     return bucket, prefix + "/" if prefix else ""
 
 
-_LOADER: list[Any] = []  # botocore's service-model loader, shared: parsing the S3 model takes 0.1 s
-_LOADER_LOCK = threading.Lock()
+@functools.cache
+def _loader() -> Any:
+    """botocore's service-model loader, shared by every client: parsing the S3 model takes 0.1 s."""
+    import botocore.loaders
+
+    return botocore.loaders.create_loader()
 
 
 def _make_client(endpoint_url: str | None, workers: int) -> Any:
     """A client with a fresh session (so credentials and settings are read from the environment now)."""
     import boto3
     import botocore
-    import botocore.loaders
     import botocore.session
     from botocore.config import Config
 
@@ -80,10 +84,7 @@ def _make_client(endpoint_url: str | None, workers: int) -> Any:
         connect_timeout=10, read_timeout=60, max_pool_connections=workers + 4, **retries
     )
     core = botocore.session.get_session()
-    with _LOADER_LOCK:
-        if not _LOADER:
-            _LOADER.append(botocore.loaders.create_loader())
-        core.register_component("data_loader", _LOADER[0])
+    core.register_component("data_loader", _loader())
     session = boto3.session.Session(botocore_session=core)
     client = session.client("s3", endpoint_url=endpoint_url, config=config)
     if "IfMatch" not in client.meta.service_model.operation_model("DeleteObject").input_shape.members:
@@ -127,7 +128,7 @@ def _server_now(response: dict[str, Any]) -> float:
 
 def backoff(attempt: int) -> float:
     """Seconds to wait before attempt ``attempt + 1``: exponential, jittered, at most 2."""
-    return min(2.0, 0.05 * 2**attempt) * (0.5 + random.random() / 2)
+    return min(2.0, 0.05 * 2 ** min(attempt, 6)) * (0.5 + random.random() / 2)
 
 
 class _ShortRead(Exception):

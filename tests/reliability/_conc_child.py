@@ -12,6 +12,7 @@ number of collections and of blocks they freed.
 from __future__ import annotations
 
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ def save_retrying(repo: cas_ckpt.Repository, value: Any, ref: str) -> tuple[Any,
 
 def saver(repo_dir: str, k: int, saves: int, log: str) -> None:
     conflicts = 0
+    rng = random.Random(k)
     with cas_ckpt.open(repo_dir) as repo, open(log, "a") as out:
         for i in range(saves):
             ref = "shared" if i % 2 == 0 else f"own/{k}"
@@ -51,6 +53,10 @@ def saver(repo_dir: str, k: int, saves: int, log: str) -> None:
             if ref != "shared":
                 got = _support.digest(repo.load(ref))
                 assert got == _support.digest(value), f"{ref} loaded wrong while GC ran"
+            # A training step between checkpoints. Without it, eight savers back to back always
+            # hold the shared lock and GC (waiting for it exclusive) barely runs: flock has no
+            # writer preference (see docs/reliability.md).
+            time.sleep(rng.uniform(0, 0.02))
     print(conflicts)
 
 
