@@ -104,7 +104,7 @@ def shared_explosion_in_pages() -> Any:
     cid = put(codec.encode([None] * 8))
     for _ in range(40):
         cid = put(codec.encode(Tagged(6, {"kind": "list", "pages": [Link(cid)] * 2})))
-        cid = put(codec.encode([cid and Link(cid)]))
+        cid = put(codec.encode([Link(cid)]))
     return repo, cid
 
 

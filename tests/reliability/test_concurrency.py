@@ -226,7 +226,7 @@ def test_threads_load_while_gc_repacks(tmp_path: Path) -> None:
             raise errors[0]
         assert counts["gc_runs"] >= 3 and counts["loads"] >= 10
         assert not fsck_problems(repo)
-    record("concurrency_threads", loads=counts["loads"], gc_runs=counts["gc_runs"], seconds=timer.seconds)
+    record("loads_vs_repack", loads=counts["loads"], gc_runs=counts["gc_runs"], seconds=timer.seconds)
 
 
 def test_refs_never_point_at_collected_checkpoints(tmp_path: Path) -> None:

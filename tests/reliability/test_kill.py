@@ -66,6 +66,16 @@ def _expected(log: Path) -> tuple[dict[str, tuple[str, str]], tuple[str, int, st
     return committed, inflight, next_i
 
 
+def _wait_for_a_save(log: Path, begun: int, timeout: float = 30.0) -> None:
+    """Wait until the saver logged the start of save number ``begun`` (it has opened the repo)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p[0] == "begin" and int(p[2]) >= begun for p in lines(log)):
+            return
+        time.sleep(0.002)
+    raise AssertionError("the saver did not start saving")
+
+
 def _verify(repo_dir: Path, log: Path, figures: dict[str, int]) -> None:
     committed, inflight, _ = _expected(log)
     with cas_ckpt.open(repo_dir, create=False) as repo:
@@ -131,6 +141,7 @@ def test_sigkill_during_saves(tmp_path: Path) -> None:
             zygote.stdin.write(f"run {next_i} {rng.randrange(2**32)}\n")
             zygote.stdin.flush()
             pid = int(zygote.stdout.readline())
+            _wait_for_a_save(log, begun=next_i)  # however slow the machine, kill while saving
             time.sleep(rng.uniform(0.0, MAX_DELAY))
             os.kill(pid, signal.SIGKILL)
             status = zygote.stdout.readline().split()
@@ -149,7 +160,7 @@ def test_sigkill_during_saves(tmp_path: Path) -> None:
     committed, _, _ = _expected(log)
     figures["saves_committed"] = sum(1 for p in lines(log) if p[0] in ("done", "recovered"))
     # The kills must land in the middle of things for the test to mean anything.
-    assert figures["saves_committed"] >= KILLS // 2, "too few saves: the kills came too early"
+    assert figures["saves_committed"] >= KILLS // 4, "too few saves committed"
     assert figures["kills_mid_save"] >= KILLS // 4, "too few kills landed inside a save"
 
     # Leftovers are recovered: a later save works on every ref (stale locks broken), GC removes
