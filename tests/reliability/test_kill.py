@@ -66,12 +66,14 @@ def _expected(log: Path) -> tuple[dict[str, tuple[str, str]], tuple[str, int, st
     return committed, inflight, next_i
 
 
-def _wait_for_a_save(log: Path, begun: int, timeout: float = 30.0) -> None:
-    """Wait until the saver logged the start of save number ``begun`` (it has opened the repo)."""
+def _wait_for_a_save(log: Path, offset: int, timeout: float = 30.0) -> None:
+    """Wait until the saver logged (past ``offset``) the start of a save: it opened the repo."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(p[0] == "begin" and int(p[2]) >= begun for p in lines(log)):
-            return
+        with open(log, "rb") as f:
+            f.seek(offset)
+            if b"begin " in f.read():
+                return
         time.sleep(0.002)
     raise AssertionError("the saver did not start saving")
 
@@ -113,6 +115,7 @@ def _verify(repo_dir: Path, log: Path, figures: dict[str, int]) -> None:
 def test_sigkill_during_saves(tmp_path: Path) -> None:
     repo_dir, log, err = tmp_path / "repo", tmp_path / "log", tmp_path / "child.err"
     cas_ckpt.open(repo_dir).close()
+    log.touch()
     rng = random.Random(20240601)
     timer = Timer()
     figures = {
@@ -138,10 +141,11 @@ def test_sigkill_during_saves(tmp_path: Path) -> None:
         assert zygote.stdout.readline().strip() == "ready"
         for _ in range(KILLS):
             next_i = _expected(log)[2]
+            offset = log.stat().st_size
             zygote.stdin.write(f"run {next_i} {rng.randrange(2**32)}\n")
             zygote.stdin.flush()
             pid = int(zygote.stdout.readline())
-            _wait_for_a_save(log, begun=next_i)  # however slow the machine, kill while saving
+            _wait_for_a_save(log, offset)  # however slow the machine, kill while saving
             time.sleep(rng.uniform(0.0, MAX_DELAY))
             os.kill(pid, signal.SIGKILL)
             status = zygote.stdout.readline().split()
