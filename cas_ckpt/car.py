@@ -15,26 +15,22 @@ stores nothing.
 
 from __future__ import annotations
 
-import contextlib
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from multiformats import CID
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
+from cas_ckpt.blocks.base import BlockStore, BlockWriter
 from cas_ckpt.codec import Link
 from cas_ckpt.errors import CarError, CasCkptError, InvalidCID
-from cas_ckpt.refs import check_ref_name
-from cas_ckpt.stores.base import BlockWriter
-from cas_ckpt.walk import child_links, data_blocks
-
-if TYPE_CHECKING:
-    from cas_ckpt.repository import Repository, Target
+from cas_ckpt.maintenance.walk import child_links, data_blocks
 
 MAX_SECTION = 8 * 1024 * 1024  # our blocks are at most 1 MiB; anything far larger is hostile
 MAX_HEADER = 1024 * 1024
@@ -312,30 +308,27 @@ def _iter_blocks(src: _Stream) -> Iterator[tuple[bytes, bytes, int]]:
 # --------------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------------
-def export_car(
-    repo: Repository,
-    target: Target,
-    out: FileLike,
-    *,
-    progress: Progress | None = None,
+def write_car(
+    blocks: BlockStore, root: bytes, out: FileLike, *, progress: Progress | None = None
 ) -> CarReport:
-    """Write the checkpoint ``target`` (a ref or CID) and every block it needs as a CAR v1 file.
+    """Write ``root`` and every block it needs, read from ``blocks``, as a CAR v1 file.
 
-    ``out`` is a binary file object or a path; a path is written to a temp file and renamed into
-    place, so it never holds a partial CAR.
+    ``out`` is a binary file object or a path; a path is written to a new temp file beside it
+    (created exclusively, so a planted file or link there is never followed), fsynced and renamed
+    into place, so it never holds a partial CAR.
     """
     started = time.perf_counter()
-    root = bytes(repo.resolve(target))
-    repo.blocks.get(root)  # fail before creating anything when the root is missing
+    blocks.get(root)  # fail before creating anything when the root is missing
     report = CarReport(roots=[cidlib.to_cid(root)])
     if not isinstance(out, (str, os.PathLike)):
-        _write_car(repo, root, out, report, progress)
+        _write_car(blocks, root, out, report, progress)
     else:
         path = Path(out)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = Path(name)
         try:
-            with open(tmp, "wb") as f:
-                _write_car(repo, root, f, report, progress)
+            with os.fdopen(fd, "wb") as f:
+                _write_car(blocks, root, f, report, progress)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -346,13 +339,13 @@ def export_car(
 
 
 def _write_car(
-    repo: Repository, root: bytes, out: BinaryIO, report: CarReport, progress: Progress | None
+    blocks: BlockStore, root: bytes, out: BinaryIO, report: CarReport, progress: Progress | None
 ) -> None:
     header = encode_header([root])
     out.write(encode_varint(len(header)) + header)
     report.car_bytes = len(encode_varint(len(header))) + len(header)
-    for cid in data_blocks(repo.blocks, root):
-        data = repo.blocks.get(cid, verify=True)  # never export a damaged block
+    for cid in data_blocks(blocks, root):
+        data = blocks.get(cid, verify=True)  # never export a damaged block
         prefix = encode_varint(len(cid) + len(data)) + cid
         out.write(prefix)
         out.write(data)
@@ -366,36 +359,15 @@ def _write_car(
 # --------------------------------------------------------------------------------------------
 # Import
 # --------------------------------------------------------------------------------------------
-def import_car(
-    repo: Repository,
-    src: FileLike,
-    *,
-    ref: str | None = None,
-    progress: Progress | None = None,
-) -> CarReport:
-    """Store the blocks of a CAR v1 file, all or nothing; then point ``ref`` at its root if given.
+def stage_car(stream: BinaryIO, writer: BlockWriter, progress: Progress | None = None) -> CarReport:
+    """Check a CAR v1 stream and write every block into ``writer``; return its roots and figures.
 
     Raises :class:`CarError` for a malformed, truncated or hostile file, or one whose blocks are
-    corrupt, repeated, missing (reachable from a root but absent) or stray (reachable from none).
-    Without ``ref`` (or a pin) the imported blocks are unreferenced, and GC will remove them.
+    corrupt, repeated, missing (reachable from a root but absent) or stray (reachable from none),
+    before ``writer`` commits: a bad file stores nothing.
     """
     started = time.perf_counter()
-    if ref is not None:
-        check_ref_name(ref)
-    with contextlib.ExitStack() as stack:
-        stream = src if not isinstance(src, (str, os.PathLike)) else stack.enter_context(open(src, "rb"))
-        # Held shared like a save: GC cannot sweep a block this import deduplicated against.
-        stack.enter_context(repo.refs_store.lock(exclusive=False))
-        repo.blocks.refresh()
-        with repo.blocks.writer() as writer:
-            report = _stage(stream, writer, progress)
-            if ref is not None and len(report.roots) != 1:
-                raise CarError(f"a ref needs a CAR with one root; this one has {len(report.roots)}")
-        report.blocks_new = writer.stats.blocks_written
-        report.bytes_new = writer.stats.bytes_written
-        if ref is not None:
-            repo.set_ref(ref, report.roots[0])
-            report.ref = ref
+    report = _stage(stream, writer, progress)
     report.seconds = time.perf_counter() - started
     return report
 

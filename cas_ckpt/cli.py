@@ -25,7 +25,7 @@ import cas_ckpt
 from cas_ckpt import car, codec
 from cas_ckpt import cid as cidlib
 from cas_ckpt.codec import HistoryLink, Link, Tagged
-from cas_ckpt.diff import leaves
+from cas_ckpt.commit import is_commit
 from cas_ckpt.errors import (
     BlockNotFound,
     CasCkptError,
@@ -39,6 +39,7 @@ from cas_ckpt.errors import (
     RefNotFound,
     RepositoryError,
 )
+from cas_ckpt.maintenance.diff import leaves
 from cas_ckpt.refs import LocalRefStore
 from cas_ckpt.repository import Repository
 from cas_ckpt.tree import (
@@ -52,7 +53,6 @@ from cas_ckpt.tree import (
     TreeReader,
     parse_dtype,
 )
-from cas_ckpt.walk import COMMIT_TYPE
 
 EXIT_OK = 0  # success (diff: identical; fsck: no problem)
 EXIT_CHECK = 1  # the command ran and found something: fsck problems, diff differences
@@ -462,16 +462,6 @@ def _node(repo: Repository, cid: bytes) -> Any:
     return codec.decode(repo.blocks.get(cid), cid=cid)
 
 
-def _is_commit(node: Any) -> bool:
-    return isinstance(node, dict) and node.get("type") == COMMIT_TYPE
-
-
-def tree_of(repo: Repository, root: bytes) -> bytes:
-    """The state tree a root names: its commit's tree, or the node itself."""
-    node = _node(repo, root)
-    return bytes(repo.commit(root).tree) if _is_commit(node) else root
-
-
 # --------------------------------------------------------------------------------------------
 # Commands
 # --------------------------------------------------------------------------------------------
@@ -500,7 +490,7 @@ def _commit_json(commit: cas_ckpt.Commit) -> dict[str, Any]:
 def cmd_log(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
         root = resolve(repo, args.target)
-        if not _is_commit(_node(repo, root)):
+        if not is_commit(_node(repo, root)):
             raise CommandError(f"{cidlib.to_str(root)} is not a commit", EXIT_USAGE)
         commits = list(repo.log(root, limit=args.limit))
     if args.json:
@@ -528,9 +518,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
         root = resolve(repo, args.target)
-        tree = tree_of(repo, root)
         reader = TreeReader(repo.blocks, repo.pool)
-        start: Any = Link(tree)
+        start: Any = Link(bytes(repo.tree(root)))
         if args.path:
             start = reader.select(start, args.path.split("."), cidlib.to_str(root))
         found = leaves(reader, start, args.path or "")

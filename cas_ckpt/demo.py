@@ -26,8 +26,8 @@ import numpy as np
 
 import cas_ckpt
 import cas_ckpt.cid
-from cas_ckpt.usage import logical_size
-from cas_ckpt.walk import walk
+from cas_ckpt.maintenance.usage import logical_size
+from cas_ckpt.maintenance.walk import walk
 
 REF = "demo/mlp"
 SIZES = (256, 1024, 256, 1)  # 2 MiB of float32 weights: several chunks per tensor

@@ -6,6 +6,30 @@ Lookup failures also subclass KeyError and parse failures ValueError, so generic
 
 from __future__ import annotations
 
+__all__ = [
+    "BlockNotFound",
+    "CarError",
+    "CasCkptError",
+    "CheckpointExists",
+    "CheckpointExpired",
+    "CorruptBlock",
+    "CorruptStore",
+    "DecodeError",
+    "GraphCycleError",
+    "InvalidCID",
+    "InvalidRefName",
+    "OutOfMemory",
+    "PathNotFound",
+    "RefConflict",
+    "RefError",
+    "RefLocked",
+    "RefNotFound",
+    "RepositoryError",
+    "SaveFailed",
+    "StateTypeError",
+    "StepNotFound",
+]
+
 
 class CasCkptError(Exception):
     """Base of every cas_ckpt error."""

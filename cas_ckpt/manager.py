@@ -42,7 +42,7 @@ from cas_ckpt.errors import (
 )
 from cas_ckpt.refs import check_ref_name
 from cas_ckpt.repository import Commit, Repository, SaveReport, Target
-from cas_ckpt.tree import MAX_DEPTH, _is_torch_tensor, dtype_name, join_path
+from cas_ckpt.tree import MAX_DEPTH, dtype_name, is_tensor, join_path
 
 __all__ = ["CheckpointManager", "snapshot"]
 
@@ -376,7 +376,7 @@ class _Snapshot:
                 copy = old
             else:
                 copy = np.array(value, copy=True, order="K")
-        elif _is_torch_tensor(value):
+        elif is_tensor(value):
             from cas_ckpt.integrations.torch import host_copy
 
             copy = host_copy(value, path, out=old)

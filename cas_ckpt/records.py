@@ -38,7 +38,6 @@ from multiformats import CID
 from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import DecodeError, GraphCycleError, InvalidCID
 from cas_ckpt.repository import Repository, Target
-from cas_ckpt.tree import TreeWriter
 
 __all__ = ["ComputationGraph", "GradientCheckpoint", "GraphNode", "put_array"]
 
@@ -48,11 +47,8 @@ RECORD_VERSION = 1
 
 def put_array(repo: Repository, value: Any) -> CID:
     """Store an array or tensor (any state value works) on its own; return the CID that loads it."""
-    with repo.refs_store.lock(exclusive=False):
-        repo.blocks.refresh()
-        with repo.blocks.writer() as writer:
-            tree = TreeWriter(writer, repo.hasher, repo.pool, chunk_size=repo.config.chunk_size)
-            root = tree.write(value)
+    with repo.transaction() as txn:
+        root = txn.tree.write(value)
     return cidlib.to_cid(root)
 
 

@@ -7,6 +7,8 @@ crash at any point leaves the ref at the old checkpoint or the new one, never at
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import os
 import threading
 import time
@@ -21,10 +23,14 @@ from multiformats import CID
 
 from cas_ckpt import car, codec
 from cas_ckpt import cid as cidlib
-from cas_ckpt.codec import HistoryLink, Link
-from cas_ckpt.diff import DiffReport, compare
+from cas_ckpt.blocks.base import BlockStore, BlockWriter, WriteStats
+from cas_ckpt.blocks.local import LocalStore
+from cas_ckpt.blocks.memory import MemoryStore
+from cas_ckpt.codec import Link
+from cas_ckpt.commit import Commit, encode_commit, is_commit, parse_commit
 from cas_ckpt.errors import (
     BlockNotFound,
+    CarError,
     CasCkptError,
     CheckpointExpired,
     CorruptBlock,
@@ -36,36 +42,20 @@ from cas_ckpt.errors import (
     RepositoryError,
     StateTypeError,
 )
-from cas_ckpt.fsck import FsckReport
-from cas_ckpt.fsck import check as fsck_check
-from cas_ckpt.gc import GCReport
-from cas_ckpt.gc import collect as gc_collect
+from cas_ckpt.maintenance.diff import DiffReport, compare
+from cas_ckpt.maintenance.fsck import FsckReport
+from cas_ckpt.maintenance.fsck import check as fsck_check
+from cas_ckpt.maintenance.gc import GCReport
+from cas_ckpt.maintenance.gc import collect as gc_collect
+from cas_ckpt.maintenance.usage import Usage, usage
+from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore, check_ref_name
-from cas_ckpt.stores.base import BlockStore, WriteStats
-from cas_ckpt.stores.local import LocalStore
-from cas_ckpt.stores.memory import MemoryStore
 from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter
-from cas_ckpt.usage import Usage, usage
-from cas_ckpt.walk import walk
 
 FORMAT = "cas_ckpt"
 FORMAT_VERSION = 1
-COMMIT_TYPE = "cas_ckpt.commit"
 
 Target = CID | str | bytes
-
-
-@dataclass(frozen=True)
-class Commit:
-    """One checkpoint as recorded in its commit node."""
-
-    cid: CID
-    tree: CID
-    parents: tuple[CID, ...]
-    step: int | None
-    time: float
-    metadata: dict[str, Any]
-    message: str | None
 
 
 @dataclass
@@ -80,6 +70,39 @@ class SaveReport:
     blocks_reused: int
     bytes_reused: int
     seconds: float
+
+
+class Transaction:
+    """A batch of blocks on its way in (see :meth:`Repository.transaction`).
+
+    ``tree`` writes state values as trees and ``blocks`` takes raw blocks (a CAR import);
+    ``move_ref`` queues a ref move for after the blocks are durable.
+    """
+
+    def __init__(self, repo: Repository, blocks: BlockWriter) -> None:
+        self.repo = repo
+        self.blocks = blocks
+        self.tree = TreeWriter(blocks, repo.hasher, repo.pool, chunk_size=repo.config.chunk_size)
+        self.moves: list[tuple[str, bytes | None, bytes, str]] = []
+
+    @property
+    def stats(self) -> WriteStats:
+        return self.blocks.stats
+
+    def put_commit(
+        self, tree: bytes, parents: list[bytes], *, step: int | None, metadata: dict[str, Any],
+        message: str | None,
+    ) -> bytes:
+        """Store the commit node of a checkpoint of ``tree``; return its binary CID."""
+        node = encode_commit(tree, parents, step=step, time=time.time(), metadata=metadata,
+                             message=message)
+        cid = self.repo.hasher.node(node)
+        self.blocks.put(cid, node)
+        return cid
+
+    def move_ref(self, ref: str, old: bytes | None, new: bytes, message: str) -> None:
+        """Move ``ref`` from ``old`` (None: it must not exist) to ``new`` once the blocks are durable."""
+        self.moves.append((check_ref_name(ref), old, new, message))
 
 
 @dataclass
@@ -153,6 +176,15 @@ class Repository:
     def __repr__(self) -> str:
         return f"<cas_ckpt.Repository {self.location or type(self.blocks).__name__}>"
 
+    @property
+    def read_only(self) -> bool:
+        """True if opened with ``read_only=True``: every write (saves, refs, pins, GC) refuses."""
+        return self.blocks.read_only
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise RepositoryError(f"repository {self.location or 'store'} is open read-only")
+
     # -- saving --------------------------------------------------------------------------------
     def save(
         self,
@@ -178,14 +210,15 @@ class Repository:
         if message is not None and not isinstance(message, str):
             raise StateTypeError("message", "message must be a str")
         started = time.perf_counter()
-        with self.refs_store.lock(exclusive=False):
-            self.blocks.refresh()
+        with self.transaction() as txn:
             old = self.refs_store.get(ref) if expected is None else self._resolve(expected)
-            commit_cid, stats, logical = self._write(state, old, step, meta, message)
-            self._move_ref(ref, old, commit_cid, f"save step={step}" if step is not None else "save")
-        cid = cidlib.to_cid(commit_cid)
+            tree = txn.tree.write(state)
+            commit = txn.put_commit(tree, [old] if old else [], step=step, metadata=meta, message=message)
+            txn.move_ref(ref, old, commit, f"save step={step}" if step is not None else "save")
+        cid = cidlib.to_cid(commit)
+        stats = txn.stats
         self._local.last_save = SaveReport(
-            cid, ref, logical, stats.blocks_written, stats.bytes_written,
+            cid, ref, txn.tree.logical_bytes, stats.blocks_written, stats.bytes_written,
             stats.blocks_reused, stats.bytes_reused, time.perf_counter() - started,
         )
         return cid
@@ -195,34 +228,24 @@ class Repository:
         """The report of this thread's latest successful save."""
         return getattr(self._local, "last_save", None)
 
-    def _write(
-        self,
-        state: Any,
-        parent: bytes | None,
-        step: int | None,
-        metadata: dict[str, Any],
-        message: str | None,
-    ) -> tuple[bytes, WriteStats, int]:
-        with self.blocks.writer() as writer:
-            tree_writer = TreeWriter(
-                writer, self.hasher, self.pool, chunk_size=self.config.chunk_size
-            )
-            tree = tree_writer.write(state)
-            commit = codec.encode(
-                {
-                    "type": COMMIT_TYPE,
-                    "version": FORMAT_VERSION,
-                    "tree": Link(tree),
-                    "parents": [HistoryLink(parent)] if parent else [],
-                    "step": step,
-                    "time": time.time(),
-                    "metadata": metadata,
-                    "message": message,
-                }
-            )
-            commit_cid = self.hasher.node(commit)
-            writer.put(commit_cid, commit)
-        return commit_cid, writer.stats, tree_writer.logical_bytes
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """The one write path: blocks first, durable, then refs, all under the shared save lock.
+
+        Yields a :class:`Transaction`; everything written into it becomes durable and visible
+        when the ``with`` block ends without an exception, and only then do the ref moves it
+        queued happen, each by compare-and-swap. An exception discards the batch and moves
+        nothing. GC (which takes the lock exclusively) cannot sweep a block the transaction
+        deduplicated against.
+        """
+        self._check_writable()
+        with self.refs_store.lock(exclusive=False):
+            self.blocks.refresh()
+            with self.blocks.writer() as writer:
+                txn = Transaction(self, writer)
+                yield txn
+            for ref, old, new, message in txn.moves:
+                self._move_ref(ref, old, new, message)
 
     def _move_ref(self, ref: str, old: bytes | None, new: bytes, message: str) -> None:
         if old is None:
@@ -303,33 +326,25 @@ class Repository:
             return False
 
     def _reader(self, verify: bool | None, map_location: Any, mmap: bool = False) -> TreeReader:
-        factory = None
-        if map_location is not None:
-            from cas_ckpt.integrations.torch import numpy_to_tensor
+        return TreeReader(self.blocks, self.pool, verify=verify, map_location=map_location, mmap=mmap)
 
-            def factory(array: Any, header: dict[str, Any]) -> Any:
-                return numpy_to_tensor(array, header, map_location=map_location)
-
-        return TreeReader(
-            self.blocks, self.pool, verify=verify, tensor_factory=factory, mmap=mmap
-        )
+    def tree(self, target: Target = "main") -> CID:
+        """The state tree a checkpoint names: its commit's tree, or the node itself if no commit."""
+        return cidlib.to_cid(self._tree_of(self._resolve(target), self._reader(None, None)))
 
     def _tree_of(self, root: bytes, reader: TreeReader) -> bytes:
-        """The state tree a root names: the commit's tree, or the node itself if not a commit."""
         if not cidlib.is_node(root):
             raise RepositoryError(f"{cidlib.to_str(root)} is a raw chunk, not a checkpoint")
         node = reader.node(root)
-        if isinstance(node, dict) and node.get("type") == COMMIT_TYPE:
-            return _parse_commit(root, node).tree_bytes
-        return root
+        return bytes(parse_commit(root, node).tree) if is_commit(node) else root
 
     def commit(self, target: Target = "main") -> Commit:
         """The commit record a ref or CID names."""
         cid = self._resolve(target)
         node = codec.decode(self.blocks.get(cid), cid=cid)
-        if not (isinstance(node, dict) and node.get("type") == COMMIT_TYPE):
+        if not is_commit(node):
             raise DecodeError("not a commit node", cid=cidlib.to_str(cid))
-        return _parse_commit(cid, node).commit
+        return parse_commit(cid, node)
 
     # -- history and refs ----------------------------------------------------------------------
     def log(self, ref: Target = "main", *, limit: int | None = None) -> Iterator[Commit]:
@@ -366,6 +381,7 @@ class Repository:
 
     def set_ref(self, ref: str, target: Target, *, expected: Target | None = None) -> CID:
         """Point ``ref`` at ``target`` (compare-and-swap against ``expected`` when given)."""
+        self._check_writable()
         new = self._resolve(target)
         with self.refs_store.lock(exclusive=False):  # GC cannot sweep it between check and move
             self._check_complete(new)  # never point a ref at a partial checkpoint
@@ -375,6 +391,7 @@ class Repository:
 
     def delete_ref(self, ref: str, *, expected: Target | None = None) -> None:
         """Delete ``ref`` (only if it still holds ``expected``, when given)."""
+        self._check_writable()
         old = self._resolve(expected) if expected is not None else self.refs_store.get(ref)
         if old is None:
             raise RefNotFound(ref)
@@ -387,6 +404,7 @@ class Repository:
 
         Saves to ``ref`` continue its history, and share every unchanged block with ``source``.
         """
+        self._check_writable()
         new = self._resolve(source)
         with self.refs_store.lock(exclusive=False):
             self._check_complete(new)
@@ -396,6 +414,7 @@ class Repository:
     # -- maintenance ---------------------------------------------------------------------------
     def pin(self, target: Target) -> CID:
         """Keep ``target`` and everything it reaches through GC, without a ref."""
+        self._check_writable()
         cid = self._resolve(target)
         with self.refs_store.lock(exclusive=False):
             self._check_complete(cid)
@@ -421,6 +440,7 @@ class Repository:
 
     def unpin(self, target: Target) -> bool:
         """Drop a pin; False if it was not pinned."""
+        self._check_writable()
         return self.refs_store.unpin(self._resolve(target))
 
     def pins(self) -> list[CID]:
@@ -439,6 +459,8 @@ class Repository:
         Blocks stored less than ``grace`` seconds ago are kept. Waits for saves in progress and
         blocks new ones while it runs. See ``docs/gc.md``.
         """
+        if not dry_run:
+            self._check_writable()
         return gc_collect(
             self.blocks, self.refs_store, grace=grace, reflog_expiry=reflog_expiry,
             dry_run=dry_run, progress=progress,
@@ -468,52 +490,34 @@ class Repository:
         self, target: Target, out: car.FileLike, *, progress: car.Progress | None = None
     ) -> car.CarReport:
         """Write checkpoint ``target`` and every block it needs as a CAR v1 file (see car.py)."""
-        return car.export_car(self, target, out, progress=progress)
+        return car.write_car(self.blocks, self._resolve(target), out, progress=progress)
 
     def import_car(
         self, src: car.FileLike, *, ref: str | None = None, progress: car.Progress | None = None
     ) -> car.CarReport:
-        """Store a CAR v1 file's blocks, all or nothing; point ``ref`` at its root if given."""
-        return car.import_car(self, src, ref=ref, progress=progress)
+        """Store a CAR v1 file's blocks, all or nothing; point ``ref`` at its root if given.
 
-
-@dataclass(frozen=True)
-class _ParsedCommit:
-    commit: Commit
-    tree_bytes: bytes
-
-
-def _parse_commit(cid: bytes, node: dict[str, Any]) -> _ParsedCommit:
-    name = cidlib.to_str(cid)
-    version = node.get("version")
-    if type(version) is not int or version > FORMAT_VERSION:
-        raise RepositoryError(
-            f"commit {name} has format version {version!r}; this cas_ckpt reads up to "
-            f"{FORMAT_VERSION}: upgrade cas_ckpt"
-        )
-    tree, parents = node.get("tree"), node.get("parents", [])
-    if not isinstance(tree, Link) or isinstance(tree, HistoryLink):
-        raise DecodeError("commit has no tree link", cid=name)
-    if not isinstance(parents, list) or not all(isinstance(p, Link) for p in parents):
-        raise DecodeError("commit parents are malformed", cid=name)
-    step, stamp = node.get("step"), node.get("time")
-    metadata, message = node.get("metadata") or {}, node.get("message")
-    if step is not None and type(step) is not int:
-        raise DecodeError("commit step is not an int", cid=name)
-    if not isinstance(stamp, (int, float)) or not isinstance(metadata, dict):
-        raise DecodeError("commit time or metadata is malformed", cid=name)
-    if message is not None and not isinstance(message, str):
-        raise DecodeError("commit message is not a string", cid=name)
-    commit = Commit(
-        cid=cidlib.to_cid(cid),
-        tree=cidlib.to_cid(tree.cid),
-        parents=tuple(cidlib.to_cid(p.cid) for p in parents),
-        step=step,
-        time=float(stamp),
-        metadata=metadata,
-        message=message,
-    )
-    return _ParsedCommit(commit, tree.cid)
+        Without ``ref`` (or a pin) the imported blocks are unreferenced, and GC will remove them.
+        """
+        started = time.perf_counter()
+        if ref is not None:
+            check_ref_name(ref)
+        with contextlib.ExitStack() as stack:
+            stream = src if not isinstance(src, (str, os.PathLike)) else stack.enter_context(
+                builtins.open(src, "rb")
+            )
+            with self.transaction() as txn:
+                report = car.stage_car(stream, txn.blocks, progress)
+                if ref is not None:
+                    if len(report.roots) != 1:
+                        raise CarError(f"a ref needs a CAR with one root; this one has {len(report.roots)}")
+                    root = bytes(report.roots[0])
+                    txn.move_ref(ref, self.refs_store.get(ref), root, f"import {cidlib.to_str(root)}")
+                    report.ref = ref
+        report.blocks_new = txn.stats.blocks_written
+        report.bytes_new = txn.stats.bytes_written
+        report.seconds = time.perf_counter() - started
+        return report
 
 
 def _plain(value: Any, path: str) -> Any:
@@ -642,9 +646,7 @@ def _open_s3(
     url: str, config: dict[str, Any], *, create: bool, verify: bool, read_only: bool,
     options: dict[str, Any],
 ) -> Repository:
-    from cas_ckpt.refs_s3 import s3_stores  # boto3 only when an s3:// repository is opened
-
-    blocks, refs = s3_stores(url, verify=verify, read_only=read_only, **options)
+    blocks, refs = _s3_stores(url, verify=verify, read_only=read_only, **options)
     try:
         if refs.read_config() is None:
             if not create or read_only:
@@ -659,3 +661,38 @@ def _open_s3(
     except BaseException:
         blocks.close()
         raise
+
+
+def _s3_stores(
+    url: str,
+    *,
+    verify: bool = True,
+    read_only: bool = False,
+    client: Any = None,
+    endpoint_url: str | None = None,
+    allow_http: bool = False,
+    unsafe_no_conditional_writes: bool = False,
+    workers: int | None = None,
+    lease_timeout: float | None = None,
+    lock_timeout: float | None = None,
+    **store_options: Any,
+) -> tuple[BlockStore, RefStore]:
+    """The block store and ref store of the repository at ``url``, sharing one client.
+
+    ``store_options`` go to the block store (``cache_dir``, ``min_grace``, ``pack_size``...).
+    """
+    # boto3 only when an s3:// repository is opened
+    from cas_ckpt.blocks.s3 import S3Store
+    from cas_ckpt.blocks.s3_bucket import S3Bucket
+    from cas_ckpt.refs.s3 import LEASE_TIMEOUT, S3RefStore
+
+    bucket = S3Bucket(
+        url, client=client, endpoint_url=endpoint_url, allow_http=allow_http,
+        unsafe_no_conditional_writes=unsafe_no_conditional_writes,
+        **({"workers": workers} if workers else {}),
+    )
+    refs = S3RefStore(bucket, lease_timeout=lease_timeout or LEASE_TIMEOUT, lock_timeout=lock_timeout,
+                      read_only=read_only)
+    blocks = S3Store(bucket, verify=verify, read_only=read_only, **store_options)
+    blocks.lease_check = refs.check_lease
+    return blocks, refs

@@ -24,10 +24,10 @@ import pytest
 from multiformats import CID
 
 from cas_ckpt import cid as cidlib
+from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.errors import BlockNotFound, CorruptBlock, RepositoryError
 from cas_ckpt.refs import MemoryRefStore
 from cas_ckpt.repository import Repository
-from cas_ckpt.stores.base import BlockStore
 
 _SHA = cidlib.Hasher("sha2-256")
 _BLAKE = cidlib.Hasher("blake3")

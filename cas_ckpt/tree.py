@@ -40,6 +40,7 @@ from multiformats import CID
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
+from cas_ckpt.blocks.base import BlockStore, BlockWriter
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import (
     CorruptBlock,
@@ -49,7 +50,6 @@ from cas_ckpt.errors import (
     PathNotFound,
     StateTypeError,
 )
-from cas_ckpt.stores.base import BlockStore, BlockWriter
 
 TUPLE, BIGINT, NDARRAY, BLOB, SCALAR, PAGES, CID_VALUE = 1, 2, 3, 4, 5, 6, 7
 
@@ -200,11 +200,9 @@ class TreeWriter:
             return self._prepare_array(value, path, "numpy")
         if isinstance(value, np.generic):
             return self._scalar(value, path)
-        if _is_torch_tensor(value):
-            from cas_ckpt.integrations.torch import tensor_to_numpy
-
-            array, kind_name = tensor_to_numpy(value, path)
-            return self._prepare_array(array, path, kind_name)
+        adapter = adapter_for(value)
+        if adapter is not None:
+            return self._prepare_array(adapter.to_numpy(value, path), path, adapter.kind)
         if isinstance(value, CID):
             return self._cid_value(value, path)
         if kind is Link:
@@ -376,13 +374,42 @@ def _bigint_bytes(value: int) -> bytes:
     return value.to_bytes((value.bit_length() + 8) // 8, "big", signed=True)
 
 
-def _is_torch_tensor(value: object) -> bool:
-    module = type(value).__module__
-    if not module.startswith("torch"):
-        return False
-    import torch
+@dataclass(frozen=True)
+class TensorAdapter:
+    """How the data model meets one tensor library; its integration registers it.
 
-    return isinstance(value, torch.Tensor)
+    The tree never imports a tensor library: a value is offered to the adapter whose ``module``
+    its type comes from, and arrays saved with ``kind`` come back through ``from_numpy``.
+    """
+
+    kind: str  # the "kind" an array header records, e.g. "torch"
+    module: str  # the top-level module of the library's types, e.g. "torch"
+    is_tensor: Callable[[object], bool]
+    to_numpy: Callable[[Any, str], np.ndarray[Any, Any]]  # (tensor, path): a host array, no copy
+    # (array, header, map_location): the library's tensor, on map_location when one is given
+    from_numpy: Callable[[np.ndarray[Any, Any], dict[str, Any], Any], Any]
+
+
+_ADAPTERS: dict[str, TensorAdapter] = {}
+
+
+def register_tensor_adapter(adapter: TensorAdapter) -> None:
+    """Make ``adapter``'s tensors savable (and loadable as themselves)."""
+    _ADAPTERS[adapter.kind] = adapter
+
+
+def adapter_for(value: object) -> TensorAdapter | None:
+    """The adapter whose library ``value`` is a tensor of, or None."""
+    module = type(value).__module__.partition(".")[0]
+    for adapter in _ADAPTERS.values():
+        if adapter.module == module and adapter.is_tensor(value):
+            return adapter
+    return None
+
+
+def is_tensor(value: object) -> bool:
+    """True if ``value`` is a tensor of a registered library (torch, once cas_ckpt is imported)."""
+    return adapter_for(value) is not None
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,12 +428,14 @@ class TreeReader:
         *,
         verify: bool | None = None,
         tensor_factory: TensorFactory | None = None,
+        map_location: Any = None,
         mmap: bool = False,
     ) -> None:
         self.store = store
         self.pool = pool
         self.verify = store.verify if verify is None else verify
         self.tensor_factory = tensor_factory
+        self.map_location = map_location
         self.mmap = mmap
         self._fills: ThreadPoolExecutor | None = None
         self._inflight: list[Future[None]] = []
@@ -622,7 +651,7 @@ class TreeReader:
             else:
                 flat = out if out is not None else _allocate(nbytes, f"an array of shape {shape}")
                 # A tensor moved to map_location is copied at once: its bytes must be there.
-                later = kind == "numpy" or self.tensor_factory is None
+                later = kind == "numpy" or (self.tensor_factory is None and self.map_location is None)
                 self._fill(cids, sizes, memoryview(flat), later=later)
         array = flat.view(dtype)
         try:
@@ -632,11 +661,10 @@ class TreeReader:
         kind = header.get("kind", "numpy")
         if kind == "numpy":
             return array
-        if self.tensor_factory is None:
-            from cas_ckpt.integrations.torch import numpy_to_tensor
-
-            return numpy_to_tensor(array, header)
-        return self.tensor_factory(array, header)
+        if self.tensor_factory is not None:
+            return self.tensor_factory(array, header)
+        adapter = _ADAPTERS.get(kind)
+        return array if adapter is None else adapter.from_numpy(array, header, self.map_location)
 
     def _verify_mapped(self, cids: list[bytes], sizes: list[int], view: memoryview) -> None:
         if not self.verify:

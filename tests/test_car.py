@@ -27,7 +27,7 @@ from multiformats import CID, multihash
 import cas_ckpt
 from cas_ckpt import car
 from cas_ckpt import cid as cidlib
-from cas_ckpt.walk import data_blocks
+from cas_ckpt.maintenance.walk import data_blocks
 
 JS_DIR = Path(__file__).parent / "js"
 CHUNK = 4096  # small chunks: many blocks from small arrays
@@ -193,10 +193,10 @@ def test_export_to_path_is_atomic_and_refuses_corrupt_blocks(tmp_path: Path) -> 
             f.seek(offset)
             f.write(bytes([byte[0] ^ 0xFF]))
         bad = tmp_path / "bad.car"
-        with pytest.raises(cas_ckpt.CorruptBlock):
+        with pytest.raises(cas_ckpt.errors.CorruptBlock):
             repo.export_car("main", bad)
         assert sorted(os.listdir(tmp_path)) == ["out.car", "r"]  # no partial file, no temp left
-        with pytest.raises(cas_ckpt.RefNotFound):
+        with pytest.raises(cas_ckpt.errors.RefNotFound):
             repo.export_car("nope", bad)
 
 
@@ -270,7 +270,7 @@ def small_car() -> bytes:
 
 def assert_rejected(repo: cas_ckpt.Repository, data: bytes, match: str, tmp_path: Path | None = None) -> None:
     before = len(repo.blocks)
-    with pytest.raises(cas_ckpt.CarError, match=match):
+    with pytest.raises(cas_ckpt.errors.CarError, match=match):
         repo.import_car(io.BytesIO(data), ref="bad")
     assert len(repo.blocks) == before
     assert repo.refs() == {} or "bad" not in repo.refs()
@@ -309,7 +309,7 @@ def test_every_truncation_is_rejected(small_car: bytes, memory_repo: Any) -> Non
     cuts = set(range(400)) | set(range(0, len(small_car), 97))
     cuts |= {b + d for b in boundaries for d in range(-3, 4)}
     for cut in sorted(c for c in cuts if 0 <= c < len(small_car)):
-        with pytest.raises(cas_ckpt.CarError, match=r"truncated|missing|empty file|header"):
+        with pytest.raises(cas_ckpt.errors.CarError, match=r"truncated|missing|empty file|header"):
             memory_repo.import_car(io.BytesIO(small_car[:cut]), ref="x")
     assert len(memory_repo.blocks) == 0 and memory_repo.refs() == {}
 
@@ -377,7 +377,7 @@ def test_ref_needs_exactly_one_root(small_car: bytes, memory_repo: Any) -> None:
     assert_rejected(memory_repo, rebuild(two_roots, body), "one root")
     report = memory_repo.import_car(io.BytesIO(rebuild(two_roots, body)))  # fine without a ref
     assert [bytes(r) for r in report.roots] == [bytes(first), extra]
-    with pytest.raises(cas_ckpt.InvalidRefName):
+    with pytest.raises(cas_ckpt.errors.InvalidRefName):
         memory_repo.import_car(io.BytesIO(small_car), ref="../x")
 
 
@@ -390,7 +390,7 @@ def test_mutated_files_store_nothing_or_the_right_thing(data: st.DataObject) -> 
     with cas_ckpt.open("memory://") as repo:
         try:
             repo.import_car(io.BytesIO(bytes(blob)), ref="x")
-        except cas_ckpt.CarError:
+        except cas_ckpt.errors.CarError:
             assert len(repo.blocks) == 0 and repo.refs() == {}
         else:  # only a no-op mutation can pass
             assert bytes(blob) == small_car

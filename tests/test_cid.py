@@ -119,11 +119,11 @@ INVALID_BINARY = {
 
 @pytest.mark.parametrize("binary", INVALID_BINARY.values(), ids=INVALID_BINARY.keys())
 def test_invalid_binary_cids_are_rejected(binary: bytes) -> None:
-    with pytest.raises(cas_ckpt.InvalidCID):
+    with pytest.raises(cas_ckpt.errors.InvalidCID):
         cidlib.to_bytes(binary)
-    with pytest.raises(cas_ckpt.InvalidCID):
+    with pytest.raises(cas_ckpt.errors.InvalidCID):
         cidlib.to_bytes(bytearray(binary))
-    with pytest.raises(cas_ckpt.InvalidCID):
+    with pytest.raises(cas_ckpt.errors.InvalidCID):
         cidlib.check_binary(binary)
 
 
@@ -155,13 +155,13 @@ INVALID_STRINGS = {
 
 @pytest.mark.parametrize("text", INVALID_STRINGS.values(), ids=INVALID_STRINGS.keys())
 def test_invalid_cid_strings_are_rejected(text: str) -> None:
-    with pytest.raises(cas_ckpt.InvalidCID):
+    with pytest.raises(cas_ckpt.errors.InvalidCID):
         cidlib.to_bytes(text)
 
 
 @pytest.mark.parametrize("value", [None, 42, 1.5, ["bafy"], object()])
 def test_non_cid_types_are_rejected(value: object) -> None:
-    with pytest.raises(cas_ckpt.InvalidCID, match=type(value).__name__):
+    with pytest.raises(cas_ckpt.errors.InvalidCID, match=type(value).__name__):
         cidlib.to_bytes(value)  # type: ignore[arg-type]
 
 
@@ -194,7 +194,7 @@ def _accepted_like_multiformats(value: object, parsed: bytes) -> None:
 def _parse(value: object) -> None:
     try:
         parsed = cidlib.to_bytes(value)  # type: ignore[arg-type]
-    except cas_ckpt.InvalidCID:
+    except cas_ckpt.errors.InvalidCID:
         return
     _accepted_like_multiformats(value, parsed)
 
@@ -246,6 +246,6 @@ def test_every_last_character_parses_exactly_like_multiformats() -> None:
             expected = None
         try:
             ours: bytes | None = cidlib.to_bytes(text)
-        except cas_ckpt.InvalidCID:
+        except cas_ckpt.errors.InvalidCID:
             ours = None
         assert ours == expected, text

@@ -23,7 +23,7 @@ from helpers import assert_state_equal
 import cas_ckpt
 from cas_ckpt import cid as cidlib
 from cas_ckpt import cli
-from cas_ckpt.walk import data_blocks
+from cas_ckpt.maintenance.walk import data_blocks
 
 CHUNK = 4096
 
@@ -332,17 +332,17 @@ def test_no_repository_and_nothing_created(
 
 def test_exit_codes_by_error_type() -> None:
     cases = {
-        cas_ckpt.InvalidCID("x"): cli.EXIT_USAGE,
-        cas_ckpt.InvalidRefName("x", "y"): cli.EXIT_USAGE,
-        cas_ckpt.RefNotFound("x"): cli.EXIT_NOT_FOUND,
-        cas_ckpt.BlockNotFound("x"): cli.EXIT_NOT_FOUND,
-        cas_ckpt.PathNotFound("x", "y"): cli.EXIT_NOT_FOUND,
-        cas_ckpt.CheckpointExpired("x", "y"): cli.EXIT_NOT_FOUND,
-        cas_ckpt.RepositoryError("x"): cli.EXIT_REPO,
-        cas_ckpt.CorruptStore("x", "y"): cli.EXIT_REPO,
-        cas_ckpt.CorruptBlock("x"): cli.EXIT_REPO,
-        cas_ckpt.CarError("x"): cli.EXIT_ERROR,
-        cas_ckpt.RefConflict("x", None, None): cli.EXIT_ERROR,
+        cas_ckpt.errors.InvalidCID("x"): cli.EXIT_USAGE,
+        cas_ckpt.errors.InvalidRefName("x", "y"): cli.EXIT_USAGE,
+        cas_ckpt.errors.RefNotFound("x"): cli.EXIT_NOT_FOUND,
+        cas_ckpt.errors.BlockNotFound("x"): cli.EXIT_NOT_FOUND,
+        cas_ckpt.errors.PathNotFound("x", "y"): cli.EXIT_NOT_FOUND,
+        cas_ckpt.errors.CheckpointExpired("x", "y"): cli.EXIT_NOT_FOUND,
+        cas_ckpt.errors.RepositoryError("x"): cli.EXIT_REPO,
+        cas_ckpt.errors.CorruptStore("x", "y"): cli.EXIT_REPO,
+        cas_ckpt.errors.CorruptBlock("x"): cli.EXIT_REPO,
+        cas_ckpt.errors.CarError("x"): cli.EXIT_ERROR,
+        cas_ckpt.errors.RefConflict("x", None, None): cli.EXIT_ERROR,
     }
     for error, code in cases.items():
         assert cli.exit_code(error) == code, error

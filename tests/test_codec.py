@@ -104,7 +104,7 @@ def test_unknown_objects_cannot_be_encoded() -> None:
 
 def test_decode_error_names_the_block() -> None:
     block = HASHER.node(b"\xc1")
-    with pytest.raises(cas_ckpt.DecodeError, match=cidlib.to_str(block)) as info:
+    with pytest.raises(cas_ckpt.errors.DecodeError, match=cidlib.to_str(block)) as info:
         codec.decode(b"\xc1", cid=block)
     assert info.value.cid == cidlib.to_str(block)
 
@@ -152,13 +152,13 @@ HOSTILE = {
 @pytest.mark.parametrize("data", HOSTILE.values(), ids=HOSTILE.keys())
 def test_hostile_input_raises_decode_error(data: bytes) -> None:
     started = time.perf_counter()
-    with pytest.raises(cas_ckpt.DecodeError):
+    with pytest.raises(cas_ckpt.errors.DecodeError):
         codec.decode(data)
     assert time.perf_counter() - started < 2.0
 
 
 def test_oversized_node_is_refused_before_parsing() -> None:
-    with pytest.raises(cas_ckpt.DecodeError, match="exceeds"):
+    with pytest.raises(cas_ckpt.errors.DecodeError, match="exceeds"):
         codec.decode(b"\xc0" * (codec.MAX_NODE_SIZE + 1))
 
 
@@ -180,7 +180,7 @@ DEEP_NESTING = textwrap.dedent(
     for data in (bomb(600), bomb(5000), bomb(400, 1, b"\\x91" * 2000 + b"\\xc0")):
         try:
             codec.decode(data)
-        except cas_ckpt.DecodeError:
+        except cas_ckpt.errors.DecodeError:
             pass
         else:
             raise SystemExit("decoded a bomb")
@@ -247,7 +247,7 @@ def _decode_or_decode_error(data: bytes) -> None:
     started = time.perf_counter()
     try:
         value = codec.decode(data)
-    except cas_ckpt.DecodeError:
+    except cas_ckpt.errors.DecodeError:
         pass
     else:
         codec.links(value)  # whatever decodes is a well-formed value

@@ -443,7 +443,7 @@ def test_use_collectives_false_is_refused(tmp_path: Path) -> None:
 def test_reader_refuses_what_is_not_a_dcp_checkpoint(tmp_path: Path) -> None:
     repo = cas_ckpt.open(tmp_path / "r")
     repo.save({"w": np.zeros(3)}, ref="plain")
-    with pytest.raises(cas_ckpt.RepositoryError, match="not a checkpoint written through"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="not a checkpoint written through"):
         load_full(repo, "plain")
     with pytest.raises(CheckpointException, match="not a checkpoint written through"):
         dcp.load({"w": torch.zeros(3)}, storage_reader=Reader(repo, "plain"))
@@ -468,7 +468,7 @@ def test_values_are_handed_to_the_planner_from_msgpack(tmp_path: Path) -> None:
 
 
 def test_mixed_checkpoints_error_is_exported() -> None:
-    assert issubclass(MixedCheckpoints, cas_ckpt.RepositoryError)
+    assert issubclass(MixedCheckpoints, cas_ckpt.errors.RepositoryError)
 
 
 def test_a_state_may_link_subtrees_already_stored(tmp_path: Path) -> None:
@@ -479,8 +479,8 @@ def test_a_state_may_link_subtrees_already_stored(tmp_path: Path) -> None:
     assert np.array_equal(repo.load("whole")["linked"]["x"], np.arange(5000))
     assert repo.fsck().ok
     missing = cid_bytes(repo.hasher.node(b"\x90"))
-    with pytest.raises(cas_ckpt.StateTypeError, match="block not stored"):
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match="block not stored"):
         repo.save({"a": Link(missing)})
     raw = cid_bytes(repo.hasher.raw(b"chunk"))
-    with pytest.raises(cas_ckpt.StateTypeError, match="not a node"):
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match="not a node"):
         repo.save({"a": Link(raw)})

@@ -43,10 +43,10 @@ def test_save_every_skips_unless_forced(repo: cas_ckpt.Repository) -> None:
 def test_same_step_twice_is_an_error_unless_overwrite(repo: cas_ckpt.Repository) -> None:
     mgr = CheckpointManager(repo, "run")
     first = mgr.save(3, {"v": 1})
-    with pytest.raises(cas_ckpt.CheckpointExists, match="step 3") as info:
+    with pytest.raises(cas_ckpt.errors.CheckpointExists, match="step 3") as info:
         mgr.save(3, {"v": 2})
     assert info.value.step == 3 and repo.resolve("run") == first
-    with pytest.raises(cas_ckpt.CheckpointExists, match="not after"):
+    with pytest.raises(cas_ckpt.errors.CheckpointExists, match="not after"):
         mgr.save(2, {"v": 0})
     second = mgr.save(3, {"v": 2}, overwrite=True)
     assert second != first and mgr.restore(3) == {"v": 2} and mgr.steps() == [3]
@@ -63,7 +63,7 @@ def test_state_lives_in_the_repository_not_the_manager(tmp_path: Path) -> None:
         assert again.steps() == [2, 3] and again.latest_step() == 3
         assert again.metrics(2) == {"loss": pytest.approx(0.2)}
         assert again.restore() == {"step": 3}
-        with pytest.raises(cas_ckpt.CheckpointExists):
+        with pytest.raises(cas_ckpt.errors.CheckpointExists):
             again.save(3, {"step": 3})
         again.save(4, {"step": 4}, metrics={"loss": 0.1})
         assert again.steps() == [4]  # 4 is both the best and the latest
@@ -71,16 +71,16 @@ def test_state_lives_in_the_repository_not_the_manager(tmp_path: Path) -> None:
 
 def test_restore_errors_and_paths(repo: cas_ckpt.Repository) -> None:
     mgr = CheckpointManager(repo, "run", keep_last=1)
-    with pytest.raises(cas_ckpt.RefNotFound):
+    with pytest.raises(cas_ckpt.errors.RefNotFound):
         mgr.restore()
     assert mgr.latest_step() is None and mgr.steps() == []
     mgr.save(1, {"model": {"w": np.arange(3)}, "opt": {0: {"m": 1.5}}})
     mgr.save(2, {"model": {"w": np.arange(3) + 1}, "opt": {0: {"m": 2.5}}})
     assert mgr.restore(path="model.w").tolist() == [1, 2, 3]
     assert mgr.restore(2, path="opt.0.m") == 2.5
-    with pytest.raises(cas_ckpt.CheckpointExpired):
+    with pytest.raises(cas_ckpt.errors.CheckpointExpired):
         mgr.restore(1)
-    with pytest.raises(cas_ckpt.StepNotFound):
+    with pytest.raises(cas_ckpt.errors.StepNotFound):
         mgr.restore(7)
     with pytest.raises(ValueError):
         mgr.save(-1, {})
@@ -91,7 +91,7 @@ def test_bad_options_and_metrics(repo: cas_ckpt.Repository) -> None:
         with pytest.raises(ValueError):
             CheckpointManager(repo, "run", **kwargs)  # type: ignore[arg-type]
     mgr = CheckpointManager(repo, "run")
-    with pytest.raises(cas_ckpt.StateTypeError, match=r"metrics\.name"):
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match=r"metrics\.name"):
         mgr.save(1, {}, metrics={"name": "abc"})
     assert mgr.steps() == []
 
@@ -105,9 +105,9 @@ def test_keep_last_frees_space_and_keeps_history(where: str, tmp_path: Path) -> 
     assert mgr.steps() == [5, 6]
     assert 2 * MIB <= stored_bytes(repo) < 2.2 * MIB  # only two checkpoints' chunks remain
     assert [c.step for c in repo.log("run")] == [6, 5, 4, 3, 2, 1]
-    with pytest.raises(cas_ckpt.CheckpointExpired):
+    with pytest.raises(cas_ckpt.errors.CheckpointExpired):
         repo.load(cids[0])
-    with pytest.raises(cas_ckpt.CheckpointExpired):
+    with pytest.raises(cas_ckpt.errors.CheckpointExpired):
         mgr.restore(3)
     assert mgr.restore(5)["tag"] == "s5"
     assert repo.fsck().ok
@@ -142,7 +142,7 @@ def test_expired_blocks_stay_until_gc_when_gc_after_retention_is_off(
         mgr.save(step, state_for(step))
     assert mgr.steps() == [3]
     assert stored_bytes(repo) >= 3 * MIB
-    with pytest.raises(cas_ckpt.CheckpointExpired, match="retention expired"):
+    with pytest.raises(cas_ckpt.errors.CheckpointExpired, match="retention expired"):
         mgr.restore(1)
     report = repo.gc()
     assert report.bytes_freed >= 2 * MIB and stored_bytes(repo) < 1.2 * MIB
@@ -195,7 +195,7 @@ def test_async_saves_run_one_at_a_time_and_close_waits(repo: cas_ckpt.Repository
             assert mgr.save(step, state_for(step, 256 * 1024)) is None
             assert mgr.steps()[-1] == step  # a query waits for the save in flight
     assert mgr.steps() == [3, 4]
-    with pytest.raises(cas_ckpt.RepositoryError, match="closed"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="closed"):
         mgr.save(9, {})
 
 
@@ -210,7 +210,7 @@ def test_async_failure_is_raised_by_the_next_call_and_the_ref_does_not_move(
     shutil.rmtree(tmp_dir)
     tmp_dir.write_bytes(b"")  # the store can no longer create pack files: a real I/O failure
     mgr.save(2, state_for(2))
-    with pytest.raises(cas_ckpt.SaveFailed, match="step 2") as info:
+    with pytest.raises(cas_ckpt.errors.SaveFailed, match="step 2") as info:
         mgr.save(3, state_for(3))
     assert isinstance(info.value.__cause__, OSError)
     assert repo.resolve("run") == first and mgr.steps() == [1]
@@ -226,20 +226,20 @@ def test_async_failure_inside_the_writer_surfaces_on_wait(repo: cas_ckpt.Reposit
     foreign = other.save({"x": 1}, ref="x")  # a CID whose block is not in ``repo``
     mgr = CheckpointManager(repo, "run", async_save=True)
     mgr.save(1, {"link": foreign})
-    with pytest.raises(cas_ckpt.SaveFailed) as info:
+    with pytest.raises(cas_ckpt.errors.SaveFailed) as info:
         mgr.wait()
-    assert isinstance(info.value.__cause__, cas_ckpt.StateTypeError)
+    assert isinstance(info.value.__cause__, cas_ckpt.errors.StateTypeError)
     assert "run" not in repo.refs()
     assert mgr.wait() is None  # the failure is reported once
 
 
 def test_async_save_refuses_bad_values_synchronously(repo: cas_ckpt.Repository) -> None:
     mgr = CheckpointManager(repo, "run", async_save=True)
-    with pytest.raises(cas_ckpt.StateTypeError, match=r"a\.b"):
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match=r"a\.b"):
         mgr.save(1, {"a": {"b": object()}})
-    with pytest.raises(cas_ckpt.StateTypeError, match="dict keys"):
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match="dict keys"):
         mgr.save(1, {"a": {1.5: 1}})
-    with pytest.raises(cas_ckpt.StateTypeError, match="dtype"):
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match="dtype"):
         mgr.save(1, {"a": np.array([object()])})
     mgr.close()
 
@@ -320,7 +320,7 @@ def test_fork_starts_a_run_from_another_and_shares_blocks(repo: cas_ckpt.Reposit
     assert b.restore(20)["head"].tolist() == state_for(20)["w"].tolist()  # b still holds 20
     again = CheckpointManager(repo, "runs/b", fork_from="runs/a")  # resuming b: fork ignored
     assert again.latest_step() == 21
-    with pytest.raises(cas_ckpt.RefConflict):
+    with pytest.raises(cas_ckpt.errors.RefConflict):
         repo.fork("runs/a", "runs/b")
 
 

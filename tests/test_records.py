@@ -53,23 +53,23 @@ def test_cid_values_round_trip_as_links_that_gc_follows(repo: cas_ckpt.Repositor
     report = repo.gc()
     assert report.blocks_freed == 1  # only the unreferenced ``lost`` node
     assert np.array_equal(repo.load(target), np.arange(50_000))
-    with pytest.raises(cas_ckpt.BlockNotFound):
+    with pytest.raises(cas_ckpt.errors.BlockNotFound):
         repo.load(lost)
     assert repo.fsck().ok
     repo.delete_ref("holder")
     repo.gc()
-    with pytest.raises(cas_ckpt.BlockNotFound):
+    with pytest.raises(cas_ckpt.errors.BlockNotFound):
         repo.load(target)
 
 
 def test_cid_values_must_name_stored_blocks(repo: cas_ckpt.Repository) -> None:
     other = cas_ckpt.open("memory://")
     missing = put_array(other, np.arange(3))
-    with pytest.raises(cas_ckpt.StateTypeError, match="not in the store") as info:
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match="not in the store") as info:
         repo.save({"a": {"b": missing}}, ref="bad")
     assert info.value.path == "a.b" and "bad" not in repo.refs()
     dag_pb = CID.decode("bafybeigdyrzt5sfp7udm7hu76uh7y26nf3efuylqabf3oclgtqy55fbzdi")
-    with pytest.raises(cas_ckpt.StateTypeError, match="cannot store this CID"):
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match="cannot store this CID"):
         repo.save({"c": dag_pb}, ref="bad")
 
 
@@ -114,15 +114,15 @@ def test_cycles_raise(repo: cas_ckpt.Repository) -> None:
     graph = ComputationGraph([GraphNode("f", "f", inputs=(a,), output=b),
                               GraphNode("g", "g", inputs=(b,), output=a),
                               GraphNode("src", "const", output=put_array(repo, np.zeros(2)))])
-    with pytest.raises(cas_ckpt.GraphCycleError) as info:
+    with pytest.raises(cas_ckpt.errors.GraphCycleError) as info:
         graph.topological_order()
     assert info.value.nodes == ["f", "g"]
-    with pytest.raises(cas_ckpt.GraphCycleError):
+    with pytest.raises(cas_ckpt.errors.GraphCycleError):
         graph.provenance(a)
 
 
 def test_bad_cids_are_refused(repo: cas_ckpt.Repository) -> None:
-    with pytest.raises(cas_ckpt.InvalidCID, match="node n input"):
+    with pytest.raises(cas_ckpt.errors.InvalidCID, match="node n input"):
         GraphNode("n", "op", inputs=("not a cid",))
     with pytest.raises(TypeError):
         GradientCheckpoint(ComputationGraph(), 1, put_array(repo, np.zeros(1)), {"w": "text"})
@@ -151,16 +151,16 @@ def test_gradient_checkpoint_round_trip_and_gc(repo: cas_ckpt.Repository) -> Non
 
 def test_malformed_records_raise_decode_error(repo: cas_ckpt.Repository) -> None:
     repo.save({"type": "something else"}, ref="other")
-    with pytest.raises(cas_ckpt.DecodeError):
+    with pytest.raises(cas_ckpt.errors.DecodeError):
         GradientCheckpoint.load(repo, "other")
     graph, c = make_graph(repo)
     state = GradientCheckpoint(graph, 1, c["loss"], {}).to_state()
     state["graph"]["nodes"][0]["inputs"] = [5]
     repo.save(state, ref="broken")
-    with pytest.raises(cas_ckpt.DecodeError, match="graph node"):
+    with pytest.raises(cas_ckpt.errors.DecodeError, match="graph node"):
         GradientCheckpoint.load(repo, "broken")
     state = GradientCheckpoint(graph, 1, c["loss"], {}).to_state()
     state["version"] = 99
     repo.save(state, ref="future")
-    with pytest.raises(cas_ckpt.DecodeError, match="newer"):
+    with pytest.raises(cas_ckpt.errors.DecodeError, match="newer"):
         GradientCheckpoint.load(repo, "future")

@@ -67,7 +67,7 @@ VALID_NAMES = ["main", "runs/exp-7", "runs/exp_7/seed.3", "a", "UPPER/lower", "Ã
 
 @pytest.mark.parametrize("name", INVALID_NAMES)
 def test_invalid_names_are_rejected(name: str) -> None:
-    with pytest.raises(cas_ckpt.InvalidRefName) as info:
+    with pytest.raises(cas_ckpt.errors.InvalidRefName) as info:
         check_ref_name(name)
     assert info.value.ref == name
     assert isinstance(info.value, ValueError)
@@ -75,7 +75,7 @@ def test_invalid_names_are_rejected(name: str) -> None:
 
 @pytest.mark.parametrize("name", [None, b"main", 1, ["main"]])
 def test_non_string_names_are_rejected(name: Any) -> None:
-    with pytest.raises(cas_ckpt.InvalidRefName):
+    with pytest.raises(cas_ckpt.errors.InvalidRefName):
         check_ref_name(name)
 
 
@@ -86,7 +86,7 @@ def test_valid_names_are_accepted(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["../escape", "/etc/passwd", "a/../../b", "a b"])
 def test_invalid_names_are_refused_before_saving(repo: cas_ckpt.Repository, name: str) -> None:
-    with pytest.raises(cas_ckpt.InvalidRefName):
+    with pytest.raises(cas_ckpt.errors.InvalidRefName):
         repo.save({"x": 1}, ref=name)
     assert list(repo.blocks) == []
     assert repo.refs() == {}
@@ -114,7 +114,7 @@ name_text = st.text(
 def test_fuzz_names_raise_only_invalid_ref_name(name: str) -> None:
     try:
         accepted = check_ref_name(name) == name
-    except cas_ckpt.InvalidRefName:
+    except cas_ckpt.errors.InvalidRefName:
         accepted = False
     assert accepted == _is_acceptable(name)
 
@@ -124,11 +124,11 @@ def test_fuzz_accepted_names_stay_inside_the_repository(name: str) -> None:
     """Whatever name is accepted, the files it makes are below refs/ and logs/."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "repo"
-        store = cas_ckpt.LocalRefStore(root)
+        store = cas_ckpt.refs.LocalRefStore(root)
         store.ensure_dirs()
         try:
             store.add_if_new(name, A)
-        except cas_ckpt.InvalidRefName:
+        except cas_ckpt.errors.InvalidRefName:
             assert not _is_acceptable(name)
             assert sorted(p.name for p in Path(tmp).iterdir()) == ["repo"]
             assert not any(p.is_file() for p in root.rglob("*"))
@@ -141,29 +141,29 @@ def test_fuzz_accepted_names_stay_inside_the_repository(name: str) -> None:
 
 # -- compare-and-swap semantics (shared by both ref stores) --------------------------------------
 @pytest.fixture(params=["local", "memory", "s3"])
-def refs(request: pytest.FixtureRequest, tmp_path: Path) -> cas_ckpt.RefStore:
+def refs(request: pytest.FixtureRequest, tmp_path: Path) -> cas_ckpt.refs.RefStore:
     if request.param == "memory":
-        return cas_ckpt.MemoryRefStore()
+        return cas_ckpt.refs.MemoryRefStore()
     if request.param == "s3":  # conditional writes on a real S3-protocol server (see test_s3.py)
-        from cas_ckpt.refs_s3 import S3RefStore
+        from cas_ckpt.refs.s3 import S3RefStore
 
         return S3RefStore(request.getfixturevalue("s3_url"))
-    store = cas_ckpt.LocalRefStore(tmp_path / "repo")
+    store = cas_ckpt.refs.LocalRefStore(tmp_path / "repo")
     store.ensure_dirs()
     return store
 
 
-def _log(refs: cas_ckpt.RefStore, name: str) -> list[tuple[Any, Any, str]]:
+def _log(refs: cas_ckpt.refs.RefStore, name: str) -> list[tuple[Any, Any, str]]:
     return [(e.old, e.new, e.message) for e in refs.reflog(name)]
 
 
-def test_missing_ref_reads_as_none(refs: cas_ckpt.RefStore) -> None:
+def test_missing_ref_reads_as_none(refs: cas_ckpt.refs.RefStore) -> None:
     assert refs.get("main") is None
     assert refs.names() == []
     assert refs.reflog("main") == []
 
 
-def test_add_if_new(refs: cas_ckpt.RefStore) -> None:
+def test_add_if_new(refs: cas_ckpt.refs.RefStore) -> None:
     assert refs.add_if_new("runs/exp-7", A, message="create") is True
     assert refs.get("runs/exp-7") == A
     assert refs.add_if_new("runs/exp-7", B, message="again") is False
@@ -171,7 +171,7 @@ def test_add_if_new(refs: cas_ckpt.RefStore) -> None:
     assert _log(refs, "runs/exp-7") == [(None, A, "create")]
 
 
-def test_set_if_equals(refs: cas_ckpt.RefStore) -> None:
+def test_set_if_equals(refs: cas_ckpt.refs.RefStore) -> None:
     assert refs.set_if_equals("main", A, B) is False  # absent is not A
     assert refs.get("main") is None
     refs.add_if_new("main", A)
@@ -184,14 +184,14 @@ def test_set_if_equals(refs: cas_ckpt.RefStore) -> None:
     assert _log(refs, "main") == [(None, A, ""), (A, B, "move")]
 
 
-def test_set_if_equals_none_sets_unconditionally(refs: cas_ckpt.RefStore) -> None:
+def test_set_if_equals_none_sets_unconditionally(refs: cas_ckpt.refs.RefStore) -> None:
     assert refs.set_if_equals("main", None, A, message="force create") is True
     assert refs.set_if_equals("main", None, B, message="force") is True
     assert refs.get("main") == B
     assert _log(refs, "main") == [(None, A, "force create"), (A, B, "force")]
 
 
-def test_remove_if_equals(refs: cas_ckpt.RefStore) -> None:
+def test_remove_if_equals(refs: cas_ckpt.refs.RefStore) -> None:
     assert refs.remove_if_equals("main", A) is False  # absent
     assert refs.remove_if_equals("main", None) is False
     refs.add_if_new("main", A)
@@ -208,7 +208,7 @@ def test_remove_if_equals(refs: cas_ckpt.RefStore) -> None:
     assert "main" not in refs.reflog_names()
 
 
-def test_names_are_sorted_and_hierarchical(refs: cas_ckpt.RefStore) -> None:
+def test_names_are_sorted_and_hierarchical(refs: cas_ckpt.refs.RefStore) -> None:
     for name in ["runs/exp-8", "main", "runs/exp-7", "zeta/a/b"]:
         assert refs.add_if_new(name, A)
     assert refs.names() == ["main", "runs/exp-7", "runs/exp-8", "zeta/a/b"]
@@ -218,7 +218,7 @@ def test_names_are_sorted_and_hierarchical(refs: cas_ckpt.RefStore) -> None:
 
 
 @pytest.mark.parametrize("method", ["get", "add", "set", "remove", "reflog"])
-def test_store_methods_validate_names(refs: cas_ckpt.RefStore, method: str) -> None:
+def test_store_methods_validate_names(refs: cas_ckpt.refs.RefStore, method: str) -> None:
     call = {
         "get": lambda n: refs.get(n),
         "add": lambda n: refs.add_if_new(n, A),
@@ -226,15 +226,15 @@ def test_store_methods_validate_names(refs: cas_ckpt.RefStore, method: str) -> N
         "remove": lambda n: refs.remove_if_equals(n, None),
         "reflog": lambda n: refs.reflog(n),
     }[method]
-    with pytest.raises(cas_ckpt.InvalidRefName):
+    with pytest.raises(cas_ckpt.errors.InvalidRefName):
         call("../outside")
 
 
-def test_a_ref_and_a_ref_below_it_conflict_cleanly(refs: cas_ckpt.RefStore) -> None:
+def test_a_ref_and_a_ref_below_it_conflict_cleanly(refs: cas_ckpt.refs.RefStore) -> None:
     refs.add_if_new("runs/exp", A)
-    with pytest.raises(cas_ckpt.RefError):
+    with pytest.raises(cas_ckpt.errors.RefError):
         refs.add_if_new("runs", B)
-    with pytest.raises(cas_ckpt.RefError):
+    with pytest.raises(cas_ckpt.errors.RefError):
         refs.add_if_new("runs/exp/sub", B)
     assert refs.names() == ["runs/exp"]
     # Once the deeper ref is gone (reflog with it), the shorter name is free again.
@@ -266,12 +266,12 @@ def test_every_update_is_in_the_reflog(repo: cas_ckpt.Repository) -> None:
 def test_stale_expected_value_is_a_conflict(repo: cas_ckpt.Repository) -> None:
     first = repo.save({"a": 1})
     second = repo.save({"a": 2})
-    with pytest.raises(cas_ckpt.RefConflict) as info:
+    with pytest.raises(cas_ckpt.errors.RefConflict) as info:
         repo.set_ref("main", first, expected=first)
     assert info.value.ref == "main"
     assert str(first) in str(info.value) and str(second) in str(info.value)
     assert repo.resolve("main") == second
-    with pytest.raises(cas_ckpt.RefConflict):
+    with pytest.raises(cas_ckpt.errors.RefConflict):
         repo.delete_ref("main", expected=first)
     assert repo.resolve("main") == second
     assert len(repo.reflog("main")) == 2  # failed swaps are not logged
@@ -289,14 +289,14 @@ def _dead_pid() -> int:
 
 
 @pytest.fixture
-def local_refs(tmp_path: Path) -> cas_ckpt.LocalRefStore:
-    store = cas_ckpt.LocalRefStore(tmp_path / "repo", lock_timeout=0.2)
+def local_refs(tmp_path: Path) -> cas_ckpt.refs.LocalRefStore:
+    store = cas_ckpt.refs.LocalRefStore(tmp_path / "repo", lock_timeout=0.2)
     store.ensure_dirs()
     store.add_if_new("main", A)
     return store
 
 
-def test_stale_lock_of_a_dead_process_is_broken(local_refs: cas_ckpt.LocalRefStore) -> None:
+def test_stale_lock_of_a_dead_process_is_broken(local_refs: cas_ckpt.refs.LocalRefStore) -> None:
     lock = local_refs.refs_dir / "main.lock"
     lock.write_text(_lock_text(_dead_pid()))
     # lock_timeout is 0.2 s: without breaking the lock this would raise RefLocked.
@@ -324,12 +324,12 @@ def live_pid() -> Iterator[int]:
 
 
 def test_lock_of_a_live_process_raises_ref_locked(
-    local_refs: cas_ckpt.LocalRefStore, live_pid: int
+    local_refs: cas_ckpt.refs.LocalRefStore, live_pid: int
 ) -> None:
     lock = local_refs.refs_dir / "main.lock"
     lock.write_text(_lock_text(live_pid))
     started = time.monotonic()
-    with pytest.raises(cas_ckpt.RefLocked) as info:
+    with pytest.raises(cas_ckpt.errors.RefLocked) as info:
         local_refs.set_if_equals("main", A, B)
     waited = time.monotonic() - started
     assert 0.2 <= waited < 10.0
@@ -342,11 +342,11 @@ def test_lock_of_a_live_process_raises_ref_locked(
 
 
 def test_lock_freed_in_time_is_waited_for(
-    local_refs: cas_ckpt.LocalRefStore, live_pid: int
+    local_refs: cas_ckpt.refs.LocalRefStore, live_pid: int
 ) -> None:
     lock = local_refs.refs_dir / "main.lock"
     lock.write_text(_lock_text(live_pid))
-    slow = cas_ckpt.LocalRefStore(local_refs.root, lock_timeout=30.0)
+    slow = cas_ckpt.refs.LocalRefStore(local_refs.root, lock_timeout=30.0)
     remover = subprocess.Popen(
         [sys.executable, "-c", f"import os, time; time.sleep(0.3); os.unlink({str(lock)!r})"]
     )
@@ -365,11 +365,11 @@ def test_lock_freed_in_time_is_waited_for(
     ids=["other host", "garbage", "bad pid"],
 )
 def test_locks_that_cannot_be_judged_are_not_broken(
-    local_refs: cas_ckpt.LocalRefStore, text: str
+    local_refs: cas_ckpt.refs.LocalRefStore, text: str
 ) -> None:
     lock = local_refs.refs_dir / "main.lock"
     lock.write_text(text)
-    with pytest.raises(cas_ckpt.RefLocked):
+    with pytest.raises(cas_ckpt.errors.RefLocked):
         local_refs.set_if_equals("main", A, B)
     assert lock.read_text() == text
     assert local_refs.get("main") == A
@@ -403,12 +403,12 @@ RACER = textwrap.dedent(
                 try:
                     head = repo.resolve("main")
                     previous = repo.load(head, path="i")
-                except cas_ckpt.RefNotFound:
+                except cas_ckpt.errors.RefNotFound:
                     previous = -1
                 state = {"writer": name, "i": previous + 1, "w": rng.random(40_000)}
                 try:
                     cid = repo.save(state, ref="main", step=i)
-                except cas_ckpt.RefConflict:
+                except cas_ckpt.errors.RefConflict:
                     conflicts += 1
                     continue
                 print("saved", cid, flush=True)

@@ -49,19 +49,19 @@ def test_reopen_sees_everything(tmp_path: Path) -> None:
 
 
 def test_create_false_on_a_missing_repository(tmp_path: Path) -> None:
-    with pytest.raises(cas_ckpt.RepositoryError, match="no cas_ckpt repository"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="no cas_ckpt repository"):
         cas_ckpt.open(tmp_path / "missing", create=False)
     assert not (tmp_path / "missing").exists()
 
 
 def test_read_only_open(tmp_path: Path) -> None:
-    with pytest.raises(cas_ckpt.RepositoryError):
+    with pytest.raises(cas_ckpt.errors.RepositoryError):
         cas_ckpt.open(tmp_path / "missing", read_only=True)
     with cas_ckpt.open(tmp_path / "repo") as repo:
         root = repo.save({"a": 1})
     with cas_ckpt.open(tmp_path / "repo", read_only=True) as repo:
         assert repo.load(root) == {"a": 1}
-        with pytest.raises(cas_ckpt.RepositoryError, match="read-only"):
+        with pytest.raises(cas_ckpt.errors.RepositoryError, match="read-only"):
             repo.save({"a": 2})
         assert repo.resolve() == root
 
@@ -72,21 +72,21 @@ def test_newer_format_version_is_refused(tmp_path: Path) -> None:
     config = json.loads((path / "config.json").read_text())
     config["version"] = 99
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(cas_ckpt.RepositoryError, match="99") as info:
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="99") as info:
         cas_ckpt.open(path)
     assert "upgrade" in str(info.value)
-    with pytest.raises(cas_ckpt.RepositoryError):
+    with pytest.raises(cas_ckpt.errors.RepositoryError):
         cas_ckpt.open(path, read_only=True)
 
 
 @pytest.mark.parametrize(
     ("change", "error"),
     [
-        ({"format": "something-else"}, cas_ckpt.RepositoryError),
-        ({"version": "1"}, cas_ckpt.RepositoryError),
-        ({"hash": "md5"}, cas_ckpt.RepositoryError),
-        ({"chunk_size": 10}, cas_ckpt.RepositoryError),
-        ({"chunk_size": 2 * 1024 * 1024}, cas_ckpt.RepositoryError),
+        ({"format": "something-else"}, cas_ckpt.errors.RepositoryError),
+        ({"version": "1"}, cas_ckpt.errors.RepositoryError),
+        ({"hash": "md5"}, cas_ckpt.errors.RepositoryError),
+        ({"chunk_size": 10}, cas_ckpt.errors.RepositoryError),
+        ({"chunk_size": 2 * 1024 * 1024}, cas_ckpt.errors.RepositoryError),
     ],
     ids=["format", "version type", "hash", "tiny chunks", "chunks over 1 MiB"],
 )
@@ -103,13 +103,13 @@ def test_unreadable_config_is_a_corrupt_store(tmp_path: Path) -> None:
     path = tmp_path / "repo"
     cas_ckpt.open(path).close()
     (path / "config.json").write_text("{not json")
-    with pytest.raises(cas_ckpt.CorruptStore, match=r"config\.json"):
+    with pytest.raises(cas_ckpt.errors.CorruptStore, match=r"config\.json"):
         cas_ckpt.open(path)
 
 
 def test_a_non_empty_directory_is_not_taken_over(tmp_path: Path) -> None:
     (tmp_path / "data.txt").write_text("precious")
-    with pytest.raises(cas_ckpt.RepositoryError, match="not an empty directory"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="not an empty directory"):
         cas_ckpt.open(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.txt"]
     assert (tmp_path / "data.txt").read_text() == "precious"
@@ -118,7 +118,7 @@ def test_a_non_empty_directory_is_not_taken_over(tmp_path: Path) -> None:
 def test_a_file_is_not_taken_over(tmp_path: Path) -> None:
     path = tmp_path / "file"
     path.write_text("x")
-    with pytest.raises(cas_ckpt.RepositoryError):
+    with pytest.raises(cas_ckpt.errors.RepositoryError):
         cas_ckpt.open(path)
     assert path.read_text() == "x"
 
@@ -128,7 +128,7 @@ def test_unknown_hash_is_refused(tmp_path: Path) -> None:
         cas_ckpt.open(tmp_path / "repo", hash="md5")
     assert not (tmp_path / "repo" / "config.json").exists()
     # (memory:// says RepositoryError, a directory ValueError: either way it names the hash)
-    with pytest.raises((ValueError, cas_ckpt.RepositoryError), match="md5"):
+    with pytest.raises((ValueError, cas_ckpt.errors.RepositoryError), match="md5"):
         cas_ckpt.open("memory://", hash="md5")
 
 
@@ -229,27 +229,27 @@ def test_load_by_cid_object_string_and_bytes(repo: cas_ckpt.Repository) -> None:
 
 def test_unknown_ref(repo: cas_ckpt.Repository) -> None:
     for call in (repo.load, repo.resolve, repo.commit, lambda t: list(repo.log(t))):
-        with pytest.raises(cas_ckpt.RefNotFound, match="nope") as info:
+        with pytest.raises(cas_ckpt.errors.RefNotFound, match="nope") as info:
             call("nope")
         assert info.value.ref == "nope"
         assert isinstance(info.value, KeyError)
-    with pytest.raises(cas_ckpt.RefNotFound):
+    with pytest.raises(cas_ckpt.errors.RefNotFound):
         repo.load()  # no "main" yet
-    with pytest.raises(cas_ckpt.RefNotFound):
+    with pytest.raises(cas_ckpt.errors.RefNotFound):
         repo.delete_ref("nope")
 
 
 def test_bad_targets(repo: cas_ckpt.Repository) -> None:
     repo.save({"a": np.zeros(100_000)})
-    with pytest.raises(cas_ckpt.InvalidRefName):
+    with pytest.raises(cas_ckpt.errors.InvalidRefName):
         repo.load("../etc")
     missing = cidlib.to_cid(cidlib.Hasher().node(b"never stored"))
-    with pytest.raises(cas_ckpt.BlockNotFound, match=str(missing)):
+    with pytest.raises(cas_ckpt.errors.BlockNotFound, match=str(missing)):
         repo.load(missing)
     chunk = next(c for c in repo.blocks if c.codec.name == "raw")
-    with pytest.raises(cas_ckpt.RepositoryError, match="raw chunk"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="raw chunk"):
         repo.load(chunk)
-    with pytest.raises(cas_ckpt.InvalidCID):
+    with pytest.raises(cas_ckpt.errors.InvalidCID):
         repo.load(12)  # type: ignore[arg-type]
 
 
@@ -257,7 +257,7 @@ def test_set_ref_only_to_stored_blocks(repo: cas_ckpt.Repository) -> None:
     root = repo.save({"a": 1})
     assert repo.set_ref("copies/a", root) == root
     assert repo.resolve("copies/a") == root
-    with pytest.raises(cas_ckpt.BlockNotFound):
+    with pytest.raises(cas_ckpt.errors.BlockNotFound):
         repo.set_ref("copies/b", cidlib.to_cid(cidlib.Hasher().node(b"absent")))
     assert "copies/b" not in repo.refs()
 
@@ -296,7 +296,7 @@ def test_metadata_accepts_numpy_scalars(repo: cas_ckpt.Repository) -> None:
 def test_metadata_rejects_non_plain_values(
     repo: cas_ckpt.Repository, metadata: dict[Any, Any], path: str
 ) -> None:
-    with pytest.raises(cas_ckpt.StateTypeError) as info:
+    with pytest.raises(cas_ckpt.errors.StateTypeError) as info:
         repo.save({"a": 1}, metadata=metadata)
     assert info.value.path == path
     assert path in str(info.value)
@@ -304,7 +304,7 @@ def test_metadata_rejects_non_plain_values(
 
 
 def test_metadata_rejects_arrays() -> None:
-    with cas_ckpt.open("memory://") as repo, pytest.raises(cas_ckpt.StateTypeError) as info:
+    with cas_ckpt.open("memory://") as repo, pytest.raises(cas_ckpt.errors.StateTypeError) as info:
         repo.save({}, metadata={"x": np.array([1.0, 2.0])})
     assert info.value.path == "metadata.x"
 
@@ -314,7 +314,7 @@ def test_metadata_rejects_arrays() -> None:
     [({"step": 1.5}, "step"), ({"step": "3"}, "step"), ({"message": 3}, "message")],
 )
 def test_step_and_message_types(repo: cas_ckpt.Repository, kwargs: dict[str, Any], path: str) -> None:
-    with pytest.raises(cas_ckpt.StateTypeError) as info:
+    with pytest.raises(cas_ckpt.errors.StateTypeError) as info:
         repo.save({"a": 1}, **kwargs)
     assert info.value.path == path
     assert repo.refs() == {}
@@ -322,7 +322,7 @@ def test_step_and_message_types(repo: cas_ckpt.Repository, kwargs: dict[str, Any
 
 def test_repository_on_any_store_pair() -> None:
     # Repository takes its stores as arguments: a memory repository built by hand works as open's.
-    with cas_ckpt.Repository(cas_ckpt.MemoryStore(), cas_ckpt.MemoryRefStore()) as repo:
+    with cas_ckpt.Repository(cas_ckpt.blocks.MemoryStore(), cas_ckpt.refs.MemoryRefStore()) as repo:
         root = repo.save({"a": (1, 2)})
         assert repo.load(root) == {"a": (1, 2)}
         assert repo.config.hash == "sha2-256"
@@ -331,7 +331,7 @@ def test_repository_on_any_store_pair() -> None:
 def test_save_expected_makes_read_modify_write_safe(repo: cas_ckpt.Repository) -> None:
     first = repo.save({"n": 1})
     second = repo.save({"n": 2})
-    with pytest.raises(cas_ckpt.RefConflict):
+    with pytest.raises(cas_ckpt.errors.RefConflict):
         repo.save({"n": 3}, expected=first)  # a writer that loaded `first` lost the race
     assert repo.resolve("main") == second
     third = repo.save({"n": 3}, expected=second)

@@ -271,7 +271,7 @@ def test_unsupported_values_name_their_path(repo: cas_ckpt.Repository, value: An
     before = set(repo.blocks)
     head = repo.resolve("main")
     state = {"model": {"w": np.zeros(3)}, "optimizer": {"state": {3: {"exp_avg": value}}}}
-    with pytest.raises(cas_ckpt.StateTypeError) as info:
+    with pytest.raises(cas_ckpt.errors.StateTypeError) as info:
         repo.save(state)
     assert info.value.path == "optimizer.state.3.exp_avg"
     assert "optimizer.state.3.exp_avg" in str(info.value)
@@ -284,7 +284,7 @@ def test_unsupported_values_name_their_path(repo: cas_ckpt.Repository, value: An
 def test_unsupported_value_inside_lists_and_tuples() -> None:
     with cas_ckpt.open("memory://") as repo:
         state = {"optimizer": {"state": [{}, {}, {}, ({"exp_avg": {1}},)]}}
-        with pytest.raises(cas_ckpt.StateTypeError) as info:
+        with pytest.raises(cas_ckpt.errors.StateTypeError) as info:
             repo.save(state)
     assert info.value.path == "optimizer.state.3.0.exp_avg"
 
@@ -303,7 +303,7 @@ def test_unsupported_value_inside_lists_and_tuples() -> None:
     ids=["tuple", "float", "bool", "bytes", "None", "int over 64 bits", "frozenset"],
 )
 def test_bad_dict_keys_are_rejected(key: Any, shown: str) -> None:
-    with cas_ckpt.open("memory://") as repo, pytest.raises(cas_ckpt.StateTypeError) as info:
+    with cas_ckpt.open("memory://") as repo, pytest.raises(cas_ckpt.errors.StateTypeError) as info:
         repo.save({"model": {"layer": {key: 1}}})
     assert info.value.path == f"model.layer.{shown}"
     assert len(list(repo.blocks)) == 0
@@ -313,7 +313,7 @@ def test_too_deep_state_is_a_state_type_error() -> None:
     state: Any = 0
     for _ in range(300):
         state = [state]
-    with cas_ckpt.open("memory://") as repo, pytest.raises(cas_ckpt.StateTypeError, match="deeper"):
+    with cas_ckpt.open("memory://") as repo, pytest.raises(cas_ckpt.errors.StateTypeError, match="deeper"):
         repo.save(state)
 
 

@@ -30,9 +30,9 @@ from helpers import assert_state_equal
 import cas_ckpt
 from cas_ckpt import cid as cidlib
 from cas_ckpt import cli
-from cas_ckpt.refs_s3 import S3RefStore
-from cas_ckpt.stores.base import BlockStore
-from cas_ckpt.stores.s3 import S3Bucket, S3Store
+from cas_ckpt.blocks.base import BlockStore
+from cas_ckpt.blocks.s3 import S3Bucket, S3Store
+from cas_ckpt.refs.s3 import S3RefStore
 from cas_ckpt.testing import BlockStoreTests, raw_block
 
 FAST = {"min_grace": 0.0}  # tests may collect what they just wrote
@@ -230,7 +230,7 @@ class TestS3Store(BlockStoreTests):
             # The very same pack uploaded again (a writer that had not seen it): created only if
             # absent, so the (now damaged) object stays as it is.
             assert store.bucket.put_file(f"packs/{name}", copy, part_size=5 * 2**20) is False
-            with pytest.raises(cas_ckpt.CorruptBlock):
+            with pytest.raises(cas_ckpt.errors.CorruptBlock):
                 store.get(victim)
             assert store.bucket.uploads("") == []  # the refused multipart upload was aborted
 
@@ -262,7 +262,7 @@ class TestS3Store(BlockStoreTests):
             key = f"{store.bucket.prefix}packs/{loc.pack}"
             whole = client.get_object(Bucket=bucket, Key=key)["Body"].read()
             client.put_object(Bucket=bucket, Key=key, Body=whole[: loc.offset + 10])
-            with pytest.raises(cas_ckpt.CorruptBlock, match=f"{cidlib.to_str(last)}.*truncated"):
+            with pytest.raises(cas_ckpt.errors.CorruptBlock, match=f"{cidlib.to_str(last)}.*truncated"):
                 store.get(last)
             assert store.get(first) == blocks[first]
 
@@ -298,7 +298,7 @@ def test_save_load_log_reflog_gc_fsck(s3_url: str) -> None:
         assert sorted(repo.refs()) == ["main", "runs/exp-1"]
         report = repo.gc()
         assert report.blocks_freed > 0  # steps 0 and 1 had their own arrays
-        with pytest.raises(cas_ckpt.CheckpointExpired):
+        with pytest.raises(cas_ckpt.errors.CheckpointExpired):
             repo.load(cids[0])
         assert_state_equal(state(2), repo.load())
         assert repo.fsck().ok
@@ -307,18 +307,18 @@ def test_save_load_log_reflog_gc_fsck(s3_url: str) -> None:
         assert _keys(s3_url, "logs/runs/") == []
     with cas_ckpt.open(s3_url, create=False, read_only=True) as again:
         assert_state_equal(state(2), again.load())
-        with pytest.raises(cas_ckpt.RepositoryError, match="read-only"):
+        with pytest.raises(cas_ckpt.errors.RepositoryError, match="read-only"):
             again.save({"x": 2})
     layout = {key.split("/")[0] for key in _keys(s3_url)}
     assert layout == {"config.json", "logs", "packs", "refs"}  # no lock or probe objects left
 
 
 def test_open_refuses_missing_repositories_and_foreign_prefixes(s3_url: str) -> None:
-    with pytest.raises(cas_ckpt.RepositoryError, match="no cas_ckpt repository"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="no cas_ckpt repository"):
         cas_ckpt.open(s3_url, create=False)
     bucket, prefix = _split(s3_url)
     boto3.client("s3").put_object(Bucket=bucket, Key=f"{prefix}someone-else.txt", Body=b"x")
-    with pytest.raises(cas_ckpt.RepositoryError, match="holds other objects"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="holds other objects"):
         cas_ckpt.open(s3_url)
     with pytest.raises(ValueError, match="storage_options"):
         cas_ckpt.open("memory://", storage_options={"cache_dir": "x"})
@@ -378,7 +378,7 @@ with cas_ckpt.open(url) as repo:
             value = repo.load(head, path="i")
             try:
                 cid = repo.save({"i": value + 1, "writer": name}, expected=head)
-            except cas_ckpt.RefConflict:
+            except cas_ckpt.errors.RefConflict:
                 continue
             print("saved", cid, flush=True)
             break
@@ -517,7 +517,7 @@ def test_a_save_that_lost_its_lease_moves_no_ref(s3_url: str) -> None:
             (key,) = _keys(s3_url, "locks/saves/")  # a GC judged us dead and removed it
             boto3.client("s3").delete_object(Bucket=bucket, Key=prefix + key)
             time.sleep(0.3)  # more than a heartbeat interval (lease_timeout / 4)
-            with pytest.raises(cas_ckpt.RepositoryError, match="lost the repository lease"):
+            with pytest.raises(cas_ckpt.errors.RepositoryError, match="lost the repository lease"):
                 repo.set_ref("main", second)
         assert repo.resolve() == first and len(repo.reflog()) == 1
 
@@ -579,16 +579,16 @@ def test_persistent_failures_end_with_a_clear_error(
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # the standard variable is honoured
     proxy.fail = 10**6
     started = time.monotonic()
-    with pytest.raises(cas_ckpt.RepositoryError, match="SlowDown"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="SlowDown"):
         cas_ckpt.open(s3_url)
     assert time.monotonic() - started < 15
     assert 2 <= len(proxy.requests) <= 4  # the probe's PUT twice, then its clean-up DELETE twice
 
 
 def test_missing_bucket_and_plain_http_are_refused(s3_env: str) -> None:
-    with pytest.raises(cas_ckpt.RepositoryError, match="bucket 'no-such-bucket' does not exist"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="bucket 'no-such-bucket' does not exist"):
         cas_ckpt.open("s3://no-such-bucket/repo")
-    with pytest.raises(cas_ckpt.RepositoryError, match="refusing plain http"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="refusing plain http"):
         S3Bucket("s3://b/p", endpoint_url="http://192.0.2.1:9000")
     assert S3Bucket("s3://b/p", endpoint_url="http://192.0.2.1:9000", allow_http=True).prefix == "p/"
 
@@ -638,7 +638,7 @@ def test_credential_errors_say_what_is_wrong(
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id or user["id"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret or user["secret"])
-    with pytest.raises(cas_ckpt.RepositoryError, match=message):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match=message):
         cas_ckpt.open("s3://guarded/repo")
 
 
@@ -646,7 +646,7 @@ def test_no_credentials_at_all(s3_env: str, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    with pytest.raises(cas_ckpt.RepositoryError, match="no AWS credentials"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="no AWS credentials"):
         cas_ckpt.open("s3://any-bucket/repo")
 
 
@@ -654,7 +654,7 @@ def test_servers_without_conditional_writes_are_refused(proxy: Proxy, s3_url: st
     with cas_ckpt.open(s3_url) as repo:  # made while the server still honoured them
         root = repo.save({"a": 1})
     proxy.strip = {"if-none-match", "if-match"}
-    with pytest.raises(cas_ckpt.RepositoryError, match="ignores conditional requests"):
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="ignores conditional requests"):
         cas_ckpt.open(s3_url)
     with cas_ckpt.open(s3_url, create=False, read_only=True) as reader:  # reading needs none
         assert reader.load(root) == {"a": 1}

@@ -12,7 +12,7 @@ from helpers import assert_state_equal
 
 import cas_ckpt
 from cas_ckpt import cid as cidlib
-from cas_ckpt.stores.base import BlockStore, BlockWriter
+from cas_ckpt.blocks.base import BlockStore, BlockWriter
 
 CHUNK = 4096
 
@@ -67,10 +67,10 @@ class CountingStore(BlockStore):
 @pytest.fixture(params=["local", "memory"])
 def counted(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[cas_ckpt.Repository]:
     if request.param == "local":
-        store: BlockStore = cas_ckpt.LocalStore(tmp_path)
-        refs: cas_ckpt.RefStore = cas_ckpt.LocalRefStore(tmp_path)
+        store: BlockStore = cas_ckpt.blocks.LocalStore(tmp_path)
+        refs: cas_ckpt.refs.RefStore = cas_ckpt.refs.LocalRefStore(tmp_path)
     else:
-        store, refs = cas_ckpt.MemoryStore(), cas_ckpt.MemoryRefStore()
+        store, refs = cas_ckpt.blocks.MemoryStore(), cas_ckpt.refs.MemoryRefStore()
     with cas_ckpt.Repository(CountingStore(store), refs, chunk_size=CHUNK) as repository:
         yield repository
 
@@ -223,7 +223,7 @@ def test_sequence_path_segments_are_exact_keys() -> None:
         repo.save({"a": {"b": "nested"}, "a.b": "dotted"})
         assert repo.load(path=["a", "b"]) == "nested"
         assert repo.load(path=["a.b"]) == "dotted"
-        with pytest.raises(cas_ckpt.PathNotFound):
+        with pytest.raises(cas_ckpt.errors.PathNotFound):
             repo.load(path=["a", "c"])
 
 
@@ -243,7 +243,7 @@ def test_sequence_path_segments_are_exact_keys() -> None:
 )
 def test_missing_paths(syntax_repo: cas_ckpt.Repository, path: Any, named: str) -> None:
     root = syntax_repo.resolve("main")
-    with pytest.raises(cas_ckpt.PathNotFound) as info:
+    with pytest.raises(cas_ckpt.errors.PathNotFound) as info:
         syntax_repo.load("main", path=path)
     assert info.value.path == named
     assert named in str(info.value) and str(root) in str(info.value)
@@ -260,8 +260,8 @@ def test_subtree_of_an_older_checkpoint(repo: cas_ckpt.Repository) -> None:
 
 def test_counting_store_on_disk_sees_real_files(tmp_path: Any) -> None:
     # Guard for the wrapper itself: it reads through to the packed files.
-    store = CountingStore(cas_ckpt.LocalStore(tmp_path))
-    with cas_ckpt.Repository(store, cas_ckpt.LocalRefStore(tmp_path)) as repo:
+    store = CountingStore(cas_ckpt.blocks.LocalStore(tmp_path))
+    with cas_ckpt.Repository(store, cas_ckpt.refs.LocalRefStore(tmp_path)) as repo:
         repo.save({"x": np.arange(10_000)})
         assert os.listdir(tmp_path / "packs")
         store.reset()

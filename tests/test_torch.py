@@ -164,7 +164,7 @@ def test_unsavable_tensors_raise_state_type_error_naming_the_path(make: object, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # complex32 and quantized creation warn: experimental
         tensor = make()  # type: ignore[operator]
-    with pytest.raises(cas_ckpt.StateTypeError, match=words) as info:
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match=words) as info:
         repo.save({"layer": {"w": tensor}}, ref="bad")
     assert info.value.path == "layer.w"
     assert "bad" not in repo.refs()
@@ -175,7 +175,7 @@ def test_tensor_subclasses_are_refused() -> None:
         pass
 
     repo = cas_ckpt.open("memory://")
-    with pytest.raises(cas_ckpt.StateTypeError, match="cannot save"):
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match="cannot save"):
         repo.save({"x": torch.ones(2).as_subclass(Tagged)}, ref="bad")
 
 

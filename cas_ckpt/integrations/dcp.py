@@ -55,12 +55,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from cas_ckpt import cid as cidlib
+from cas_ckpt.blocks.base import BlockWriter, WriteStats
 from cas_ckpt.codec import Link
 from cas_ckpt.errors import DecodeError, RepositoryError, StateTypeError
 from cas_ckpt.integrations.torch import dtype_table
 from cas_ckpt.refs import check_ref_name
 from cas_ckpt.repository import Repository, Target
-from cas_ckpt.stores.base import BlockWriter, WriteStats
 from cas_ckpt.tree import TreeReader, TreeWriter
 
 __all__ = ["MixedCheckpoints", "Reader", "ReplicaMismatch", "Writer", "load_full"]
@@ -187,13 +187,9 @@ class Writer(StorageWriter):
 
         Locations travel in the WriteResults only: ``plan.storage_data`` may be a stale cached one.
         """
-        repo = self.repo
-        with repo.refs_store.lock(exclusive=False):
-            repo.blocks.refresh()  # dedup against what other ranks and saves have stored
-            with repo.blocks.writer() as batch:
-                writer = self._tree_writer(batch)
-                results = [self._write_item(writer, item, planner, False) for item in plan.items]
-            self.stats.add(batch.stats)
+        with self.repo.transaction() as txn:  # dedups against what other ranks have stored
+            results = [self._write_item(txn.tree, item, planner, False) for item in plan.items]
+        self.stats.add(txn.stats)
         results += self._replicas(plan, planner)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from cas_ckpt.errors import DecodeError, StateTypeError
+from cas_ckpt.tree import TensorAdapter, register_tensor_adapter
 
 # torch dtype name -> ml_dtypes name, for the dtypes numpy has no native type for.
 _VIA_ML_DTYPES = {
@@ -163,3 +164,19 @@ def numpy_to_tensor(
     if map_location is not None:
         tensor = tensor.to(map_location)
     return tensor
+
+
+def _is_tensor(value: object) -> bool:
+    return isinstance(value, _torch().Tensor)
+
+
+def _to_numpy(tensor: Any, path: str) -> np.ndarray[Any, Any]:
+    return tensor_to_numpy(tensor, path)[0]
+
+
+def _from_numpy(array: np.ndarray[Any, Any], header: dict[str, Any], map_location: Any) -> Any:
+    return numpy_to_tensor(array, header, map_location=map_location)
+
+
+# The data model reaches torch only through this adapter (``import cas_ckpt`` registers it).
+register_tensor_adapter(TensorAdapter("torch", "torch", _is_tensor, _to_numpy, _from_numpy))

@@ -1,7 +1,21 @@
-"""Block stores: where immutable blocks live. Each knows keys and bytes, nothing more."""
+"""Deprecated: block stores moved to :mod:`cas_ckpt.blocks` (this alias goes in the next release)."""
 
-from cas_ckpt.stores.base import BlockStore, BlockWriter, WriteStats
-from cas_ckpt.stores.local import LocalStore
-from cas_ckpt.stores.memory import MemoryStore
+from __future__ import annotations
 
-__all__ = ["BlockStore", "BlockWriter", "LocalStore", "MemoryStore", "WriteStats"]
+import warnings
+from typing import Any
+
+_NAMES = ("BlockStore", "BlockWriter", "LocalStore", "MemoryStore", "WriteStats")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAMES:
+        raise AttributeError(f"module 'cas_ckpt.stores' has no attribute {name!r}")
+    warnings.warn(
+        f"cas_ckpt.stores.{name} moved to cas_ckpt.blocks.{name}; the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    import cas_ckpt.blocks
+
+    return getattr(cas_ckpt.blocks, name)

@@ -29,7 +29,7 @@ MIB = 1024 * 1024
 
 
 def world() -> tuple[cas_ckpt.Repository, Any]:
-    repo = cas_ckpt.Repository(cas_ckpt.MemoryStore(), cas_ckpt.MemoryRefStore())
+    repo = cas_ckpt.Repository(cas_ckpt.blocks.MemoryStore(), cas_ckpt.refs.MemoryRefStore())
 
     def put(data: bytes, raw: bool = False) -> bytes:
         cid = H.raw(data) if raw else H.node(data)

@@ -35,7 +35,7 @@ def save_retrying(repo: cas_ckpt.Repository, value: Any, ref: str) -> tuple[Any,
     while True:
         try:
             return repo.save(value, ref=ref), conflicts
-        except cas_ckpt.RefConflict:
+        except cas_ckpt.errors.RefConflict:
             conflicts += 1
 
 

@@ -69,8 +69,8 @@ def open_repo(root: Path, *, create: bool = False) -> cas_ckpt.Repository:
     """The repository with small packs (cas_ckpt.open with a pack size)."""
     if create:
         cas_ckpt.open(root).close()
-    refs = cas_ckpt.LocalRefStore(root)
-    store = cas_ckpt.LocalStore(root, pack_size=PACK_SIZE)
+    refs = cas_ckpt.refs.LocalRefStore(root)
+    store = cas_ckpt.blocks.LocalStore(root, pack_size=PACK_SIZE)
     return cas_ckpt.Repository(store, refs, create=False, location=str(root))
 
 

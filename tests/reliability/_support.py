@@ -187,7 +187,7 @@ def leftovers(root: str | os.PathLike[str]) -> dict[str, list[str]]:
 def packs_sound(root: str | os.PathLike[str]) -> list[str]:
     """Problems a fresh store sees in the packs: damaged packs, blocks not matching their CID."""
     problems: list[str] = []
-    store = cas_ckpt.LocalStore(root, read_only=True)
+    store = cas_ckpt.blocks.LocalStore(root, read_only=True)
     try:
         problems.extend(f"damaged pack {n}: {why}" for n, why in store.corrupt_packs.items())
         for cid in list(store.keys()):

@@ -132,7 +132,7 @@ def test_threads_share_a_repository(tmp_path: Path) -> None:
                         try:
                             cid = repo.save(value, ref=ref)
                             break
-                        except cas_ckpt.RefConflict:
+                        except cas_ckpt.errors.RefConflict:
                             with guard:
                                 counts["conflicts"] += 1
                     with guard:
@@ -241,7 +241,7 @@ def test_refs_never_point_at_collected_checkpoints(tmp_path: Path) -> None:
         for call in (lambda: repo.set_ref("back", old), lambda: repo.fork(old, "f"), lambda: repo.pin(old)):
             try:
                 call()
-            except (cas_ckpt.CheckpointExpired, cas_ckpt.BlockNotFound):
+            except (cas_ckpt.errors.CheckpointExpired, cas_ckpt.errors.BlockNotFound):
                 pass
             else:
                 raise AssertionError("a ref or pin now names a checkpoint whose data is gone")
@@ -258,7 +258,7 @@ def test_refs_never_point_at_collected_checkpoints(tmp_path: Path) -> None:
                     head = repo.save(small_state("m", i), ref="main")
                     i += 1
                     for target in (head, *[c.cid for c in repo.log("main", limit=3)]):
-                        with contextlib.suppress(cas_ckpt.CheckpointExpired, cas_ckpt.BlockNotFound):
+                        with contextlib.suppress(errors.CheckpointExpired, errors.BlockNotFound):
                             repo.set_ref("flip", target)
             except BaseException as exc:
                 errors.append(exc)

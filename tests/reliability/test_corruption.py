@@ -26,7 +26,7 @@ import pytest
 
 import cas_ckpt
 from cas_ckpt import cid as cidlib
-from cas_ckpt.walk import data_blocks
+from cas_ckpt.maintenance.walk import data_blocks
 
 from ._support import digest, make_state, record
 
@@ -100,7 +100,7 @@ def test_flipped_bit_in_a_block(tmp_path: Path, which: str, where: float) -> Non
     name = cidlib.to_str(cid)
     for mmap in (False, True):
         with cas_ckpt.open(s.root, create=False) as repo:
-            with pytest.raises(cas_ckpt.CorruptBlock) as info:
+            with pytest.raises(cas_ckpt.errors.CorruptBlock) as info:
                 repo.load("main", mmap=mmap)
             assert info.value.cid == name and name in str(info.value)
     ok, text = fsck_text(s.root)
@@ -108,10 +108,10 @@ def test_flipped_bit_in_a_block(tmp_path: Path, which: str, where: float) -> Non
     with cas_ckpt.open(s.root, create=False) as repo:
         if which == "raw":
             repo.gc()  # GC never reads chunks; it keeps the damaged one, still reported after
-            with pytest.raises(cas_ckpt.CorruptBlock, match=name):
+            with pytest.raises(cas_ckpt.errors.CorruptBlock, match=name):
                 repo.load("main")
         else:
-            with pytest.raises(cas_ckpt.RepositoryError, match="gc refused"):
+            with pytest.raises(cas_ckpt.errors.RepositoryError, match="gc refused"):
                 repo.gc()  # a damaged node hides what it links to: never sweep then
     other_still_loads(s.root)
     _count(f"block_{which}")
@@ -123,7 +123,7 @@ def test_verify_false_trusts_the_disk(tmp_path: Path) -> None:
     s.flip(s.raw)
     with cas_ckpt.open(s.root, create=False, verify=False) as repo:
         assert digest(repo.load("main")) != s.expected  # wrong bytes, silently
-    with cas_ckpt.open(s.root, create=False) as repo, pytest.raises(cas_ckpt.CorruptBlock):
+    with cas_ckpt.open(s.root, create=False) as repo, pytest.raises(cas_ckpt.errors.CorruptBlock):
         repo.load("main", verify=True)
 
 
@@ -159,7 +159,7 @@ def test_damaged_pack(tmp_path: Path, damage: str) -> None:
     lost = {b for b, loc in s.locations.items() if Path(loc[0]) == pack}
     PACK_DAMAGE[damage](pack)
     with cas_ckpt.open(s.root, create=False) as repo:
-        with pytest.raises(cas_ckpt.BlockNotFound) as info:
+        with pytest.raises(cas_ckpt.errors.BlockNotFound) as info:
             repo.load("main")
         assert cidlib.to_bytes(info.value.cid) in lost
         if damage != "deleted":
@@ -184,7 +184,7 @@ def test_flipped_bit_in_pack_between_blocks_is_harmless_or_caught(tmp_path: Path
         with cas_ckpt.open(s.root, create=False) as repo:
             try:
                 assert digest(repo.load("main")) == s.expected
-            except (cas_ckpt.CorruptBlock, cas_ckpt.BlockNotFound):
+            except (cas_ckpt.errors.CorruptBlock, cas_ckpt.errors.BlockNotFound):
                 caught += 1
         ok, _ = fsck_text(s.root)
         assert not ok
@@ -210,10 +210,10 @@ def test_damaged_ref_file(tmp_path: Path, damage: str) -> None:
     ref = s.root / "refs" / "main"
     REF_DAMAGE[damage](ref, s)
     with cas_ckpt.open(s.root, create=False) as repo:
-        with pytest.raises(cas_ckpt.CorruptStore) as info:
+        with pytest.raises(cas_ckpt.errors.CorruptStore) as info:
             repo.load("main")
         assert info.value.path == str(ref)
-        with pytest.raises(cas_ckpt.CorruptStore):
+        with pytest.raises(cas_ckpt.errors.CorruptStore):
             repo.gc()  # GC cannot know what the ref needed: it must refuse
     ok, text = fsck_text(s.root)
     assert not ok and str(ref) in text
@@ -224,7 +224,7 @@ def test_damaged_ref_file(tmp_path: Path, damage: str) -> None:
 def test_deleted_ref_file(tmp_path: Path) -> None:
     s = Setup(tmp_path / "repo")
     (s.root / "refs" / "main").unlink()
-    with cas_ckpt.open(s.root, create=False) as repo, pytest.raises(cas_ckpt.RefNotFound):
+    with cas_ckpt.open(s.root, create=False) as repo, pytest.raises(cas_ckpt.errors.RefNotFound):
         repo.load("main")
     ok, text = fsck_text(s.root)
     assert not ok and "main" in text  # its reflog says it should hold a checkpoint
@@ -237,7 +237,7 @@ def test_ref_naming_a_missing_block(tmp_path: Path) -> None:
     ghost = cidlib.to_str(cas_ckpt.cid.Hasher().node(b"\x90"))
     (s.root / "refs" / "main").write_text(ghost + "\n")
     with cas_ckpt.open(s.root, create=False) as repo:
-        with pytest.raises(cas_ckpt.BlockNotFound) as info:
+        with pytest.raises(cas_ckpt.errors.BlockNotFound) as info:
             repo.load("main")
         assert info.value.cid == ghost
     ok, text = fsck_text(s.root)
@@ -255,7 +255,7 @@ def test_damaged_reflog_line(tmp_path: Path, line: str) -> None:
     lines[index] = lines[index].replace(b'"new"', b'"n\xffw"')
     log.write_bytes(b"".join(lines))
     with cas_ckpt.open(s.root, create=False) as repo:
-        with pytest.raises(cas_ckpt.CorruptStore) as info:
+        with pytest.raises(cas_ckpt.errors.CorruptStore) as info:
             repo.reflog("main")
         assert info.value.path == str(log)
         assert digest(repo.load("main")) == s.expected  # the data does not depend on it
@@ -290,19 +290,19 @@ def test_garbage_pin(tmp_path: Path) -> None:
 
 
 CONFIG_DAMAGE: dict[str, tuple[Callable[[Path], Any], type[Exception]]] = {
-    "garbage": (lambda p: p.write_bytes(b"{not json"), cas_ckpt.CorruptStore),
-    "not-an-object": (lambda p: p.write_text("[1, 2]"), cas_ckpt.CorruptStore),
-    "other-format": (lambda p: p.write_text('{"format": "zarr"}'), cas_ckpt.RepositoryError),
+    "garbage": (lambda p: p.write_bytes(b"{not json"), cas_ckpt.errors.CorruptStore),
+    "not-an-object": (lambda p: p.write_text("[1, 2]"), cas_ckpt.errors.CorruptStore),
+    "other-format": (lambda p: p.write_text('{"format": "zarr"}'), cas_ckpt.errors.RepositoryError),
     "newer-version": (
         lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "version": 99})),
-        cas_ckpt.RepositoryError,
+        cas_ckpt.errors.RepositoryError,
     ),
     "unknown-hash": (
         lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "hash": "md5"})),
-        cas_ckpt.RepositoryError,
+        cas_ckpt.errors.RepositoryError,
     ),
-    "deleted": (lambda p: p.unlink(), cas_ckpt.RepositoryError),
-    "empty": (lambda p: p.write_bytes(b""), cas_ckpt.CorruptStore),
+    "deleted": (lambda p: p.unlink(), cas_ckpt.errors.RepositoryError),
+    "empty": (lambda p: p.write_bytes(b""), cas_ckpt.errors.CorruptStore),
 }
 
 

@@ -218,7 +218,7 @@ def test_fault_during_gc(where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """GC repacks live blocks out of packs with garbage; a fault there loses nothing."""
     root = where / "repo"
     faults = 0
-    refs = cas_ckpt.LocalRefStore(root)
+    refs = cas_ckpt.refs.LocalRefStore(root)
     for err in ERRNOS:
         for nth in range(1, 200):
             if root.exists():
@@ -226,7 +226,7 @@ def test_fault_during_gc(where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
                 shutil.rmtree(root)
             cas_ckpt.open(root).close()
-            store = cas_ckpt.LocalStore(root, pack_size=100_000)
+            store = cas_ckpt.blocks.LocalStore(root, pack_size=100_000)
             with cas_ckpt.Repository(store, refs, create=False) as repo:
                 for i in range(3):
                     repo.save(make_state(4, i, scale=0.1), ref="main")

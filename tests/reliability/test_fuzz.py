@@ -132,11 +132,11 @@ def test_deeply_nested_node_is_refused() -> None:
     for depth in (600, 5_000, 100_000):
         data = b"\x91" * depth + b"\xc0"  # [[[...None...]]]
         result = only_ours(codec.decode, data)
-        assert isinstance(result, (list, cas_ckpt.DecodeError))
+        assert isinstance(result, (list, cas_ckpt.errors.DecodeError))
         ext_nest = b"\xc0"
         for _ in range(min(depth, 2_000)):
             ext_nest = codec.ext(1, ext_nest)
-        assert isinstance(only_ours(codec.decode, ext_nest), (Tagged, cas_ckpt.DecodeError))
+        assert isinstance(only_ours(codec.decode, ext_nest), (Tagged, cas_ckpt.errors.DecodeError))
         _count("decode", 2)
 
 
@@ -147,7 +147,7 @@ class World:
     """A memory repository with a few real chunks and nodes that hostile nodes can link to."""
 
     def __init__(self) -> None:
-        self.repo = cas_ckpt.Repository(cas_ckpt.MemoryStore(), cas_ckpt.MemoryRefStore())
+        self.repo = cas_ckpt.Repository(cas_ckpt.blocks.MemoryStore(), cas_ckpt.refs.MemoryRefStore())
         self.chunks = [self.raw(bytes([i]) * size) for i, size in enumerate((1, 8, 4096, 5000))]
         self.nodes = [self.node(codec.encode(v)) for v in ({"a": 1}, [1, 2, 3], None)]
         self.missing = [HASHER.raw(b"never stored"), HASHER.node(b"\x90\x90")]
@@ -334,7 +334,7 @@ def test_deep_link_chains_are_refused_not_overflowed() -> None:
                 }[shape]
                 cid = world.node(codec.encode(wrapped))
             result = only_ours(world.repo.load, cid)
-            assert depth <= 300 or isinstance(result, cas_ckpt.DecodeError), (depth, shape)
+            assert depth <= 300 or isinstance(result, cas_ckpt.errors.DecodeError), (depth, shape)
             world.repo.refs_store.set_if_equals("deep", None, cid)
             assert isinstance(world.repo.fsck().ok, bool)
             only_ours(world.repo.gc)
@@ -377,7 +377,7 @@ def test_cid_parser(value: Any) -> None:
     _count("cid")
     result = only_ours(cidlib.to_bytes, value)
     if isinstance(result, cas_ckpt.CasCkptError):
-        assert isinstance(result, cas_ckpt.InvalidCID)
+        assert isinstance(result, cas_ckpt.errors.InvalidCID)
         return
     assert cidlib.to_bytes(cidlib.to_str(result)) == result  # canonical round trip
     assert cidlib.check_binary(result) == result
@@ -406,14 +406,14 @@ def test_ref_names(ref_repo: cas_ckpt.Repository, name: Any) -> None:
     _count("ref_names")
     result = only_ours(check_ref_name, name)
     if isinstance(result, cas_ckpt.CasCkptError):
-        assert isinstance(result, cas_ckpt.InvalidRefName)
+        assert isinstance(result, cas_ckpt.errors.InvalidRefName)
         return
     assert not name.startswith("/") and ".." not in name.split("/")
     # Accepted names work on disk, or are refused as clearly (a clash with another ref, too long).
     cid = HASHER.node(b"\xc0")
     outcome = only_ours(ref_repo.refs_store.set_if_equals, name, None, cid)
     if isinstance(outcome, cas_ckpt.CasCkptError):
-        assert isinstance(outcome, cas_ckpt.InvalidRefName), outcome
+        assert isinstance(outcome, cas_ckpt.errors.InvalidRefName), outcome
         return
     assert ref_repo.refs_store.get(name) == cid and name in ref_repo.refs()
     assert ref_repo.refs_store.remove_if_equals(name, cid)

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 import cas_ckpt
+from cas_ckpt import errors
 
 from ._support import record
 
@@ -248,9 +249,9 @@ def test_hostile_ref_names_are_refused(tmp_path: Path, name: str) -> None:
             lambda: repo.reflog(name),
             lambda: repo.refs_store.get(name),
         ):
-            with pytest.raises(cas_ckpt.InvalidRefName):
+            with pytest.raises(cas_ckpt.errors.InvalidRefName):
                 call()
-        with pytest.raises((cas_ckpt.InvalidRefName, cas_ckpt.InvalidCID, cas_ckpt.RefNotFound)):
+        with pytest.raises((errors.InvalidRefName, errors.InvalidCID, errors.RefNotFound)):
             repo.load(name)
         assert list(repo.refs()) == ["main"]
     assert not seen and not any(outside.iterdir())

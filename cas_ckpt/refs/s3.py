@@ -33,10 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cas_ckpt import cid as cidlib
+from cas_ckpt.blocks.s3_bucket import Meta, S3Bucket, backoff
 from cas_ckpt.errors import CorruptStore, InvalidRefName, RepositoryError
-from cas_ckpt.refs import ReflogEntry, RefStore, check_ref_name
-from cas_ckpt.stores.s3 import S3Store
-from cas_ckpt.stores.s3_bucket import Meta, S3Bucket, backoff
+from cas_ckpt.refs.base import ReflogEntry, RefStore, check_ref_name, is_ref_name
 
 MAX_KEY = 1024  # S3's limit on a key, in UTF-8 bytes
 _ENTRY_ID = 20 + 1 + 32  # "<seq:020d>-<uuid hex>"
@@ -229,7 +228,7 @@ class S3RefStore(RefStore):
 
     def names(self) -> list[str]:
         names = (m.key[len("refs/") :] for m in self.bucket.list("refs/"))
-        return sorted(n for n in names if _is_ref_name(n))
+        return sorted(n for n in names if is_ref_name(n))
 
     # -- reflogs -------------------------------------------------------------------------------
     def _entries(self, name: str) -> list[Meta]:
@@ -261,7 +260,7 @@ class S3RefStore(RefStore):
 
     def reflog_names(self) -> list[str]:
         names = {m.key[len("logs/") : m.key.rindex("/")] for m in self.bucket.list("logs/")}
-        return sorted(n for n in names if _is_ref_name(n))
+        return sorted(n for n in names if is_ref_name(n))
 
     # -- pins and config -----------------------------------------------------------------------
     def pins(self) -> set[bytes]:
@@ -442,40 +441,3 @@ class S3RefStore(RefStore):
 
 def _entry_id(key: str) -> str:
     return key.rsplit("/", 1)[1][: -len(".json")]
-
-
-def _is_ref_name(name: str) -> bool:
-    try:
-        check_ref_name(name)
-    except InvalidRefName:
-        return False
-    return True
-
-
-def s3_stores(
-    url: str,
-    *,
-    verify: bool = True,
-    read_only: bool = False,
-    client: Any = None,
-    endpoint_url: str | None = None,
-    allow_http: bool = False,
-    unsafe_no_conditional_writes: bool = False,
-    workers: int | None = None,
-    lease_timeout: float = LEASE_TIMEOUT,
-    lock_timeout: float | None = None,
-    **store_options: Any,
-) -> tuple[S3Store, S3RefStore]:
-    """The block store and ref store of the repository at ``url``, sharing one client.
-
-    ``store_options`` go to :class:`S3Store` (``cache_dir``, ``min_grace``, ``pack_size``...).
-    """
-    bucket = S3Bucket(
-        url, client=client, endpoint_url=endpoint_url, allow_http=allow_http,
-        unsafe_no_conditional_writes=unsafe_no_conditional_writes,
-        **({"workers": workers} if workers else {}),
-    )
-    refs = S3RefStore(bucket, lease_timeout=lease_timeout, lock_timeout=lock_timeout, read_only=read_only)
-    blocks = S3Store(bucket, verify=verify, read_only=read_only, **store_options)
-    blocks.lease_check = refs.check_lease
-    return blocks, refs

@@ -19,12 +19,11 @@ from typing import Any
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
+from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import HistoryLink, Link, Tagged
+from cas_ckpt.commit import is_commit
 from cas_ckpt.errors import BlockNotFound, CasCkptError, CorruptBlock
-from cas_ckpt.stores.base import BlockStore
 from cas_ckpt.tree import BLOB, NDARRAY, PAGES, join_path
-
-COMMIT_TYPE = "cas_ckpt.commit"
 
 
 @dataclass(frozen=True)
@@ -123,12 +122,12 @@ def walk(
         node = _read_node(store, reach, cid, Where(root, path))
         if node is None:
             continue
-        is_commit = isinstance(node, dict) and node.get("type") == COMMIT_TYPE
-        for link, where in child_links(node, "" if is_commit else path):
+        top = is_commit(node)  # a commit's tree starts the state paths afresh
+        for link, where in child_links(node, "" if top else path):
             if isinstance(link, HistoryLink):
                 stack.append((link.cid, root, "<history>", False))
             elif data:
-                stack.append((link.cid, root, "" if is_commit else where, True))
+                stack.append((link.cid, root, "" if top else where, True))
     return reach
 
 

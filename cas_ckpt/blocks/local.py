@@ -24,8 +24,8 @@ import msgpack
 
 from cas_ckpt import _fs
 from cas_ckpt import cid as cidlib
+from cas_ckpt.blocks.base import BlockStore, BlockWriter
 from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore
-from cas_ckpt.stores.base import BlockStore, BlockWriter
 
 PACK_MAGIC = b"CASPACK1"
 FOOTER_MAGIC = b"CASPKEND"

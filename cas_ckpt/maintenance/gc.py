@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cas_ckpt import cid as cidlib
+from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.errors import RepositoryError
+from cas_ckpt.maintenance.walk import Reach, walk
 from cas_ckpt.refs import RefStore
-from cas_ckpt.stores.base import BlockStore
-from cas_ckpt.walk import Reach, walk
 
 
 @dataclass

@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import Link, Tagged
-from cas_ckpt.stores.base import BlockStore
+from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.tree import NDARRAY, TUPLE, TreeReader, join_path
-from cas_ckpt.walk import walk
 
 
 @dataclass

@@ -7,8 +7,8 @@ import time
 from collections.abc import Iterator
 
 from cas_ckpt import cid as cidlib
+from cas_ckpt.blocks.base import BlockStore, BlockWriter
 from cas_ckpt.errors import BlockNotFound
-from cas_ckpt.stores.base import BlockStore, BlockWriter
 
 
 class _MemoryWriter(BlockWriter):

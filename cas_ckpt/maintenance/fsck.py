@@ -7,10 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cas_ckpt import cid as cidlib
+from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.errors import BlockNotFound, CasCkptError, CorruptBlock
+from cas_ckpt.maintenance.walk import Problem, Where, walk
 from cas_ckpt.refs import RefStore
-from cas_ckpt.stores.base import BlockStore
-from cas_ckpt.walk import Problem, Where, walk
 
 
 @dataclass

@@ -9,7 +9,7 @@ Packs are never overwritten; GC removes or rewrites them (new pack first, then t
 one ranged GET; blocks that lie back to back (an array's chunks) are fetched as one GET. An optional
 ``cache_dir`` keeps fetched blocks in sparse local copies of their packs, so repeated loads read
 locally (blocks from it are hash-checked on read like any other, and fetched again on a mismatch).
-Requests, retries and errors: :mod:`cas_ckpt.stores.s3_bucket`. See ``docs/scale-out.md``.
+Requests, retries and errors: :mod:`cas_ckpt.blocks.s3_bucket`. See ``docs/scale-out.md``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from pathlib import Path
 
 from cas_ckpt import _fs
 from cas_ckpt import cid as cidlib
-from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, RepositoryError
-from cas_ckpt.stores.base import BlockStore, BlockWriter
-from cas_ckpt.stores.local import (
+from cas_ckpt.blocks.base import BlockStore, BlockWriter
+from cas_ckpt.blocks.local import (
     FOOTER,
     PACK_MAGIC,
     Location,
@@ -40,7 +39,8 @@ from cas_ckpt.stores.local import (
     plan_sweep,
     trailer_length,
 )
-from cas_ckpt.stores.s3_bucket import PART_SIZE, Meta, S3Bucket
+from cas_ckpt.blocks.s3_bucket import PART_SIZE, Meta, S3Bucket
+from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, RepositoryError
 
 __all__ = ["S3Bucket", "S3Store"]
 

@@ -8,10 +8,10 @@ from multiformats import CID
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
+from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import HistoryLink
+from cas_ckpt.maintenance.walk import child_links, walk
 from cas_ckpt.refs import RefStore
-from cas_ckpt.stores.base import BlockStore
-from cas_ckpt.walk import child_links, walk
 
 
 @dataclass

@@ -1,0 +1,179 @@
+"""The ref store interface: named, mutable pointers to root CIDs, moved only by compare-and-swap.
+
+A ref store also keeps each ref's reflog, the pin set, the repository config and the save/GC lock:
+the small mutable state of a repository, as opposed to the immutable blocks. This module holds
+what every medium shares: the name rules, the above/below rule, :class:`ReflogEntry` and the ABC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt.errors import InvalidRefName
+
+_FORBIDDEN = set(' \\*?[]:~^"<>|')
+MAX_REF_LENGTH = 1024
+MAX_SEGMENT_BYTES = 250  # on disk: a file name is at most 255 bytes, and locks add ".lock"
+
+
+def check_ref_name(name: object) -> str:
+    """Return ``name`` if it is a valid ref name, else raise :class:`InvalidRefName`.
+
+    Names are ``/``-separated segments; no empty, ``.`` or ``..`` segment, none starting with ``.``
+    or ending in ``.lock`` or ``.tmp``, no control characters, whitespace or ``\\*?[]:~^"<>|``.
+    On disk (:class:`LocalRefStore`) a segment is also at most 250 bytes of UTF-8.
+    """
+    if not isinstance(name, str):
+        raise InvalidRefName(name, "must be a string")
+    if not name or len(name) > MAX_REF_LENGTH:
+        raise InvalidRefName(name, f"must be 1 to {MAX_REF_LENGTH} characters")
+    if not name.isascii():
+        try:
+            name.encode("utf-8")  # ref names become file names and reflog JSON
+        except UnicodeEncodeError:
+            raise InvalidRefName(name, "is not valid Unicode text (lone surrogate)") from None
+    for ch in name:
+        if ord(ch) < 32 or ord(ch) == 127 or ch.isspace():
+            raise InvalidRefName(name, "contains a control or whitespace character")
+        if ch in _FORBIDDEN:
+            raise InvalidRefName(name, f"contains {ch!r}")
+    for segment in name.split("/"):
+        if not segment:
+            raise InvalidRefName(name, "has an empty segment (leading, trailing or double '/')")
+        if segment.startswith("."):
+            raise InvalidRefName(name, "has a segment starting with '.' (including '..')")
+        if segment.endswith((".lock", ".tmp")):
+            # Lock and temp files: listings skip them, so GC would not see such a ref.
+            raise InvalidRefName(name, "has a segment ending in '.lock' or '.tmp'")
+    return name
+
+
+def check_clash(name: str, existing: Iterable[str]) -> None:
+    """Raise :class:`InvalidRefName` if ``name`` would sit above or below an existing ref.
+
+    ``runs`` and ``runs/exp`` cannot both exist: on a filesystem one would have to be a file and a
+    directory at once, and every medium keeps the same rule so repositories move between them.
+    """
+    for other in existing:
+        if other.startswith(name + "/"):
+            raise InvalidRefName(name, "refs exist below this name")
+        if name.startswith(other + "/"):
+            raise InvalidRefName(name, f"clashes with the existing ref {other!r}")
+
+
+def is_ref_name(name: str) -> bool:
+    """True if ``name`` passes :func:`check_ref_name` (listings skip what does not)."""
+    try:
+        check_ref_name(name)
+    except InvalidRefName:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class ReflogEntry:
+    """One ref update: old and new binary CIDs (None = absent), unix time, message."""
+
+    old: bytes | None
+    new: bytes | None
+    time: float
+    message: str
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "old": cidlib.to_str(self.old) if self.old else None,
+                "new": cidlib.to_str(self.new) if self.new else None,
+                "time": self.time,
+                "message": self.message,
+            },
+            ensure_ascii=True,
+        )
+
+    @classmethod
+    def from_json(cls, line: str) -> ReflogEntry:
+        obj = json.loads(line)
+        return cls(
+            old=cidlib.to_bytes(obj["old"]) if obj["old"] else None,
+            new=cidlib.to_bytes(obj["new"]) if obj["new"] else None,
+            time=float(obj["time"]),
+            message=str(obj["message"]),
+        )
+
+
+class RefStore(ABC):
+    """Refs, reflogs, pins, config and the save/GC lock of one repository."""
+
+    @abstractmethod
+    def get(self, name: str) -> bytes | None:
+        """The ref's binary CID, or None if it does not exist."""
+
+    @abstractmethod
+    def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
+        """Atomically: if ``check(current)`` set the ref to ``new`` (None deletes) and log it."""
+
+    def set_if_equals(
+        self, name: str, old: bytes | None, new: bytes, *, message: str = ""
+    ) -> bool:
+        """Move ``name`` to ``new`` if it holds ``old``; ``old=None`` sets unconditionally.
+
+        Returns False when another writer got there first.
+        """
+        check_ref_name(name)
+        # Not ``old.__eq__``: bytes.__eq__(None) is NotImplemented, which is truthy, so an absent
+        # ref would have passed the check.
+        return self._swap(name, lambda cur: old is None or cur == old, new, message)
+
+    def add_if_new(self, name: str, new: bytes, *, message: str = "") -> bool:
+        """Create ``name`` pointing at ``new``; False if it already exists."""
+        check_ref_name(name)
+        return self._swap(name, lambda cur: cur is None, new, message)
+
+    def remove_if_equals(self, name: str, old: bytes | None, *, message: str = "") -> bool:
+        """Delete ``name`` if it holds ``old`` (``None``: whatever it holds); False otherwise."""
+        check_ref_name(name)
+
+        def check(cur: bytes | None) -> bool:
+            return cur is not None and (old is None or cur == old)
+
+        return self._swap(name, check, None, message)
+
+    @abstractmethod
+    def names(self) -> list[str]:
+        """Every ref name, sorted."""
+
+    @abstractmethod
+    def reflog(self, name: str) -> list[ReflogEntry]:
+        """Every recorded update of ``name``, oldest first (also after the ref was deleted)."""
+
+    @abstractmethod
+    def reflog_names(self) -> list[str]:
+        """Names that have a reflog (including deleted refs)."""
+
+    @abstractmethod
+    def pins(self) -> set[bytes]: ...
+
+    @abstractmethod
+    def pin(self, cid: bytes) -> None: ...
+
+    @abstractmethod
+    def unpin(self, cid: bytes) -> bool: ...
+
+    @abstractmethod
+    def read_config(self) -> dict[str, Any] | None: ...
+
+    @abstractmethod
+    def init_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Store ``config`` unless one exists; return the one in force."""
+
+    @abstractmethod
+    def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        """Saves hold this shared, GC exclusive, so GC never sweeps under a save in progress."""
+
+
