@@ -18,6 +18,7 @@ __all__ = [
     "GraphCycleError",
     "InvalidCID",
     "InvalidRefName",
+    "MediumError",
     "OutOfMemory",
     "PathNotFound",
     "RefConflict",
@@ -86,6 +87,21 @@ class CorruptStore(CasCkptError):
 
 class RepositoryError(CasCkptError):
     """The repository cannot be opened or used as asked (missing, newer format, read-only...)."""
+
+
+class MediumError(RepositoryError, OSError):
+    """The medium refused or failed an operation: permission denied, disk full, I/O error...
+
+    An :class:`OSError` too, with ``errno`` and ``filename`` of the failure, so handlers of either
+    kind catch it; the message names the repository and the file.
+    """
+
+    def __init__(self, where: object, exc: OSError) -> None:
+        OSError.__init__(self, exc.errno, exc.strerror or str(exc), exc.filename)
+        self.message = f"{where}: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class RefError(CasCkptError):

@@ -23,9 +23,9 @@ from multiformats import CID
 
 from cas_ckpt import car, codec
 from cas_ckpt import cid as cidlib
+from cas_ckpt.backends.s3 import S3Bucket
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, WriteStats
-from cas_ckpt.blocks.local import LocalStore
-from cas_ckpt.blocks.memory import MemoryStore
+from cas_ckpt.blocks.packed import LocalStore, MemoryStore, S3Store
 from cas_ckpt.codec import Link
 from cas_ckpt.commit import Commit, encode_commit, is_commit, parse_commit
 from cas_ckpt.errors import (
@@ -37,6 +37,7 @@ from cas_ckpt.errors import (
     DecodeError,
     InvalidCID,
     InvalidRefName,
+    MediumError,
     RefConflict,
     RefNotFound,
     RepositoryError,
@@ -132,19 +133,10 @@ class Repository:
         self.blocks = blocks
         self.refs_store = refs
         self.location = location
-        config = refs.read_config()
-        if config is None:
-            if not create:
-                raise RepositoryError(f"no cas_ckpt repository at {location or 'this store'}")
-            config = refs.init_config(
-                {
-                    "format": FORMAT,
-                    "version": FORMAT_VERSION,
-                    "hash": hash,
-                    "chunk_size": chunk_size,
-                }
-            )
-        self.config = _check_config(config, location)
+        self.config = _ensure_config(
+            refs, location or "this store", create=create and not blocks.read_only, hash=hash,
+            chunk_size=chunk_size,
+        )
         self.hasher = cidlib.Hasher(self.config.hash)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -229,23 +221,30 @@ class Repository:
         return getattr(self._local, "last_save", None)
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[Transaction]:
+    def transaction(self, *, verify_existing: bool = False) -> Iterator[Transaction]:
         """The one write path: blocks first, durable, then refs, all under the shared save lock.
 
         Yields a :class:`Transaction`; everything written into it becomes durable and visible
         when the ``with`` block ends without an exception, and only then do the ref moves it
         queued happen, each by compare-and-swap. An exception discards the batch and moves
         nothing. GC (which takes the lock exclusively) cannot sweep a block the transaction
-        deduplicated against.
+        deduplicated against. ``verify_existing`` re-reads and checks every stored block the
+        transaction would reuse, storing a good copy over a damaged one (imports do: a re-import
+        repairs). A failure of the medium raises :class:`MediumError` (an OSError too).
         """
         self._check_writable()
-        with self.refs_store.lock(exclusive=False):
-            self.blocks.refresh()
-            with self.blocks.writer() as writer:
-                txn = Transaction(self, writer)
-                yield txn
-            for ref, old, new, message in txn.moves:
-                self._move_ref(ref, old, new, message)
+        try:
+            with self.refs_store.lock(exclusive=False):
+                self.blocks.refresh()
+                with self.blocks.writer(verify_existing=verify_existing) as writer:
+                    txn = Transaction(self, writer)
+                    yield txn
+                for ref, old, new, message in txn.moves:
+                    self._move_ref(ref, old, new, message)
+        except OSError as exc:
+            if isinstance(exc, MediumError):
+                raise
+            raise MediumError(f"writing to {self.location or 'the repository'} failed", exc) from exc
 
     def _move_ref(self, ref: str, old: bytes | None, new: bytes, message: str) -> None:
         if old is None:
@@ -506,7 +505,7 @@ class Repository:
             stream = src if not isinstance(src, (str, os.PathLike)) else stack.enter_context(
                 builtins.open(src, "rb")
             )
-            with self.transaction() as txn:
+            with self.transaction(verify_existing=True) as txn:  # a re-import repairs damage
                 report = car.stage_car(stream, txn.blocks, progress)
                 if ref is not None:
                     if len(report.roots) != 1:
@@ -553,9 +552,28 @@ def _step(step: Any) -> int | None:
     raise StateTypeError("step", f"step must be an int, not {type(step).__name__}")
 
 
+def _ensure_config(
+    refs: RefStore, location: str, *, create: bool, hash: str, chunk_size: int,
+    occupied: Callable[[], str | None] = lambda: None,
+) -> _Config:
+    """The repository's config; created first if missing, ``create`` allows it and ``occupied()``
+    finds nothing else at ``location`` (else it says what). The one place a repository is created."""
+    found = refs.read_config()
+    if found is None:
+        if not create:
+            raise RepositoryError(f"no cas_ckpt repository at {location}")
+        clash = occupied()
+        if clash:
+            raise RepositoryError(f"{location} {clash} and is not a cas_ckpt repository")
+        found = refs.init_config(
+            {"format": FORMAT, "version": FORMAT_VERSION, "hash": hash, "chunk_size": chunk_size}
+        )
+    return _check_config(found, location)
+
+
 def _check_config(config: dict[str, Any], location: str) -> _Config:
     if config.get("format") != FORMAT:
-        raise RepositoryError(f"{location or 'store'} is not a cas_ckpt repository")
+        raise RepositoryError(f"{location} is not a cas_ckpt repository")
     version = config.get("version")
     if type(version) is not int or version > FORMAT_VERSION:
         raise RepositoryError(
@@ -576,9 +594,18 @@ S3 = "s3://"
 _SKELETON = ("refs", "logs", "pins", "locks", "packs", "tmp")
 
 
+def _local_occupied(root: Path) -> str | None:
+    """None if ``root`` is missing or holds at most what a creation cut short leaves (empty
+    skeleton directories and temp files: the config is written last); else what is wrong."""
+    if not root.exists():
+        return None
+    if not root.is_dir() or not _blank(root):
+        return "exists and is not an empty directory"
+    return None
+
+
 def _blank(root: Path) -> bool:
-    """True if ``root`` holds at most what a creation cut short leaves: empty skeleton directories
-    and temp files (the config is written last), so creating the repository there is safe."""
+    """True if the directory ``root`` holds only empty skeleton directories and temp files."""
     for entry in root.iterdir():
         if entry.is_symlink():
             return False
@@ -602,65 +629,56 @@ def open(
 ) -> Repository:
     """Open the repository at ``path``, creating it if missing (unless ``create=False``).
 
-    ``path`` is a directory, ``"s3://bucket/prefix"`` for S3 or any S3-compatible server (the AWS
-    environment variables apply; ``storage_options`` such as ``cache_dir`` are described in
-    ``docs/scale-out.md``), or ``"memory://"`` for a throwaway in-memory repository. ``hash``
-    (``"sha2-256"`` or ``"blake3"``) and ``chunk_size`` apply when creating; an existing repository
-    keeps its own. ``verify=False`` skips re-hashing blocks on reads.
+    ``path`` is a directory (``~`` is expanded), ``"s3://bucket/prefix"`` for S3 or any
+    S3-compatible server (the AWS environment variables apply; ``storage_options`` such as
+    ``cache_dir`` are described in ``docs/scale-out.md``), or ``"memory://"`` for a throwaway
+    in-memory repository. ``hash`` (``"sha2-256"`` or ``"blake3"``) and ``chunk_size`` apply when
+    creating; an existing repository keeps its own. ``verify=False`` skips re-hashing blocks on
+    reads. ``read_only=True`` refuses every write.
     """
     if hash not in cidlib.HASH_CODES:
         raise ValueError(f"unsupported hash {hash!r}; choose one of {sorted(cidlib.HASH_CODES)}")
     if not 4096 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be between 4096 and {MAX_CHUNK} bytes")
-    if str(path).startswith(S3):
-        config = {"format": FORMAT, "version": FORMAT_VERSION, "hash": hash, "chunk_size": chunk_size}
-        return _open_s3(str(path), config, create=create, verify=verify, read_only=read_only,
-                        options=dict(storage_options or {}))
-    if storage_options:
+    location = os.fspath(path)
+    if not location.startswith(S3) and storage_options:
         raise ValueError("storage_options apply to s3:// repositories only")
-    if str(path) == MEMORY:
-        return Repository(
-            MemoryStore(verify=verify), MemoryRefStore(), hash=hash, chunk_size=chunk_size,
-            location=MEMORY,
-        )
-    root = Path(path)
-    refs = LocalRefStore(root)
-    if refs.read_config() is None:
-        if not create or read_only:
-            raise RepositoryError(f"no cas_ckpt repository at {root}")
-        if root.exists() and (not root.is_dir() or not _blank(root)):
-            raise RepositoryError(
-                f"{root} exists and is not an empty directory or a cas_ckpt repository"
-            )
-        refs.init_config(
-            {"format": FORMAT, "version": FORMAT_VERSION, "hash": hash, "chunk_size": chunk_size}
-        )
-    _check_config(refs.read_config() or {}, str(root))
-    if not read_only:
-        refs.ensure_dirs()
-    store = LocalStore(root, verify=verify, read_only=read_only)
-    return Repository(store, refs, create=False, location=str(root))
-
-
-def _open_s3(
-    url: str, config: dict[str, Any], *, create: bool, verify: bool, read_only: bool,
-    options: dict[str, Any],
-) -> Repository:
-    blocks, refs = _s3_stores(url, verify=verify, read_only=read_only, **options)
+    settings = {"create": create and not read_only, "hash": hash, "chunk_size": chunk_size}
+    if location.startswith(S3):
+        blocks, refs = _s3_stores(location, verify=verify, read_only=read_only, **(storage_options or {}))
+        return _assemble(blocks, refs, location, settings, lambda: _s3_occupied(refs))
+    if location == MEMORY:
+        return _assemble(MemoryStore(verify=verify), MemoryRefStore(), MEMORY, settings)
+    root = Path(location).expanduser()
     try:
-        if refs.read_config() is None:
-            if not create or read_only:
-                raise RepositoryError(f"no cas_ckpt repository at {url}")
-            # Lease and probe objects may be another process's, creating this repository right now.
-            foreign = [m for m in refs.bucket.list("", limit=100) if not m.key.startswith("locks/")]
-            if foreign and refs.read_config() is None:
-                raise RepositoryError(f"{url} holds other objects and is not a cas_ckpt repository")
-            refs.init_config(config)
-        _check_config(refs.read_config() or {}, url)
-        return Repository(blocks, refs, create=False, location=url)
+        local_refs = LocalRefStore(root)
+        _ensure_config(local_refs, str(root), occupied=lambda: _local_occupied(root), **settings)
+        if not read_only:
+            local_refs.ensure_dirs()
+        store = LocalStore(root, verify=verify, read_only=read_only)
+    except OSError as exc:  # unwritable, a file where a directory should be, a full disk...
+        raise MediumError(f"cannot open a repository at {root}", exc) from exc
+    return _assemble(store, local_refs, str(root), settings)
+
+
+def _assemble(
+    blocks: BlockStore, refs: RefStore, location: str, settings: dict[str, Any],
+    occupied: Callable[[], str | None] = lambda: None,
+) -> Repository:
+    """The repository over these stores (closing the block store if that fails)."""
+    try:
+        _ensure_config(refs, location, occupied=occupied, **settings)
+        return Repository(blocks, refs, create=False, location=location)
     except BaseException:
         blocks.close()
         raise
+
+
+def _s3_occupied(refs: Any) -> str | None:
+    """What lies under the prefix beside another process's leases and probes (None: nothing)."""
+    # Lease and probe objects may be another process's, creating this repository right now.
+    foreign = [m for m in refs.bucket.list("", limit=100) if not m.key.startswith("locks/")]
+    return "holds other objects" if foreign and refs.read_config() is None else None
 
 
 def _s3_stores(
@@ -681,10 +699,7 @@ def _s3_stores(
 
     ``store_options`` go to the block store (``cache_dir``, ``min_grace``, ``pack_size``...).
     """
-    # boto3 only when an s3:// repository is opened
-    from cas_ckpt.blocks.s3 import S3Store
-    from cas_ckpt.blocks.s3_bucket import S3Bucket
-    from cas_ckpt.refs.s3 import LEASE_TIMEOUT, S3RefStore
+    from cas_ckpt.refs.s3 import LEASE_TIMEOUT, S3RefStore  # boto3 only when a bucket is opened
 
     bucket = S3Bucket(
         url, client=client, endpoint_url=endpoint_url, allow_http=allow_http,
@@ -693,6 +708,4 @@ def _s3_stores(
     )
     refs = S3RefStore(bucket, lease_timeout=lease_timeout or LEASE_TIMEOUT, lock_timeout=lock_timeout,
                       read_only=read_only)
-    blocks = S3Store(bucket, verify=verify, read_only=read_only, **store_options)
-    blocks.lease_check = refs.check_lease
-    return blocks, refs
+    return S3Store(bucket, verify=verify, read_only=read_only, **store_options), refs

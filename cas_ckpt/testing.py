@@ -1,5 +1,9 @@
 """Conformance suites that every store implementation must pass (needs pytest).
 
+:class:`BackendTests` checks a :class:`~cas_ckpt.backends.Backend` against its contract;
+:class:`PackedStoreTests` runs :class:`BlockStoreTests` and the pack-specific tests over the packed
+store on one backend. A new medium subclasses both (see ``tests/test_store.py``).
+
 Subclass :class:`BlockStoreTests` in a test module, name the subclass ``Test...``, override the
 ``store`` fixture to yield a fresh, empty store, and override :meth:`BlockStoreTests.corrupt` to
 damage one stored block in place. Every test then runs against your store::
@@ -16,6 +20,7 @@ damage one stored block in place. Every test then runs against your store::
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -24,8 +29,10 @@ import pytest
 from multiformats import CID
 
 from cas_ckpt import cid as cidlib
+from cas_ckpt.backends.base import Backend, Read
 from cas_ckpt.blocks.base import BlockStore
-from cas_ckpt.errors import BlockNotFound, CorruptBlock, RepositoryError
+from cas_ckpt.blocks.packed import PackedBlockStore
+from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, RepositoryError
 from cas_ckpt.refs import MemoryRefStore
 from cas_ckpt.repository import Repository
 
@@ -288,3 +295,264 @@ class BlockStoreTests:
         assert np.array_equal(loaded["w"], state["w"]) and loaded["w"].dtype == np.int32
         assert loaded["s"] == "x" and loaded["t"] == (1, 2)
         assert self.leftovers(store) == []
+
+
+class PackedStoreTests(BlockStoreTests):
+    """:class:`BlockStoreTests` for the packed store over one backend, plus what packs add.
+
+    Override ``backend`` to yield a fresh, empty backend, :meth:`reopen` to give a second instance
+    of the same medium (as another process would open it), and :meth:`damage` to flip one stored
+    byte of an object in place. Everything else is written once here for every medium.
+    """
+
+    pack_options: dict[str, Any] = {}
+
+    @pytest.fixture
+    def backend(self) -> Iterator[Backend]:
+        raise NotImplementedError("override the backend fixture to yield a fresh, empty backend")
+
+    def reopen(self, backend: Backend) -> Backend:
+        """Another instance of the medium ``backend`` is on (the same instance where it lives in
+        memory)."""
+        return backend
+
+    def damage(self, backend: Backend, name: str, offset: int) -> None:
+        """Flip one bit of the byte at ``offset`` of object ``name``, keeping its length."""
+        raise NotImplementedError
+
+    @pytest.fixture
+    def store(self, backend: Backend) -> Iterator[BlockStore]:
+        store = PackedBlockStore(backend, **self.pack_options)
+        yield store
+        store.close()
+
+    def corrupt(self, store: BlockStore, cid: bytes) -> None:
+        assert isinstance(store, PackedBlockStore)
+        loc = store._copies(cid)[0]
+        self.damage(store.backend, loc.pack, loc.offset + loc.length // 2)
+
+    def _second(self, store: PackedBlockStore) -> PackedBlockStore:
+        return PackedBlockStore(self.reopen(store.backend), **self.pack_options)
+
+    # -- packing -------------------------------------------------------------------------------
+    def test_second_instance_sees_committed_blocks(self, store: PackedBlockStore) -> None:
+        second = self._second(store)
+        cid, data = raw_block(1)
+        store.put(cid, data)
+        assert second.get(cid) == data  # a miss lists the packs again
+        more = dict(raw_block(i) for i in range(2, 12))
+        with store.writer() as writer:
+            for c, d in more.items():
+                writer.put(c, d)
+        second.refresh()
+        assert set(second.keys()) == {cid, *more}
+        assert set(second.packs()) == set(store.packs())
+
+    def test_one_writer_makes_one_pack_with_blocks_back_to_back(self, store: PackedBlockStore) -> None:
+        blocks = dict(raw_block(i, 1000) for i in range(300))
+        with store.writer() as writer:
+            for c, d in blocks.items():
+                writer.put(c, d)
+        assert len(store.packs()) == 1 and len(writer.published) == 1
+        locations = [store.locate(c) for c in blocks]
+        assert all(a[1] + a[2] == b[1] for a, b in itertools.pairwise(locations))
+
+    def test_packs_roll_over_at_the_pack_size(self, backend: Backend) -> None:
+        store = PackedBlockStore(backend, pack_size=64 * 1024)
+        blocks = dict(raw_block(i, 4096) for i in range(100))
+        with store.writer() as writer:
+            for c, d in blocks.items():
+                writer.put(c, d)
+        sizes = [info.size for info in backend.list()]
+        assert 6 <= len(sizes) <= 8 and all(size < 80 * 1024 for size in sizes)
+        assert all(store.get(c) == d for c, d in blocks.items())
+
+    def test_delete_rewrites_a_pack_with_the_survivors(self, store: PackedBlockStore) -> None:
+        blocks = dict(raw_block(i, 10_000) for i in range(20))
+        with store.writer() as writer:
+            for c, d in blocks.items():
+                writer.put(c, d)
+        (old,) = store.packs()
+        dead = set(list(blocks)[::2])
+        removed, freed = store.delete(dead)
+        (new,) = store.packs()
+        assert new != old and removed == 10 and freed >= 10 * 10_000
+        second = self._second(store)
+        assert set(second.keys()) == set(blocks) - dead
+        assert all(second.get(c) == blocks[c] for c in set(blocks) - dead)
+
+    def test_a_wholly_dead_pack_is_deleted_without_writing(self, store: PackedBlockStore) -> None:
+        keep, keep_data = raw_block(1, 5000)
+        store.put(keep, keep_data)
+        dead = dict(raw_block(i, 5000) for i in range(2, 6))
+        with store.writer() as writer:
+            for c, d in dead.items():
+                writer.put(c, d)
+        before = set(store.packs())
+        assert store.delete(set(dead))[0] == 4
+        assert set(store.packs()) < before  # only a deletion: no new pack
+        assert store.get(keep) == keep_data
+
+    # -- damage and copies ---------------------------------------------------------------------
+    def test_a_damaged_pack_leaves_the_report_once_it_is_gone(self, store: PackedBlockStore) -> None:
+        cid, data = raw_block(1, 3000)
+        store.put(cid, data)
+        (name,) = store.packs()
+        info = next(i for i in store.backend.list() if i.name == name)
+        self.damage(store.backend, name, info.size - 1)  # the footer's magic
+        second = self._second(store)
+        assert name in second.damaged()
+        store.backend.delete(name)
+        second.refresh()
+        assert second.damaged() == {}
+
+    def _two_copies(self, store: PackedBlockStore) -> tuple[bytes, bytes, list[str]]:
+        """One block stored in two packs (as two racing writers leave it); the first copy damaged."""
+        cid, data = raw_block(7, 4000)
+        for i in (1, 2):
+            writer = store.writer()
+            writer.add_copy(cid, data)
+            writer.put(*raw_block(100 + i, 500))  # two different packs
+            writer.commit()
+        copies = store._copies(cid)
+        assert len(copies) == 2
+        self.damage(store.backend, copies[0].pack, copies[0].offset + 10)
+        return cid, data, [loc.pack for loc in copies]
+
+    def test_a_damaged_copy_never_wins_over_a_good_one(self, store: PackedBlockStore) -> None:
+        cid, data, _ = self._two_copies(store)
+        assert store.get(cid) == data
+        out = bytearray(len(data))
+        self._second(store).get_into(cid, memoryview(out))
+        assert bytes(out) == data
+        damaged = self._second(store).check_copies([cid])
+        assert list(damaged) == [cid]  # fsck sees the damaged copy although reads still work
+
+    def test_dropping_a_pack_keeps_its_blocks_readable_from_their_other_copies(
+        self, store: PackedBlockStore
+    ) -> None:
+        cid, data, (first, _) = self._two_copies(store)
+        store.backend.delete(first)
+        store.refresh()
+        assert store.get(cid) == data and store.check_copies([cid]) == {}
+
+    def test_gc_keeps_the_verified_copy(self, store: PackedBlockStore) -> None:
+        cid, data, packs = self._two_copies(store)
+        dead = {raw_block(101, 500)[0], raw_block(102, 500)[0]}
+        store.delete(dead)  # both packs lose a block: merged, each live block verified
+        assert not set(packs) & set(store.packs())
+        second = self._second(store)
+        assert second.get(cid) == data and second.check_copies([cid]) == {}
+
+    def test_an_existing_damaged_pack_of_the_same_name_is_replaced(self, store: PackedBlockStore) -> None:
+        blocks = dict(raw_block(i, 3000) for i in range(4))
+        with store.writer() as writer:
+            for c, d in blocks.items():
+                writer.put(c, d)
+        (name,) = writer.published
+        victim = next(iter(blocks))
+        self.corrupt(store, victim)
+        again = store.writer()  # the very same pack again (a GC merge can produce one)
+        for c, d in blocks.items():
+            again.add_copy(c, d)
+        again.commit()
+        assert again.published == [name]
+        second = self._second(store)
+        assert second.check_copies(list(blocks)) == {}
+        assert all(second.get(c) == d for c, d in blocks.items())
+
+    def test_a_put_over_a_damaged_copy_stores_a_good_one(self, store: PackedBlockStore) -> None:
+        cid, data = raw_block(3, 2000)
+        store.put(cid, data)
+        self.corrupt(store, cid)
+        assert store.put(cid, data) is True  # put verifies what it would reuse
+        assert store.get(cid) == data
+        fresh = self._second(store)
+        assert fresh.get(cid) == data
+
+    def test_a_writer_verifying_existing_blocks_repairs_them(self, store: PackedBlockStore) -> None:
+        cid, data = raw_block(4, 2000)
+        store.put(cid, data)
+        self.corrupt(store, cid)
+        with store.writer() as plain:
+            assert plain.put(cid, data) is False  # a save trusts what it has not read
+        with store.writer(verify_existing=True) as checking:
+            assert checking.put(cid, data) is True
+        assert self._second(store).get(cid) == data
+
+
+class BackendTests:
+    """The contract of :class:`~cas_ckpt.backends.Backend`, for any medium.
+
+    Override ``backend`` to yield a fresh, empty backend.
+    """
+
+    @pytest.fixture
+    def backend(self) -> Iterator[Backend]:
+        raise NotImplementedError("override the backend fixture to yield a fresh, empty backend")
+
+    def _object(self, backend: Backend, name: str, data: bytes) -> None:
+        sink = backend.create()
+        sink.write(data[: len(data) // 2])
+        sink.write(memoryview(data)[len(data) // 2 :])
+        assert sink.publish(name) is True
+
+    def test_empty(self, backend: Backend) -> None:
+        assert backend.list() == []
+        assert backend.read("absent.pack", 0, 1) is None
+        assert backend.read_into("absent.pack", 0, memoryview(bytearray(1))) is False
+
+    def test_publish_makes_the_whole_object_visible(self, backend: Backend) -> None:
+        data = bytes(range(256)) * 40
+        sink = backend.create()
+        sink.write(data)
+        assert backend.list() == []  # nothing before publish
+        assert sink.publish("a.pack") is True
+        (info,) = backend.list()
+        assert (info.name, info.size) == ("a.pack", len(data)) and info.age >= -5
+        assert backend.read("a.pack", 0, len(data)) == data
+        out = bytearray(100)
+        assert backend.read_into("a.pack", 1000, memoryview(out)) is True
+        assert bytes(out) == data[1000:1100]
+
+    def test_publish_never_replaces_an_existing_object(self, backend: Backend) -> None:
+        self._object(backend, "a.pack", b"first")
+        sink = backend.create()
+        sink.write(b"other")
+        assert sink.publish("a.pack") is False
+        assert backend.read("a.pack", 0, 5) == b"first"
+        sink.replace("a.pack")  # the explicit repair does
+        assert backend.read("a.pack", 0, 5) == b"other"
+        assert [i.name for i in backend.list()] == ["a.pack"]
+
+    def test_abort_leaves_nothing(self, backend: Backend) -> None:
+        sink = backend.create()
+        sink.write(b"x" * 1000)
+        sink.abort()
+        sink.abort()  # idempotent
+        assert backend.list() == []
+        assert backend.clean_temp(0.0) == 0
+
+    def test_a_read_past_the_end_is_damage(self, backend: Backend) -> None:
+        self._object(backend, "a.pack", b"0123456789")
+        with pytest.raises(CorruptStore, match=r"a\.pack"):
+            backend.read_into("a.pack", 5, memoryview(bytearray(10)))
+        results = backend.read_many([Read("a.pack", 0, memoryview(bytearray(4)), [0]),
+                                     Read("a.pack", 8, memoryview(bytearray(4)), [8]),
+                                     Read("gone.pack", 0, memoryview(bytearray(4)), [0])])
+        assert results[0] is True and isinstance(results[1], CorruptStore) and results[2] is False
+
+    def test_delete_is_idempotent(self, backend: Backend) -> None:
+        self._object(backend, "a.pack", b"abc")
+        self._object(backend, "b.pack", b"def")
+        backend.delete("a.pack")
+        backend.delete("a.pack")
+        assert [i.name for i in backend.list()] == ["b.pack"]
+        assert backend.read("a.pack", 0, 3) is None
+
+    def test_a_live_sink_survives_temp_cleaning(self, backend: Backend) -> None:
+        sink = backend.create()
+        sink.write(b"in progress")
+        backend.clean_temp(0.0)
+        assert sink.publish("a.pack") is True
+        assert backend.read("a.pack", 0, 11) == b"in progress"

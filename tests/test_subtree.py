@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -44,11 +44,13 @@ class CountingStore(BlockStore):
     def keys(self) -> Iterator[bytes]:
         return self.inner.keys()
 
-    def writer(self) -> BlockWriter:
-        return self.inner.writer()
+    def writer(self, *, verify_existing: bool = False) -> BlockWriter:
+        return self.inner.writer(verify_existing=verify_existing)
 
-    def delete(self, cids: set[bytes], *, min_age: float = 0.0) -> tuple[int, int]:
-        return self.inner.delete(cids, min_age=min_age)
+    def delete(
+        self, cids: set[bytes], *, min_age: float = 0.0, before_unlink: Callable[[], None] | None = None
+    ) -> tuple[int, int]:
+        return self.inner.delete(cids, min_age=min_age, before_unlink=before_unlink)
 
     def refresh(self) -> None:
         self.inner.refresh()

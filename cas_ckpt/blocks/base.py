@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
@@ -58,7 +58,7 @@ class BlockWriter(ABC):
         with self._lock:
             if self.closed:
                 raise RepositoryError("block writer is already closed")
-            if cid in self._pending or self._store._has(cid):
+            if cid in self._pending or self._stored(cid):
                 self.stats.blocks_reused += 1
                 self.stats.bytes_reused += size
                 return False
@@ -71,7 +71,11 @@ class BlockWriter(ABC):
     def has(self, cid: bytes) -> bool:
         """True if the block is stored or already in this batch."""
         with self._lock:
-            return cid in self._pending or self._store._has(cid)
+            return cid in self._pending or self._stored(cid)
+
+    def _stored(self, cid: bytes) -> bool:
+        """Whether ``put`` may reuse the stored copy instead of writing the block."""
+        return self._store._has(cid)
 
     @abstractmethod
     def _append(self, cid: bytes, data: bytes | memoryview) -> None:
@@ -203,24 +207,54 @@ class BlockStore(ABC):
 
     # -- writes --------------------------------------------------------------------------------
     @abstractmethod
-    def writer(self) -> BlockWriter:
-        """Start a batch of writes."""
+    def writer(self, *, verify_existing: bool = False) -> BlockWriter:
+        """Start a batch of writes.
+
+        ``verify_existing``: before reusing a stored copy of a block, read it back and check its
+        hash; a damaged copy is then replaced by the one being written (an import that repairs).
+        """
 
     def put(self, cid: cidlib.CIDLike, data: bytes) -> bool:
         """Store one block durably (a batch of one); False if it was already there."""
         key = cidlib.to_bytes(cid)
         if not cidlib.matches(key, data):
             raise CorruptBlock(cidlib.to_str(key), "refusing to store bytes that do not match")
-        with self.writer() as w:
+        with self.writer(verify_existing=True) as w:
             return w.put(key, data)
 
     @abstractmethod
-    def delete(self, cids: set[bytes], *, min_age: float = 0.0) -> tuple[int, int]:
+    def delete(
+        self, cids: set[bytes], *, min_age: float = 0.0, before_unlink: Callable[[], None] | None = None
+    ) -> tuple[int, int]:
         """Remove these blocks, sparing any stored less than ``min_age`` seconds ago.
 
         Returns (blocks removed, bytes of storage freed). Only GC calls this, under the
-        exclusive repository lock.
+        exclusive repository lock. ``before_unlink`` runs before anything is removed and may
+        raise to stop (a GC whose lease on a remote lock was lost).
         """
+
+    def damaged(self) -> dict[str, str]:
+        """Storage units (packs) found unreadable, and why: reported by fsck, never read from."""
+        return {}
+
+    def check_copies(
+        self, cids: list[bytes], *, progress: Callable[[int, int], None] | None = None
+    ) -> dict[bytes, str]:
+        """Re-hash every stored copy of these blocks; return the damaged ones (CID -> why).
+
+        Blocks gone meanwhile (a concurrent GC) are skipped.
+        """
+        damaged = {}
+        for i, cid in enumerate(cids):
+            if progress is not None and i % 256 == 0:
+                progress(i, len(cids))
+            try:
+                self.get(cid, verify=True)
+            except CorruptBlock as exc:
+                damaged[cid] = str(exc)
+            except BlockNotFound:
+                continue
+        return damaged
 
     def clean_temp(self) -> int:
         """Remove leftovers of writers that died; return how many."""

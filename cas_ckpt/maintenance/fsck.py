@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
-from cas_ckpt.errors import BlockNotFound, CasCkptError, CorruptBlock
+from cas_ckpt.errors import CasCkptError
 from cas_ckpt.maintenance.walk import Problem, Where, walk
 from cas_ckpt.refs import RefStore
 
@@ -40,9 +40,7 @@ def check(
     """Check links reachable from refs and pins, and re-hash every block (or a ``sample`` share)."""
     report = FsckReport()
     blocks.refresh()
-    report.store_problems.extend(
-        f"damaged pack {name}: {why}" for name, why in getattr(blocks, "corrupt_packs", {}).items()
-    )
+    report.store_problems.extend(f"damaged pack {name}: {why}" for name, why in blocks.damaged().items())
     roots: dict[bytes, str] = {}
     for name in _names(refs, report):
         try:
@@ -71,21 +69,15 @@ def check(
     report.blocks_total = len(keys)
     if sample is not None and sample < 1.0:
         keys = random.Random(seed).sample(keys, max(1, int(len(keys) * sample)) if keys else 0)
-    for i, cid in enumerate(keys):
-        if progress is not None and i % 256 == 0:
-            progress("rehash", i, len(keys))
-        try:
-            blocks.get(cid, verify=True)
-        except CorruptBlock as exc:
-            where = reach.where.get(cid)
-            problem = problems.setdefault(cid, Problem(cidlib.to_str(cid), "corrupt", str(exc)))
-            if where is not None and where not in problem.needed_by:
-                problem.needed_by.append(where)
-            if where is None:
-                problem.needed_by.append(Where("unreferenced", ""))
-        except BlockNotFound:
-            continue  # removed by a concurrent GC after listing
-        report.blocks_checked += 1
+    rehash = (lambda i, n: progress("rehash", i, n)) if progress is not None else None
+    for cid, why in blocks.check_copies(keys, progress=rehash).items():  # every copy of each
+        where = reach.where.get(cid)
+        problem = problems.setdefault(cid, Problem(cidlib.to_str(cid), "corrupt", why))
+        if where is not None and where not in problem.needed_by:
+            problem.needed_by.append(where)
+        if where is None:
+            problem.needed_by.append(Where("unreferenced", ""))
+    report.blocks_checked = len(keys)
     report.problems = sorted(problems.values(), key=lambda p: p.cid)
     return report
 

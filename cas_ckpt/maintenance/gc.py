@@ -97,6 +97,8 @@ def collect(
             return report
         if progress:
             progress("sweep", len(dead))
-        report.blocks_freed, report.bytes_freed = blocks.delete(dead, min_age=grace)
+        report.blocks_freed, report.bytes_freed = blocks.delete(
+            dead, min_age=grace, before_unlink=refs.check_lease
+        )
         report.temp_files_removed = blocks.clean_temp()
         return report

@@ -176,4 +176,8 @@ class RefStore(ABC):
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         """Saves hold this shared, GC exclusive, so GC never sweeps under a save in progress."""
 
+    def check_lease(self) -> None:  # noqa: B027 - a kernel lock cannot be lost: nothing to check
+        """Raise :class:`RepositoryError` if a lock this process holds was taken over (a lease
+        on a remote medium whose heartbeat lapsed); GC calls it before deleting anything."""
+
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cas_ckpt import cid as cidlib
-from cas_ckpt.blocks.s3_bucket import Meta, S3Bucket, backoff
+from cas_ckpt.backends.s3 import Meta, S3Bucket, backoff
 from cas_ckpt.errors import CorruptStore, InvalidRefName, RepositoryError
 from cas_ckpt.refs.base import ReflogEntry, RefStore, check_ref_name, is_ref_name
 

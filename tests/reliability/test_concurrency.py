@@ -21,6 +21,7 @@ import numpy as np
 
 import cas_ckpt
 from cas_ckpt import cid as cidlib
+from cas_ckpt.errors import BlockNotFound, CheckpointExpired
 
 from ._support import HERE, LONG, PYTHON, Timer, child_env, digest, fsck_problems, record, small_state
 
@@ -258,7 +259,7 @@ def test_refs_never_point_at_collected_checkpoints(tmp_path: Path) -> None:
                     head = repo.save(small_state("m", i), ref="main")
                     i += 1
                     for target in (head, *[c.cid for c in repo.log("main", limit=3)]):
-                        with contextlib.suppress(errors.CheckpointExpired, errors.BlockNotFound):
+                        with contextlib.suppress(CheckpointExpired, BlockNotFound):
                             repo.set_ref("flip", target)
             except BaseException as exc:
                 errors.append(exc)

@@ -215,7 +215,11 @@ def test_fault_during_save(where: Path, monkeypatch: pytest.MonkeyPatch, categor
 
 
 def test_fault_during_gc(where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GC repacks live blocks out of packs with garbage; a fault there loses nothing."""
+    """GC repacks live blocks out of packs with garbage; a fault there loses nothing.
+
+    A full disk while merging packs is not an error (the merge waits for room: GC must work on a
+    full disk); any other fault is raised as it is.
+    """
     root = where / "repo"
     faults = 0
     refs = cas_ckpt.refs.LocalRefStore(root)
@@ -244,7 +248,9 @@ def test_fault_during_gc(where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
                     assert error is None and nth > 1
                     break
                 faults += 1
-                assert isinstance(error, OSError) and error.errno == err, repr(error)
+                if error is not None or err != errno.ENOSPC:
+                    assert isinstance(error, OSError) and error.errno == err, repr(error)
+                # else: a full disk under the merge only skips it; the garbage packs went first
                 assert digest(repo.load("main")) == expected
                 _check_clean(root)
                 repo.gc()

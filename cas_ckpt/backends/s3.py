@@ -1,4 +1,7 @@
-"""One S3 bucket and key prefix: the boto3 client, retries, clear errors, conditional requests.
+"""S3 and S3-compatible object stores: one bucket and key prefix, and the backend on top of it.
+
+:class:`S3Bucket` is the client: retries, clear errors, conditional requests.
+:class:`S3Backend` keeps packs as ``<prefix>packs/<name>`` objects (see ``docs/scale-out.md``).
 
 boto3 is imported only when a bucket is opened (``pip install cas_ckpt[s3]``), never by ``import
 cas_ckpt``. It honours the standard AWS variables (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``,
@@ -17,6 +20,8 @@ import functools
 import ipaddress
 import os
 import random
+import shutil
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -27,6 +32,8 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from cas_ckpt import _fs
+from cas_ckpt.backends.base import Backend, ObjectInfo, Read, Sink
 from cas_ckpt.errors import CorruptStore, RepositoryError
 
 SCHEME = "s3://"
@@ -273,8 +280,8 @@ class S3Bucket:
                            Range=f"bytes={offset}-{offset + length - 1}")
             if isinstance(r, str):
                 return None
-            self._check_length(r, key, offset, length)
-            with contextlib.closing(r["Body"]) as body:
+            with contextlib.closing(r["Body"]) as body:  # closed on a short object too
+                self._check_length(r, key, offset, length)
                 data: bytes = body.read()
             if len(data) != length:
                 raise _ShortRead(f"{len(data)} of {length} bytes")
@@ -293,8 +300,8 @@ class S3Bucket:
                            Range=f"bytes={offset}-{offset + out.nbytes - 1}")
             if isinstance(r, str):
                 return False
-            self._check_length(r, key, offset, out.nbytes)
-            with contextlib.closing(r["Body"]) as body:
+            with contextlib.closing(r["Body"]) as body:  # closed on a short object too
+                self._check_length(r, key, offset, out.nbytes)
                 done = 0
                 while done < out.nbytes:
                     n = body.readinto(out[done:])
@@ -309,7 +316,7 @@ class S3Bucket:
     def _check_length(self, response: dict[str, Any], key: str, offset: int, length: int) -> None:
         if response.get("ContentLength") != length:
             raise CorruptStore(
-                self.where(key), f"holds fewer bytes than its index says ({length} at {offset})"
+                self.where(key), f"truncated: it holds fewer bytes than its index says ({length} at {offset})"
             )
 
     def head(self, key: str) -> Meta | None:
@@ -383,14 +390,15 @@ class S3Bucket:
                         f"{error.get('Message')}"
                     )
 
-    def put_file(self, key: str, path: Path, *, part_size: int = PART_SIZE) -> bool:
-        """Create ``key`` from a file only if absent: one PUT, or parallel multipart parts.
+    def put_file(self, key: str, path: Path, *, part_size: int = PART_SIZE, create: bool = True) -> bool:
+        """Write ``key`` from a file: one PUT, or parallel multipart parts.
 
-        Returns False if the object already existed (nothing was written).
+        With ``create`` (the default) only if absent: returns False if the object already existed
+        (nothing was written). Without it the object is replaced, atomically as S3 does.
         """
         size = path.stat().st_size
         if size <= part_size:
-            return self._created(key, self.put(key, path.read_bytes(), create=True))
+            return self._created(key, self.put(key, path.read_bytes(), create=create))
         upload = self._call("create_multipart_upload", key, Key=self.prefix + key)["UploadId"]
         try:
             count = -(-size // part_size)
@@ -398,7 +406,7 @@ class S3Bucket:
                 self.pool.submit(self._upload_part, key, upload, n, path, part_size) for n in range(count)
             ]
             parts = [f.result() for f in futures]
-            return self._complete(key, upload, parts)
+            return self._complete(key, upload, parts, create=create)
         except BaseException:
             with contextlib.suppress(RepositoryError):
                 self.abort_upload(key, upload)
@@ -419,9 +427,9 @@ class S3Bucket:
                        Body=data)
         return {"PartNumber": n + 1, "ETag": r["ETag"]}
 
-    def _complete(self, key: str, upload: str, parts: list[dict[str, Any]]) -> bool:
-        condition = {} if self.unsafe else {"IfNoneMatch": "*"}
-        if self.unsafe and self.head(key) is not None:
+    def _complete(self, key: str, upload: str, parts: list[dict[str, Any]], *, create: bool) -> bool:
+        condition = {"IfNoneMatch": "*"} if create and not self.unsafe else {}
+        if create and self.unsafe and self.head(key) is not None:
             self.abort_upload(key, upload)
             return False
         r = self._call("complete_multipart_upload", key, ok=(*_CONFLICT, "NoSuchUpload"),
@@ -483,3 +491,250 @@ class S3Bucket:
                 "unsafe_no_conditional_writes=True if only one process ever writes (docs/scale-out.md)"
             )
         self._probed = True
+
+
+# --------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------
+PACK_SIZE = 64 * 1024 * 1024  # a full pack uploads while the next one is written
+READ_SIZE = 16 * 1024 * 1024  # the most one ranged GET of neighbouring blocks fetches
+DEFAULT_GRACE = 3600.0  # GC never removes a pack younger than this on S3
+PACKS = "packs/"
+
+
+class PackCache:
+    """Fetched bytes kept in sparse local copies of their packs: ``<root>/<pack name>``.
+
+    ``<pack>.have`` lists the offsets held, one per line, appended after the bytes are written.
+    Packs are named by their content, so one cache may serve several repositories and processes.
+    Nothing in the folder is followed if it is a link, and the cache is only a shortcut: every
+    block read from it is hash-checked like any other, and a failure there never fails a load.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        _fs.makedirs(self.root)
+        self._have: dict[str, set[int]] = {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _offsets(self, pack: str) -> set[int]:
+        have = self._have.get(pack)
+        if have is None:
+            try:
+                text = _fs.read_bytes(self.root / f"{pack}.have").decode("ascii")
+            except (OSError, UnicodeDecodeError, CorruptStore):  # absent, or a planted link
+                text = ""
+            have = self._have[pack] = {int(x) for x in text.split() if x.isdigit()}
+        return have
+
+    def _fd(self, pack: str) -> int:
+        fd = self._fds.get(pack)
+        if fd is None:
+            fd = self._fds[pack] = _fs.open_nofollow(self.root / pack, os.O_RDWR | os.O_CREAT)
+        return fd
+
+    def read_into(self, pack: str, offset: int, out: memoryview, starts: list[int]) -> bool:
+        """Fill ``out`` from ``offset`` if every block starting at ``starts`` is held."""
+        try:
+            with self._lock:
+                have = self._offsets(pack)
+                if not all(start in have for start in starts):
+                    return False
+                fd = self._fd(pack)
+            return _fs.pread_into(fd, out, offset) == out.nbytes
+        except (OSError, CorruptStore):
+            return False
+
+    def write(self, pack: str, offset: int, data: memoryview, blocks: list[int]) -> None:
+        """Keep ``data`` (from ``offset`` in ``pack``), holding the blocks starting at ``blocks``."""
+        try:
+            with self._lock:
+                fd = self._fd(pack)
+            view = data.cast("B") if data.format != "B" else data
+            while view.nbytes:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+            have = _fs.open_nofollow(self.root / f"{pack}.have", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                _fs.write_all(have, "".join(f"{o}\n" for o in blocks).encode("ascii"))
+            finally:
+                os.close(have)
+        except (OSError, CorruptStore):
+            return  # a full disk or a planted link must not fail a load
+        with self._lock:
+            self._offsets(pack).update(blocks)
+
+    def forget(self, pack: str, offset: int) -> bool:
+        """Stop trusting one block (its copy failed its hash); True if it was held."""
+        with self._lock:
+            have = self._offsets(pack)
+            if offset not in have:
+                return False
+            have.discard(offset)
+            return True
+
+    def drop(self, pack: str) -> None:
+        """Forget a pack that left the store."""
+        with self._lock:
+            self._have.pop(pack, None)
+            fd = self._fds.pop(pack, None)
+            if fd is not None:
+                os.close(fd)
+            for name in (pack, f"{pack}.have"):
+                with contextlib.suppress(FileNotFoundError):
+                    (self.root / name).unlink()
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class S3Sink(Sink):
+    """A pack spooled to a private local temp file, uploaded whole when published."""
+
+    def __init__(self, backend: S3Backend) -> None:
+        self._backend = backend
+        fd, name = tempfile.mkstemp(dir=backend.spool_dir, suffix=".pack.tmp")
+        self._file: Any = os.fdopen(fd, "wb", buffering=1024 * 1024)
+        self.path: Path | None = Path(name)
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+
+    def _sealed(self) -> Path:
+        if not self._file.closed:
+            self._file.close()
+        assert self.path is not None, "sink is closed"
+        return self.path
+
+    def publish(self, name: str) -> bool:
+        path = self._sealed()
+        if not self._backend.bucket.put_file(PACKS + name, path, part_size=self._backend.part_size):
+            return False
+        self.abort()
+        return True
+
+    def replace(self, name: str) -> None:
+        self._backend.bucket.put_file(PACKS + name, self._sealed(), part_size=self._backend.part_size,
+                                      create=False)
+        self._backend.forget(name)
+        self.abort()
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+
+
+class S3Backend(Backend):
+    """Packs as ``<prefix>packs/<name>`` objects, created only if absent (``If-None-Match: *``).
+
+    ``cache_dir`` keeps fetched bytes on local disk. GC never removes a pack younger than
+    ``min_grace`` seconds by the server's clock: a writer on another machine cannot be locked out
+    the way a local one is, so the grace covers a save that deduplicated against an old pack.
+    """
+
+    read_coalesce = READ_SIZE
+    publish_in_background = True
+    pack_size = PACK_SIZE
+
+    def __init__(
+        self,
+        bucket: S3Bucket | str,
+        *,
+        read_only: bool = False,
+        part_size: int = PART_SIZE,
+        read_size: int = READ_SIZE,
+        cache_dir: str | os.PathLike[str] | None = None,
+        min_grace: float = DEFAULT_GRACE,
+    ) -> None:
+        super().__init__(read_only=read_only)
+        self.bucket = bucket if isinstance(bucket, S3Bucket) else S3Bucket(bucket)
+        if not read_only:
+            self.bucket.check_conditional_writes()
+        self.part_size = part_size
+        self.read_coalesce = read_size
+        self.min_grace = min_grace
+        self.cache = PackCache(cache_dir) if cache_dir is not None else None
+        self._spool: Path | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def spool_dir(self) -> Path:
+        """A private temp folder for packs on their way up (made on first use, like mkdtemp)."""
+        with self._lock:
+            if self._spool is None:
+                self._spool = Path(tempfile.mkdtemp(prefix="cas_ckpt-s3-"))
+            return self._spool
+
+    def describe(self) -> str:
+        return self.bucket.url
+
+    def where(self, name: str) -> str:
+        return self.bucket.where(PACKS + name)
+
+    def list(self) -> list[ObjectInfo]:
+        found = []
+        for meta in self.bucket.list(PACKS):
+            name = meta.key[len(PACKS) :]
+            if "/" not in name:
+                found.append(ObjectInfo(name, meta.size, meta.age))
+        return found
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> bool:
+        return self._read_run(Read(name, offset, out, [offset]))
+
+    def read_many(self, reads: list[Read]) -> list[bool | CorruptStore]:
+        return list(self.bucket.pool.map(self._read_one, reads))
+
+    def _read_one(self, read: Read) -> bool | CorruptStore:
+        try:
+            return self._read_run(read)
+        except CorruptStore as exc:
+            return exc
+
+    def _read_run(self, read: Read) -> bool:
+        name, offset, out, starts = read
+        cache = self.cache if starts else None  # only blocks are cached (not indexes, headers)
+        if cache is not None and cache.read_into(name, offset, out, starts):
+            return True
+        if not self.bucket.read_into(PACKS + name, offset, out):
+            return False
+        if cache is not None:
+            cache.write(name, offset, out, starts)
+        return True
+
+    def discard_cached(self, name: str, offset: int) -> bool:
+        return self.cache is not None and self.cache.forget(name, offset)
+
+    def forget(self, name: str) -> None:
+        if self.cache is not None:
+            self.cache.drop(name)
+
+    def create(self) -> S3Sink:
+        return S3Sink(self)
+
+    def delete(self, name: str) -> None:
+        self.bucket.delete_many([PACKS + name])
+        self.forget(name)
+
+    def clean_temp(self, min_age: float) -> int:
+        """Abort multipart uploads older than the grace period (left by writers that died)."""
+        removed = 0
+        for key, upload, age in self.bucket.uploads(PACKS):
+            if age >= max(min_age, self.min_grace):
+                self.bucket.abort_upload(key, upload)
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        self.bucket.close()
+        if self.cache is not None:
+            self.cache.close()
+        if self._spool is not None:
+            shutil.rmtree(self._spool, ignore_errors=True)

@@ -1,0 +1,177 @@
+"""The backend interface: named, immutable objects (packs) on one medium, and nothing more.
+
+A backend stores bytes under names. It knows no CIDs, blocks or indexes: the packed block store
+(:mod:`cas_ckpt.blocks.packed`) builds those on top, once for every medium. What each method MUST
+do is written on it, as restic's ``internal/backend/backend.go`` does; the conformance suite
+:class:`cas_ckpt.testing.BackendTests` checks it. A new medium is one subclass and that suite.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import NamedTuple
+
+from cas_ckpt.errors import CorruptStore
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """A published object: its name, size in bytes and age in seconds on the medium's own clock."""
+
+    name: str
+    size: int
+    age: float
+
+
+class Read(NamedTuple):
+    """One ranged read: ``out.nbytes`` bytes from ``offset`` of ``name``, holding the blocks
+    that start at ``starts`` (a cache may keep them)."""
+
+    name: str
+    offset: int
+    out: memoryview
+    starts: list[int]
+
+
+class Sink(ABC):
+    """A new object being written: bytes append in order, then it is published, or aborted.
+
+    Nothing written to a sink is visible under any name until :meth:`publish` returns True.
+    """
+
+    @abstractmethod
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data``. The caller may reuse its buffer as soon as this returns."""
+
+    @abstractmethod
+    def publish(self, name: str) -> bool:
+        """Make the object durable, then visible as ``name`` only if no object has that name.
+
+        MUST be atomic: readers see no object or the whole one. Returns False, replacing nothing,
+        when ``name`` exists; the sink then stays open for :meth:`replace` or :meth:`abort`.
+        """
+
+    @abstractmethod
+    def replace(self, name: str) -> None:
+        """Durably put this object in place of the existing ``name`` (a repair of a damaged copy).
+
+        MUST be atomic: readers see the old object or the new one, never a mix.
+        """
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard what was written. Idempotent; a no-op after publish or replace."""
+
+    def __enter__(self) -> Sink:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.abort()
+
+
+class Backend(ABC):
+    """Objects on a medium (a directory, memory, an S3 prefix), with their capabilities.
+
+    Capabilities the packed store adapts to:
+
+    * ``can_mmap``: :meth:`map` can return a read-only view of an object (loads skip a copy);
+    * ``read_coalesce``: bytes one ranged read of neighbouring blocks may span (0: read each block
+      on its own; a remote medium wants few large requests);
+    * ``publish_in_background``: publishing costs a transfer, so a full pack publishes on a
+      thread while the next one is written;
+    * ``min_grace``: GC never deletes an object younger than this many seconds (a medium whose
+      listing lags, or whose writers cannot be locked out, needs one);
+    * ``pack_size``: the size past which a writer starts a new pack.
+    """
+
+    can_mmap = False
+    pack_size = 256 * 1024 * 1024
+    read_coalesce = 0
+    publish_in_background = False
+    min_grace = 0.0
+
+    def __init__(self, *, read_only: bool = False) -> None:
+        self.read_only = read_only
+
+    @abstractmethod
+    def list(self) -> list[ObjectInfo]:
+        """Every published object. MAY lag a publish by another process (the caller re-lists on
+        a miss) but MUST include every object this instance published."""
+
+    @abstractmethod
+    def read_into(self, name: str, offset: int, out: memoryview) -> bool:
+        """Fill ``out`` from ``offset`` of ``name``; False if the object does not exist (any more).
+
+        A short read (the object ends before ``out`` is full) MUST raise
+        :class:`~cas_ckpt.errors.CorruptStore` naming the object: it is damage, never retried.
+        An object that is not a regular object of this medium (say, a FIFO or a directory where
+        a file should be) MUST raise CorruptStore too, and never block.
+        """
+
+    def read(self, name: str, offset: int, length: int) -> bytes | None:
+        """``length`` bytes from ``offset`` of ``name``; None if the object does not exist."""
+        out = bytearray(length)
+        return bytes(out) if self.read_into(name, offset, memoryview(out)) else None
+
+    def read_many(self, reads: list[Read]) -> list[bool | CorruptStore]:
+        """Several ranged reads, in parallel where the medium gains from it.
+
+        Each result is what :meth:`read_into` returned, or the CorruptStore it raised.
+        """
+        results: list[bool | CorruptStore] = []
+        for read in reads:
+            try:
+                results.append(self.read_into(read.name, read.offset, read.out))
+            except CorruptStore as exc:
+                results.append(exc)
+        return results
+
+    def map(self, name: str) -> memoryview | None:
+        """A read-only view of the whole object, if ``can_mmap``; None where it cannot be mapped."""
+        return None
+
+    def free_space(self) -> int | None:
+        """Bytes a new object may take before the medium is full; None if unknown or unbounded."""
+        return None
+
+    def forget(self, name: str) -> None:  # noqa: B027 - optional hook
+        """Release what this instance holds for ``name`` (descriptors, caches): it left the store."""
+
+    def discard_cached(self, name: str, offset: int) -> bool:
+        """Drop a locally cached copy of the bytes at ``offset`` of ``name`` (they failed their
+        hash); True if there was one, so a read again goes to the medium itself."""
+        return False
+
+    @abstractmethod
+    def create(self) -> Sink:
+        """A new, private object to write (a temp file, a spool): see :class:`Sink`."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove ``name`` durably; no error if it is already gone."""
+
+    def clean_temp(self, min_age: float) -> int:
+        """Remove leftovers of sinks whose writer died, older than ``min_age`` s; return how many.
+
+        MUST NOT remove a live sink's data.
+        """
+        return 0
+
+    def where(self, name: str) -> str:
+        """How to name the object in a message: a path or a URL."""
+        return name
+
+    def describe(self) -> str:
+        """The medium, for messages and reprs."""
+        return type(self).__name__
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release open descriptors and connections."""
+
+    def __iter__(self) -> Iterator[ObjectInfo]:
+        return iter(self.list())

@@ -1,0 +1,292 @@
+"""Objects in a local directory: ``packs/<name>`` published from ``tmp/`` by a hard link.
+
+A sink is a temp file in ``tmp/``, held under an ``flock`` until it is published (so cleaning never
+removes a live writer's file). Small writes are gathered before the syscall, and the kernel is asked
+to start writeback every few tens of MiB so the final ``fsync`` is short. Publishing fsyncs the
+file, links it into ``packs/`` (a link never replaces an existing file) and fsyncs the directory:
+only then is the object visible, and durable. Reads go through one descriptor per object, opened
+without following links and only for regular files; a descriptor of an object deleted meanwhile
+stays open until no read is in flight, so its number is never reused under a read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from cas_ckpt import _fs
+from cas_ckpt.backends.base import Backend, ObjectInfo, Sink
+from cas_ckpt.errors import CorruptStore
+
+WRITEBACK_STEP = 32 * 1024 * 1024  # start disk writeback every this many bytes of a sink
+SMALL_WRITE = 256 * 1024  # writes below this are gathered before the write syscall
+SUFFIX = ".pack"
+TEMP_SUFFIX = ".pack.tmp"
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path``, refusing links and anything but a regular file.
+
+    ``O_NONBLOCK`` keeps a FIFO planted under the name from blocking the open; both refusals are a
+    :class:`CorruptStore` naming the path.
+    """
+    fd = _fs.open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CorruptStore(path, "is not a regular file")
+    return fd
+
+
+class LocalSink(Sink):
+    """A temp file under ``tmp/``, published by linking it into ``packs/``."""
+
+    def __init__(self, backend: LocalBackend) -> None:
+        self._backend = backend
+        self.path: Path | None = _fs.temp_name(backend.tmp_dir, TEMP_SUFFIX)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _fs.O_NOFOLLOW, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until published: see clean_temp
+        self._fd: int | None = fd
+        self._buffer = bytearray()
+        self._size = 0
+        self._written_back = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        size = memoryview(data).nbytes
+        if size < SMALL_WRITE:
+            self._buffer += data
+            if len(self._buffer) >= SMALL_WRITE:
+                self._flush()
+        else:
+            self._flush()
+            self._write(data)
+        self._size += size
+        if self._size - self._written_back >= WRITEBACK_STEP and self._fd is not None:
+            _fs.start_writeback(self._fd, self._written_back, self._size - self._written_back)
+            self._written_back = self._size
+
+    def _write(self, data: bytes | memoryview) -> None:
+        assert self._fd is not None, "sink is closed"
+        with _fs.naming(self.path):
+            _fs.write_all(self._fd, data)
+
+    def _flush(self) -> None:
+        if self._buffer:
+            self._write(self._buffer)
+            self._buffer.clear()
+
+    def _seal(self) -> Path:
+        """Write what is buffered, fsync and close; the temp file is complete and durable."""
+        self._flush()
+        assert self._fd is not None and self.path is not None, "sink is closed"
+        with _fs.naming(self.path):
+            os.fsync(self._fd)
+        os.close(self._fd)  # drops the flock: the file is whole, cleaning may take it from here
+        self._fd = None
+        return self.path
+
+    def publish(self, name: str) -> bool:
+        path = self._seal() if self._fd is not None else self.path
+        assert path is not None, "sink is closed"
+        target = self._backend.pack_dir / name
+        try:
+            os.link(path, target)
+        except FileExistsError:
+            return False
+        self._done()
+        _fs.fsync_dir(self._backend.pack_dir)
+        return True
+
+    def replace(self, name: str) -> None:
+        path = self._seal() if self._fd is not None else self.path
+        assert path is not None, "sink is closed"
+        os.replace(path, self._backend.pack_dir / name)
+        self.path = None
+        _fs.fsync_dir(self._backend.pack_dir)
+        self._backend.forget(name)
+
+    def _done(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._done()
+
+
+class LocalBackend(Backend):
+    """Objects as files in ``<root>/packs``, sinks in ``<root>/tmp``."""
+
+    can_mmap = True
+
+    def __init__(self, root: str | os.PathLike[str], *, read_only: bool = False) -> None:
+        super().__init__(read_only=read_only)
+        self.root = Path(root)
+        self.pack_dir = self.root / "packs"
+        self.tmp_dir = self.root / "tmp"
+        if not read_only:
+            _fs.makedirs(_fs.refuse_links(self.root, self.pack_dir))
+            _fs.makedirs(_fs.refuse_links(self.root, self.tmp_dir))
+        self._lock = threading.RLock()
+        self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._readers = 0  # reads in flight (see _reading)
+        self._retired: list[int] = []  # descriptors of forgotten objects, closed when no read is
+
+    def describe(self) -> str:
+        return str(self.root)
+
+    def where(self, name: str) -> str:
+        return str(self.pack_dir / name)
+
+    # -- listing and reads ---------------------------------------------------------------------
+    def list(self) -> list[ObjectInfo]:
+        now = time.time()
+        found = []
+        try:
+            entries = list(os.scandir(_fs.refuse_links(self.root, self.pack_dir)))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            if not entry.name.endswith(SUFFIX):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            found.append(ObjectInfo(entry.name, st.st_size, now - st.st_mtime))
+        return found
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Mark a read in flight: descriptors forgotten meanwhile stay open until it ends."""
+        with self._lock:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._readers -= 1
+                self._close_retired()
+
+    def _close_retired(self) -> None:
+        if not self._readers:
+            for fd in self._retired:
+                os.close(fd)
+            self._retired.clear()
+
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(name)
+                if fd is None:
+                    fd = self._fds[name] = open_regular(self.pack_dir / name)
+        return fd
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> bool:
+        with self._reading():
+            try:
+                fd = self._fd(name)
+            except FileNotFoundError:
+                return False
+            n = _fs.pread_into(fd, out, offset)
+        if n != out.nbytes:
+            raise CorruptStore(self.pack_dir / name, f"truncated: {out.nbytes} bytes at {offset} "
+                                                     f"asked, the file ends after {n}")
+        return True
+
+    def read(self, name: str, offset: int, length: int) -> bytes | None:
+        with self._reading():
+            try:
+                fd = self._fd(name)
+            except FileNotFoundError:
+                return None
+            data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise CorruptStore(self.pack_dir / name, f"truncated: {length} bytes at {offset} "
+                                                     f"asked, the file ends after {len(data)}")
+        return data
+
+    def map(self, name: str) -> memoryview | None:
+        mapped = self._maps.get(name)
+        if mapped is None:
+            with self._lock:
+                mapped = self._maps.get(name)
+                if mapped is None:
+                    try:
+                        mapped = mmap.mmap(self._fd(name), 0, access=mmap.ACCESS_READ)
+                    except (FileNotFoundError, ValueError):
+                        return None
+                    self._maps[name] = mapped
+        return memoryview(mapped)
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._maps.pop(name, None)  # arrays still viewing it keep the mapping alive
+            fd = self._fds.pop(name, None)
+            if fd is not None:
+                # Another thread may be reading through it right now: closing it could hand its
+                # number to a new file under that read. Closed once no read is in flight.
+                self._retired.append(fd)
+                self._close_retired()
+
+    def free_space(self) -> int | None:
+        try:
+            st = os.statvfs(self.pack_dir)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+    # -- writes --------------------------------------------------------------------------------
+    def create(self) -> LocalSink:
+        return LocalSink(self)
+
+    def delete(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.pack_dir / name).unlink()
+        self.forget(name)
+        _fs.fsync_dir(self.pack_dir)
+
+    def clean_temp(self, min_age: float) -> int:
+        """Remove temp files whose writer is gone (its flock is free), whatever their age."""
+        removed = 0
+        for path in self.tmp_dir.glob(f"*{TEMP_SUFFIX}"):
+            try:
+                fd = open_regular(path)
+            except (FileNotFoundError, CorruptStore):  # gone, or a planted link or FIFO: not ours
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    continue  # a live writer holds it
+                raise
+            finally:
+                os.close(fd)
+            path.unlink(missing_ok=True)
+            removed += 1
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in [*self._fds.values(), *self._retired]:
+                os.close(fd)
+            self._fds.clear()
+            self._retired.clear()
+            self._maps.clear()  # mappings close when the last array viewing them goes

@@ -1,0 +1,699 @@
+"""The packed block store: blocks in packs on any backend, one index, one writer, one repack.
+
+Creating an object costs far more than writing a megabyte, so blocks are appended to packs (as
+git, restic and Xet do), each pack carrying its own index (:mod:`cas_ckpt.blocks.pack`). This
+module is the only one that knows packs: it keeps the index of every pack the backend lists,
+writes new packs through the backend's sinks, and rewrites packs for GC. A medium adds only a
+backend (:mod:`cas_ckpt.backends`).
+
+Copies. Racing writers can leave one CID in two packs. Every copy is indexed; reads use the first
+that passes its hash and mark the others, so a damaged copy is never returned while a good one
+exists, and a put of a CID whose only known copies are damaged stores it again. A published pack
+whose name is taken by an existing object is verified before it is trusted; a damaged one is
+replaced.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt.backends.base import Backend, ObjectInfo, Read, Sink
+from cas_ckpt.backends.local import LocalBackend
+from cas_ckpt.backends.memory import MemoryBackend
+from cas_ckpt.backends.s3 import DEFAULT_GRACE, PART_SIZE, READ_SIZE, S3Backend, S3Bucket
+from cas_ckpt.blocks.base import BlockStore, BlockWriter
+from cas_ckpt.blocks.pack import (
+    FOOTER,
+    INDEX_READ,
+    PACK_MAGIC,
+    SUFFIX,
+    Entry,
+    Location,
+    encode_index,
+    index_length,
+    parse_index,
+    plan_sweep,
+)
+from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, RepositoryError
+
+REPACK_READ = 16 * 1024 * 1024  # the most GC reads at once when copying live blocks
+SPACE_MARGIN = 16 * 1024 * 1024  # GC merges only with this much room left over on the medium
+_MAX_MOVES = 16  # a block whose pack GC compacts again and again under a read is followed this often
+
+
+class PackWriter(BlockWriter):
+    """Appends blocks to a pack in a backend sink; seals and publishes it past the pack size.
+
+    A sealed pack becomes visible in this store when the writer commits, once every pack of the
+    batch is durable on the medium.
+    """
+
+    def __init__(self, store: PackedBlockStore, *, verify_existing: bool = False) -> None:
+        super().__init__(store)
+        self._packed = store
+        self.verify_existing = verify_existing
+        self._sink: Sink | None = None
+        self._entries: list[Entry] = []
+        self._offset = 0
+        self._sealed: list[Future[tuple[str, list[Entry]]]] = []
+        self.published: list[str] = []
+
+    def _stored(self, cid: bytes) -> bool:
+        if not self._packed._has(cid):
+            return False
+        return not self.verify_existing or self._packed._intact(cid)
+
+    def _append(self, cid: bytes, data: bytes | memoryview) -> None:
+        size = memoryview(data).nbytes
+        if self._sink is not None and self._offset + size > self._packed.pack_size and self._entries:
+            self._seal()
+        if self._sink is None:
+            self._sink = self._packed.backend.create()
+            self._sink.write(PACK_MAGIC)
+            self._offset = len(PACK_MAGIC)
+        self._sink.write(data)
+        self._entries.append((cid, self._offset, size))
+        self._offset += size
+
+    def add_copy(self, cid: bytes, data: bytes | memoryview) -> None:
+        """Write a block again even though the store has it (GC moving live blocks)."""
+        with self._lock:
+            if cid not in self._pending:
+                self._pending.add(cid)
+                self._append(cid, data)
+
+    def _seal(self) -> None:
+        sink, entries = self._sink, self._entries
+        assert sink is not None
+        self._sink, self._entries = None, []
+        tail, name = encode_index(entries)
+        try:
+            sink.write(tail)
+        except BaseException:
+            sink.abort()
+            raise
+        if self._packed.backend.publish_in_background:
+            self._sealed.append(self._packed._publisher.submit(self._packed._publish, sink, name, entries))
+        else:
+            done: Future[tuple[str, list[Entry]]] = Future()
+            done.set_result(self._packed._publish(sink, name, entries))
+            self._sealed.append(done)
+
+    def commit(self) -> None:
+        with self._lock:
+            try:
+                if self._sink is not None:
+                    self._seal()
+                packs = self._wait()
+            except BaseException:
+                self._discard()
+                raise
+            finally:
+                self.closed = True
+            self._packed._add_packs(packs)
+            self.published = [name for name, _ in packs]
+
+    def abort(self) -> None:
+        with self._lock:
+            self._discard()
+            self.closed = True
+
+    def _discard(self) -> None:
+        if self._sink is not None:
+            self._sink.abort()
+            self._sink = None
+        # Packs already published stay, unreferenced, for GC to collect.
+        for future in self._sealed:
+            future.exception()
+        self._sealed = []
+
+    def _wait(self) -> list[tuple[str, list[Entry]]]:
+        """Every sealed pack, once all have finished publishing; the first failure raised."""
+        results, first = [], None
+        for future in self._sealed:
+            try:
+                results.append(future.result())
+            except BaseException as exc:  # reported once every publish has ended
+                first = first or exc
+        self._sealed = []
+        if first is not None:
+            raise first
+        return results
+
+
+class PackedBlockStore(BlockStore):
+    """Content-addressed blocks in packs on ``backend`` (see the module docstring)."""
+
+    def __init__(self, backend: Backend, *, verify: bool = True, pack_size: int | None = None) -> None:
+        super().__init__(verify=verify, read_only=backend.read_only)
+        self.backend = backend
+        self.pack_size = pack_size or backend.pack_size
+        self._lock = threading.RLock()
+        self._refresh_lock = threading.Lock()
+        self._index: dict[bytes, Location] = {}  # the copy reads try first
+        self._extra: dict[bytes, list[Location]] = {}  # further copies (blocks stored twice)
+        self._packs: dict[str, list[Entry]] = {}
+        self._info: dict[str, ObjectInfo] = {}
+        self._bad: set[Location] = set()  # copies that failed their hash in this process
+        self.corrupt_packs: dict[str, str] = {}  # packs whose index cannot be read, and why
+        self._publisher_pool: ThreadPoolExecutor | None = None
+        self.refresh()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.backend.describe()}>"
+
+    # -- the index -----------------------------------------------------------------------------
+    def refresh(self) -> None:
+        with self._refresh_lock:
+            listing = {info.name: info for info in self.backend.list() if info.name.endswith(SUFFIX)}
+            with self._lock:
+                for gone in (set(self._packs) | set(self.corrupt_packs)) - set(listing):
+                    self._drop_pack(gone)
+                    self.corrupt_packs.pop(gone, None)
+                self._info.update((name, info) for name, info in listing.items() if name in self._packs)
+                new = sorted(set(listing) - set(self._packs) - set(self.corrupt_packs))
+            infos = [listing[name] for name in new]
+            for info, result in zip(infos, self._read_indexes(infos), strict=True):
+                if isinstance(result, str):
+                    with self._lock:
+                        self.corrupt_packs[info.name] = result
+                elif result is not None:
+                    self._add_pack(info, result)
+
+    def _read_indexes(self, infos: list[ObjectInfo]) -> list[list[Entry] | str | None]:
+        """Each pack's entries, read from its end; a reason if damaged; None if it is gone."""
+        tails = [bytearray(min(info.size, INDEX_READ)) for info in infos]
+        heads = [bytearray(len(PACK_MAGIC) if info.size > INDEX_READ else 0) for info in infos]
+        reads = [Read(i.name, i.size - len(t), memoryview(t), []) for i, t in zip(infos, tails, strict=True)]
+        reads += [Read(i.name, 0, memoryview(h), []) for i, h in zip(infos, heads, strict=True) if h]
+        found = iter(self.backend.read_many(reads))
+        tail_found = [next(found) for _ in infos]
+        results: list[list[Entry] | str | None] = []
+        for info, tail, head, ok in zip(infos, tails, heads, tail_found, strict=True):
+            head_ok = next(found) if head else ok
+            try:
+                entries = self._parse_tail(info, tail, ok if ok is not True else head_ok)
+                if entries is not None and bytes(head or tail[: len(PACK_MAGIC)]) != PACK_MAGIC:
+                    raise CorruptStore(self.backend.where(info.name), "not a cas_ckpt pack (bad header)")
+                results.append(entries)
+            except CorruptStore as exc:
+                results.append(str(exc))
+        return results
+
+    def _parse_tail(
+        self, info: ObjectInfo, tail: bytearray, found: bool | CorruptStore
+    ) -> list[Entry] | None:
+        where = self.backend.where(info.name)
+        if isinstance(found, CorruptStore):
+            raise found
+        if not found:
+            return None
+        need = index_length(bytes(tail[-FOOTER.size :]), info.size, where)
+        if need > len(tail):
+            longer = self.backend.read(info.name, info.size - need, need)
+            if longer is None:
+                return None
+            return parse_index(longer, info.size, where)
+        return parse_index(bytes(tail), info.size, where)
+
+    def _add_pack(self, info: ObjectInfo, entries: list[Entry]) -> None:
+        with self._lock:
+            if info.name in self._packs:
+                return
+            self._packs[info.name] = entries
+            self._info[info.name] = info
+            for cid, offset, length in entries:
+                loc = Location(info.name, offset, length)
+                if self._index.setdefault(cid, loc) is not loc:
+                    self._extra.setdefault(cid, []).append(loc)
+
+    def _add_packs(self, packs: list[tuple[str, list[Entry]]]) -> None:
+        for name, entries in packs:
+            size = entries[-1][1] + entries[-1][2] if entries else len(PACK_MAGIC)
+            self._add_pack(ObjectInfo(name, size + len(encode_index(entries)[0]), 0.0), entries)
+
+    def _drop_pack(self, name: str) -> None:
+        """Forget a pack that left the medium; its blocks stay readable from their other copies."""
+        with self._lock:
+            entries = self._packs.pop(name, None) or []
+            self._info.pop(name, None)
+            for cid, offset, length in entries:
+                loc = Location(name, offset, length)
+                self._bad.discard(loc)
+                others = self._extra.get(cid)
+                if self._index.get(cid) == loc:
+                    if others:
+                        self._index[cid] = others.pop(0)
+                    else:
+                        del self._index[cid]
+                elif others and loc in others:
+                    others.remove(loc)
+                if others is not None and not others:
+                    del self._extra[cid]
+        self.backend.forget(name)
+
+    def _copies(self, cid: bytes) -> list[Location]:
+        """Every known copy of ``cid``, the ones not known to be damaged first."""
+        with self._lock:
+            first = self._index.get(cid)
+            if first is None:
+                return []
+            copies = [first, *self._extra.get(cid, ())]
+        return sorted(copies, key=lambda loc: loc in self._bad) if self._bad else copies
+
+    def _locate(self, cid: bytes) -> list[Location]:
+        copies = self._copies(cid)
+        if not copies:
+            self.refresh()  # another process may have published it
+            copies = self._copies(cid)
+        return copies
+
+    def _mark_bad(self, cid: bytes, loc: Location) -> None:
+        with self._lock:
+            self._bad.add(loc)
+
+    def _prefer(self, cid: bytes, loc: Location) -> None:
+        """Make ``loc`` the copy reads try first (a good copy found behind a damaged one)."""
+        with self._lock:
+            first = self._index.get(cid)
+            others = self._extra.get(cid)
+            if first is None or first == loc or not others or loc not in others:
+                return
+            others[others.index(loc)] = first
+            self._index[cid] = loc
+
+    def damaged(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self.corrupt_packs)
+
+    def _missing_hint(self) -> str:
+        if not self.corrupt_packs:
+            return ""
+        names = ", ".join(sorted(self.corrupt_packs)[:3])
+        return f" (the repository has {len(self.corrupt_packs)} damaged pack(s) that may hold it: {names})"
+
+    def packs(self) -> dict[str, list[Entry]]:
+        """Each pack's entries (binary CID, offset, length)."""
+        self.refresh()
+        with self._lock:
+            return {name: list(entries) for name, entries in self._packs.items()}
+
+    def locate(self, cid: bytes) -> tuple[str, int, int]:
+        """Where the copy reads use lies: the pack (its path or URL), offset and length."""
+        copies = self._locate(cid)
+        if not copies:
+            raise BlockNotFound(cidlib.to_str(cid), self._missing_hint())
+        loc = copies[0]
+        return self.backend.where(loc.pack), loc.offset, loc.length
+
+    # -- reads ---------------------------------------------------------------------------------
+    def _read_good(self, cid: bytes, verify: bool, read: Callable[[Location], Any]) -> Any:
+        """Read a copy of ``cid`` with ``read`` (None: the pack is gone) that passes its hash.
+
+        Tries every copy; follows a pack GC compacted away under the read; raises CorruptBlock
+        naming each damaged copy only when no good one is left.
+        """
+        for _ in range(_MAX_MOVES):
+            copies = self._locate(cid)
+            if not copies:
+                break
+            damage: list[str] = []
+            for loc in copies:
+                try:
+                    data = read(loc)
+                    if data is not None and verify and not cidlib.matches(cid, data):
+                        if self.backend.discard_cached(loc.pack, loc.offset):
+                            data = read(loc)  # the cached copy was bad: the medium's may not be
+                        if data is not None and not cidlib.matches(cid, data):
+                            raise CorruptStore(self.backend.where(loc.pack),
+                                               f"the copy at offset {loc.offset} does not match its hash")
+                except CorruptStore as exc:
+                    self._mark_bad(cid, loc)
+                    damage.append(str(exc))
+                    continue
+                if data is None:
+                    damage = []
+                    break  # the pack went away (GC rewrote it): look again
+                self._prefer(cid, loc)
+                return data
+            if damage:
+                raise CorruptBlock(cidlib.to_str(cid), "; ".join(damage))
+            self.refresh()
+        raise BlockNotFound(cidlib.to_str(cid), self._missing_hint())
+
+    def _read(self, cid: bytes) -> bytes | None:
+        try:
+            return self._read_good(cid, False, lambda loc: self.backend.read(*loc))
+        except BlockNotFound:
+            return None
+
+    def get(self, cid: cidlib.CIDLike, *, verify: bool | None = None) -> bytes:
+        key = cidlib.to_bytes(cid)
+        check = self.verify if verify is None else verify
+        data: bytes = self._read_good(key, check, lambda loc: self.backend.read(*loc))
+        return data
+
+    def get_into(self, cid: bytes, out: memoryview, *, verify: bool | None = None) -> None:
+        check = self.verify if verify is None else verify
+
+        def read(loc: Location) -> memoryview | None:
+            if loc.length != out.nbytes:
+                raise CorruptBlock(cidlib.to_str(cid), f"stored size {loc.length} != expected {out.nbytes}")
+            return out if self.backend.read_into(loc.pack, loc.offset, out) else None
+
+        self._read_good(cid, check, read)
+
+    def get_many_into(
+        self, cids: list[bytes], sizes: list[int], out: memoryview, pool: Executor, *,
+        verify: bool | None = None,
+    ) -> None:
+        """Read blocks into consecutive slices of ``out``; blocks lying back to back in one pack
+        travel as one ranged read on a medium that coalesces (``backend.read_coalesce``)."""
+        if not self.backend.read_coalesce or len(cids) == 1:
+            super().get_many_into(cids, sizes, out, pool, verify=verify)
+            return
+        check = self.verify if verify is None else verify
+        offsets = [0, *itertools.accumulate(sizes)]
+        locs = []
+        for cid, size in zip(cids, sizes, strict=True):
+            copies = self._locate(cid)
+            if not copies:
+                raise BlockNotFound(cidlib.to_str(cid), self._missing_hint())
+            if copies[0].length != size:
+                raise CorruptBlock(cidlib.to_str(cid), f"stored size {copies[0].length} != expected {size}")
+            locs.append(copies[0])
+        runs = list(_runs(locs, self.backend.read_coalesce))
+        reads = [
+            Read(locs[run[0]].pack, locs[run[0]].offset, out[offsets[run[0]] : offsets[run[-1] + 1]],
+                 [locs[i].offset for i in run])
+            for run in runs
+        ]
+        redo = [i for run, ok in zip(runs, self.backend.read_many(reads), strict=True) if ok is not True
+                for i in run]  # gone or damaged: each block on its own finds a good copy or says why
+        for i in redo:
+            self.get_into(cids[i], out[offsets[i] : offsets[i + 1]], verify=check)
+        if not check:
+            return
+        done = set(redo)
+
+        def verify_one(i: int) -> None:
+            if i not in done and not cidlib.matches(cids[i], out[offsets[i] : offsets[i + 1]]):
+                self.get_into(cids[i], out[offsets[i] : offsets[i + 1]], verify=True)
+
+        for future in [pool.submit(verify_one, i) for i in range(len(cids))]:
+            future.result()
+
+    def map_blocks(self, cids: list[bytes]) -> memoryview | None:
+        if not self.backend.can_mmap or not cids:
+            return None
+        locations = [self._locate(c) for c in cids]
+        if not all(locations):
+            return None
+        first = locations[0][0]
+        end = first.offset
+        for copies in locations:
+            loc = copies[0]
+            if loc.pack != first.pack or loc.offset != end:
+                return None
+            end += loc.length
+        mapped = self.backend.map(first.pack)
+        return None if mapped is None else mapped[first.offset : end]
+
+    def _has(self, cid: bytes) -> bool:
+        loc = self._index.get(cid)
+        if loc is None:
+            return False
+        return not self._bad or any(c not in self._bad for c in self._copies(cid))
+
+    def _intact(self, cid: bytes) -> bool:
+        """Read every copy of ``cid``: True if one passes its hash (the others are marked)."""
+        try:
+            self._read_good(cid, True, lambda loc: self.backend.read(*loc))
+        except (CorruptBlock, BlockNotFound):
+            return False
+        return True
+
+    def _size(self, cid: bytes) -> int:
+        return self.locate(cid)[2]
+
+    def keys(self) -> Iterator[bytes]:
+        self.refresh()
+        with self._lock:
+            return iter(list(self._index))
+
+    def check_copies(
+        self, cids: list[bytes], *, progress: Callable[[int, int], None] | None = None
+    ) -> dict[bytes, str]:
+        """Re-hash every copy of these blocks, in every pack that holds one."""
+        damaged: dict[bytes, str] = {}
+        for i, cid in enumerate(cids):
+            if progress is not None and i % 256 == 0:
+                progress(i, len(cids))
+            for loc in self._copies(cid):
+                try:
+                    data = self.backend.read(*loc)
+                    if data is None or cidlib.matches(cid, data):
+                        continue  # gone (a concurrent GC), or sound
+                    why = f"the copy in pack {loc.pack} at offset {loc.offset} does not match its hash"
+                except CorruptStore as exc:
+                    why = str(exc)
+                self._mark_bad(cid, loc)
+                damaged[cid] = "; ".join(filter(None, (damaged.get(cid), why)))
+        return damaged
+
+    # -- writes --------------------------------------------------------------------------------
+    def writer(self, *, verify_existing: bool = False) -> PackWriter:
+        self._check_writable()
+        return PackWriter(self, verify_existing=verify_existing)
+
+    @property
+    def _publisher(self) -> ThreadPoolExecutor:
+        """Publishes sealed packs while the next one is written (media where that is a transfer)."""
+        with self._lock:
+            if self._publisher_pool is None:
+                self._publisher_pool = ThreadPoolExecutor(2, thread_name_prefix="cas_ckpt-publish")
+            return self._publisher_pool
+
+    def _publish(self, sink: Sink, name: str, entries: list[Entry]) -> tuple[str, list[Entry]]:
+        """Publish a sealed pack; an existing object of its name is trusted only once verified."""
+        try:
+            if not sink.publish(name):
+                if self._pack_intact(name, entries):
+                    sink.abort()
+                else:
+                    sink.replace(name)  # the existing copy was damaged: ours takes its place
+                    with self._lock:
+                        self._drop_pack(name)
+                        self.corrupt_packs.pop(name, None)
+        except BaseException:
+            sink.abort()
+            raise
+        return name, entries
+
+    def _pack_intact(self, name: str, entries: list[Entry]) -> bool:
+        """True if the object ``name`` holds ``entries``, each passing its hash."""
+        try:
+            for run in _runs([Location(name, o, n) for _, o, n in entries], REPACK_READ):
+                first, last = entries[run[0]], entries[run[-1]]
+                data = self.backend.read(name, first[1], last[1] + last[2] - first[1])
+                if data is None:
+                    return False
+                view = memoryview(data)
+                for i in run:
+                    cid, offset, length = entries[i]
+                    if not cidlib.matches(cid, view[offset - first[1] : offset - first[1] + length]):
+                        return False
+            tail_size = len(encode_index(entries)[0])
+            end = entries[-1][1] + entries[-1][2] if entries else len(PACK_MAGIC)
+            tail = self.backend.read(name, end, tail_size)
+            return tail is not None and tail == encode_index(entries)[0]
+        except CorruptStore:
+            return False
+
+    def delete(
+        self, cids: set[bytes], *, min_age: float = 0.0, before_unlink: Callable[[], None] | None = None
+    ) -> tuple[int, int]:
+        """Remove blocks from packs older than ``max(min_age, backend.min_grace)`` seconds.
+
+        Packs left with nothing live are deleted first (that needs no space, so GC frees space
+        on a full medium). Packs losing some blocks, and small packs, are then merged: their
+        surviving blocks, each verified, are written into new packs, published durably, and only
+        then are the old packs deleted; this is skipped when the medium lacks the room. Returns
+        (blocks removed, bytes freed).
+        """
+        self._check_writable()
+        self.refresh()
+        with self._lock:
+            packs = {name: (list(entries), self._info[name].size, self._info[name].age)
+                     for name, entries in self._packs.items() if name in self._info}
+        plan = plan_sweep(packs, cids, max(min_age, self.backend.min_grace))
+        dead = [name for name, live in plan.items() if not live]
+        merge = {name: live for name, live in plan.items() if live}
+        if before_unlink is not None and plan:
+            before_unlink()
+        removed = freed = 0
+        for name in dead:
+            self.backend.delete(name)
+            self._drop_pack(name)
+            removed, freed = removed + len(packs[name][0]), freed + packs[name][1]
+        if merge and self._room_for(merge):
+            written, kept = self._repack(merge)
+            if before_unlink is not None:
+                before_unlink()
+            for name in merge:
+                if name in written or name in kept:
+                    continue  # rewritten byte for byte (an identical pack), or holding the only copy
+                self.backend.delete(name)
+                self._drop_pack(name)
+                removed += len(packs[name][0]) - len(merge[name])
+                freed += packs[name][1]
+            with self._lock:  # what the new packs take (an identical rewrite was never deleted)
+                freed -= sum(self._info[name].size for name in written
+                             if name in self._info and name not in merge)
+        return removed, freed
+
+    def _room_for(self, merge: dict[str, list[Entry]]) -> bool:
+        free = self.backend.free_space()
+        need = sum(length for live in merge.values() for _, _, length in live)
+        return free is None or free >= need + need // 8 + SPACE_MARGIN
+
+    def _repack(self, merge: dict[str, list[Entry]]) -> tuple[list[str], set[str]]:
+        """Copy the live blocks of these packs into new packs, each verified first.
+
+        A block whose copy here is damaged is taken from another copy; if none is good, its
+        pack is kept (returned in the second item) so nothing that might be recovered is lost.
+        Returns the new packs' names and the packs to keep. A full medium stops the rewrite:
+        nothing is deleted then, and the old packs stay.
+        """
+        writer = self.writer()
+        kept: set[str] = set()
+        try:
+            for name, live in merge.items():
+                if not self._copy_live(writer, name, live):
+                    kept.add(name)
+            writer.commit()
+        except OSError as exc:
+            writer.abort()
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return [], set(merge)
+            raise
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.published, kept
+
+    def _copy_live(self, writer: PackWriter, name: str, live: list[Entry]) -> bool:
+        """Append the verified live blocks of pack ``name`` to ``writer``; False if one has no good copy."""
+        complete = True
+        for run in _runs([Location(name, o, n) for _, o, n in live], REPACK_READ):
+            first, last = live[run[0]], live[run[-1]]
+            data = self.backend.read(name, first[1], last[1] + last[2] - first[1])
+            if data is None:
+                raise RepositoryError(f"pack {self.backend.where(name)} vanished while GC was rewriting it")
+            view = memoryview(data)
+            for i in run:
+                cid, offset, length = live[i]
+                block = view[offset - first[1] : offset - first[1] + length]
+                if not cidlib.matches(cid, block):
+                    self._mark_bad(cid, Location(name, offset, length))
+                    try:
+                        block = memoryview(self._read_good(cid, True, lambda loc: self.backend.read(*loc)))
+                    except (CorruptBlock, BlockNotFound):
+                        complete = False
+                        continue
+                writer.add_copy(cid, block)
+        return complete
+
+    def clean_temp(self) -> int:
+        self._check_writable()
+        return self.backend.clean_temp(self.backend.min_grace)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._publisher_pool = self._publisher_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self.backend.close()
+
+
+def _runs(locs: list[Location], limit: int) -> Iterator[list[int]]:
+    """Group consecutive locations that lie back to back in one pack, at most ``limit`` bytes each."""
+    run: list[int] = []
+    for i, loc in enumerate(locs):
+        if run:
+            last, start = locs[run[-1]], locs[run[0]].offset
+            if (loc.pack == last.pack and loc.offset == last.offset + last.length
+                    and loc.offset + loc.length - start <= limit):
+                run.append(i)
+                continue
+            yield run
+        run = [i]
+    if run:
+        yield run
+
+
+# --------------------------------------------------------------------------------------------
+# The packed store on each medium: only the backend differs
+# --------------------------------------------------------------------------------------------
+class LocalStore(PackedBlockStore):
+    """Packed blocks in a directory (``packs/`` and ``tmp/`` below ``root``)."""
+
+    def __init__(
+        self, root: str | Path, *, verify: bool = True, read_only: bool = False,
+        pack_size: int | None = None,
+    ) -> None:
+        super().__init__(LocalBackend(root, read_only=read_only), verify=verify, pack_size=pack_size)
+        self.local: LocalBackend = self.backend  # type: ignore[assignment]
+
+    @property
+    def root(self) -> Path:
+        return self.local.root
+
+    @property
+    def pack_dir(self) -> Path:
+        return self.local.pack_dir
+
+    @property
+    def tmp_dir(self) -> Path:
+        return self.local.tmp_dir
+
+
+class MemoryStore(PackedBlockStore):
+    """Packed blocks in memory, for tests and throwaway repositories."""
+
+    def __init__(self, *, verify: bool = True, pack_size: int | None = None) -> None:
+        super().__init__(MemoryBackend(), verify=verify, pack_size=pack_size)
+        self.memory: MemoryBackend = self.backend  # type: ignore[assignment]
+
+
+class S3Store(PackedBlockStore):
+    """Packed blocks in an S3 bucket: ``<prefix>packs/<name>.pack`` objects (see S3Backend).
+
+    ``bucket`` is an :class:`~cas_ckpt.backends.S3Bucket` or an ``s3://bucket/prefix`` URL.
+    """
+
+    def __init__(
+        self, bucket: S3Bucket | str, *, verify: bool = True, read_only: bool = False,
+        pack_size: int | None = None, part_size: int = PART_SIZE, read_size: int = READ_SIZE,
+        cache_dir: str | os.PathLike[str] | None = None, min_grace: float = DEFAULT_GRACE,
+    ) -> None:
+        backend = S3Backend(bucket, read_only=read_only, part_size=part_size, read_size=read_size,
+                            cache_dir=cache_dir, min_grace=min_grace)
+        super().__init__(backend, verify=verify, pack_size=pack_size)
+        self.s3: S3Backend = backend
+
+    @property
+    def bucket(self) -> S3Bucket:
+        return self.s3.bucket
+
+    @property
+    def tmp_dir(self) -> Path:
+        return self.s3.spool_dir
