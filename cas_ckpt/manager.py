@@ -93,7 +93,7 @@ class CheckpointManager:
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = async_save
-        self._buffers: dict[str, Any] | None = {} if reuse_buffers else None
+        self._buffers: dict[Place, Any] | None = {} if reuse_buffers else None
         self.gc_after_retention = gc_after_retention
         self.last_report: SaveReport | None = None  # of the latest save this manager finished
         self._prefix = check_ref_name(f"{ref}.steps") + "/"
@@ -323,26 +323,34 @@ def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def snapshot(state: Any, buffers: dict[str, Any] | None = None) -> Any:
+# Where a value sits in a state, one (container, key) pair per level: ("d", key) for a dict
+# key (int and str kept apart), ("i", index) for a list or tuple item. Unlike the dotted path
+# (which errors show), it never names two places alike: {"a.b": x} and {"a": {"b": y}}, or
+# {0: x} and {"0": y}, once shared a host buffer and saved y twice.
+Place = tuple[tuple[str, Any], ...]
+
+
+def snapshot(state: Any, buffers: dict[Place, Any] | None = None) -> Any:
     """A copy of ``state`` that in-place updates of its arrays and tensors cannot reach.
 
     Tensors are copied to host memory (detached), numpy arrays copied; immutable values are shared.
-    An object reached twice (tied weights) is copied once. ``buffers`` (path -> array or tensor):
-    copies from an earlier snapshot no longer in use, refilled in place when shape and dtype still
-    match (no new memory to fault in); the dict is updated to this snapshot's copies. Raises
-    :class:`StateTypeError` for values ``save`` would refuse.
+    An object reached twice (tied weights) is copied once. ``buffers`` (place -> array or tensor,
+    a place being a tuple of ``("d", key)`` and ``("i", index)`` steps): copies from an earlier
+    snapshot no longer in use, refilled in place when shape and dtype still match (no new memory
+    to fault in), each into at most one value; the dict is updated to this snapshot's copies.
+    Raises :class:`StateTypeError` for values ``save`` would refuse.
     """
-    return _Snapshot({} if buffers is None else buffers).copy(state, "", 0)
+    return _Snapshot({} if buffers is None else buffers).copy(state, "", (), 0)
 
 
 class _Snapshot:
-    def __init__(self, buffers: dict[str, Any]) -> None:
+    def __init__(self, buffers: dict[Place, Any]) -> None:
         self.old = dict(buffers)
         self.buffers = buffers
         buffers.clear()
         self.memo: dict[int, Any] = {}  # tied values are copied (and registered) once
 
-    def copy(self, value: Any, path: str, depth: int) -> Any:
+    def copy(self, value: Any, path: str, place: Place, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise StateTypeError(path, f"nesting deeper than {MAX_DEPTH} levels")
         kind = type(value)
@@ -357,17 +365,20 @@ class _Snapshot:
                     raise StateTypeError(
                         join_path(path, key), f"dict keys must be str or int, not {type(key).__name__}"
                     )
-                out[key] = self.copy(item, join_path(path, key), depth + 1)
+                out[key] = self.copy(item, join_path(path, key), (*place, ("d", key)), depth + 1)
             return out
         if kind in (list, tuple):
-            items = [self.copy(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
+            items = [
+                self.copy(v, join_path(path, i), (*place, ("i", i)), depth + 1)
+                for i, v in enumerate(value)
+            ]
             return items if kind is list else tuple(items)
         if id(value) not in self.memo:
-            self.memo[id(value)] = self.leaf(value, path)
+            self.memo[id(value)] = self.leaf(value, path, place)
         return self.memo[id(value)]
 
-    def leaf(self, value: Any, path: str) -> Any:
-        old = self.old.get(path)
+    def leaf(self, value: Any, path: str, place: Place) -> Any:
+        old = self.old.pop(place, None)  # popped: an old buffer never backs two values
         if isinstance(value, np.ndarray):
             if dtype_name(value.dtype) is None:
                 raise StateTypeError(path, f"unsupported array dtype {value.dtype}")
@@ -383,5 +394,5 @@ class _Snapshot:
         else:
             kind = type(value)
             raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}")
-        self.buffers[path] = copy
+        self.buffers[place] = copy
         return copy
