@@ -271,14 +271,22 @@ class CheckpointManager:
         return cid
 
     def _drain(self) -> None:
+        """Wait for the save in flight; raise its failure as :class:`SaveFailed`, once.
+
+        An exception raised while waiting (KeyboardInterrupt) propagates as it is and leaves the
+        save pending: it is still running, and the next call, or interpreter exit, waits for it.
+        """
         with self._lock:
-            future, self._future = self._future, None
+            future, step = self._future, self._pending_step
         if future is None:
             return
-        try:
-            future.result()
-        except BaseException as exc:
-            raise SaveFailed(self.ref, self._pending_step, exc) from exc
+        error = future.exception()
+        with self._lock:
+            if self._future is not future:
+                return  # another thread took this result (and reports a failure)
+            self._future = None
+        if error is not None:
+            raise SaveFailed(self.ref, step, error) from error
 
     # -- retention -----------------------------------------------------------------------------
     def _retain(self) -> None:

@@ -1,0 +1,78 @@
+"""Async saves at the edges of a process: Ctrl-C while waiting.
+
+Each test runs a real Python process. To make "a save is in flight" certain rather than likely,
+the child holds the repository's exclusive (GC) lock while it saves, so the background write
+cannot start until the lock is released, by the child itself.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+
+import cas_ckpt
+
+SIZE = 1 << 20  # float64 values: 8 MiB, chunked, so hashing goes through the repository's pool
+
+PRELUDE = f"""
+import sys, threading
+import numpy as np
+import cas_ckpt
+
+repo = cas_ckpt.open(sys.argv[1])
+manager = cas_ckpt.CheckpointManager(repo, "run", async_save=True)
+state = {{"w": np.random.default_rng(7).random({SIZE}), "step": 1}}
+hold = repo.refs_store.lock(exclusive=True)  # the background write waits for this lock
+hold.__enter__()
+manager.save(1, state)
+"""
+
+
+def expected_state() -> dict[str, object]:
+    return {"w": np.random.default_rng(7).random(SIZE), "step": 1}
+
+
+def assert_saved(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        out = repo.load("run")
+        assert repo.commit("run").step == 1 and "run.steps/000000000001" in repo.refs()
+        assert repo.fsck().ok
+    expected = expected_state()
+    assert out["step"] == 1 and out["w"].dtype == np.float64
+    assert out["w"].tobytes() == expected["w"].tobytes()  # type: ignore[union-attr]
+
+
+def test_ctrl_c_during_wait_stays_a_keyboard_interrupt_and_the_save_completes(
+    tmp_path: Path,
+) -> None:
+    body = """
+        print("waiting", flush=True)
+        try:
+            manager.wait()
+        except BaseException as exc:
+            print(type(exc).__name__, isinstance(exc, cas_ckpt.CasCkptError), flush=True)
+        hold.__exit__(None, None, None)
+        print(manager.wait() == repo.resolve("run"), manager.steps(), flush=True)
+        manager.close()
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(body), str(tmp_path / "repo")],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "waiting\n"
+        time.sleep(0.3)  # the child is blocked in wait(): the save cannot take the lock
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert out.splitlines() == ["KeyboardInterrupt False", "True [1]"], err
+    assert_saved(tmp_path)
