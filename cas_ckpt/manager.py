@@ -20,9 +20,12 @@ the abandoned trajectory count as retained steps like any other.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
+import sys
 import threading
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -163,6 +166,7 @@ class CheckpointManager:
         if not self.async_save:
             return self._write(step, state, metadata)
         copy = snapshot(state, self._buffers)
+        _finish_at_exit(self)
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="cas_ckpt-save")
@@ -315,6 +319,93 @@ class CheckpointManager:
             if type(value) in (int, float) and not math.isnan(value):
                 scored.append((value if self.best_mode == "min" else -value, -step, step))
         return [step for *_, step in sorted(scored)[: self.keep_best]]
+
+
+# -- interpreter exit ----------------------------------------------------------------------------
+# The last checkpoint of a run is the one most needed, and a script that ends (or dies of an
+# exception) right after an async save must not lose it. concurrent.futures makes every thread
+# pool, Repository.pool included, refuse new work from a hook it registers with
+# threading._register_atexit when it is imported; those hooks run, last registered first, as the
+# main thread ends, before non-daemon threads are joined and long before atexit callbacks. This
+# module imported concurrent.futures before it registers its own hook, so that hook runs first and
+# the saves in flight can still use the pools.
+_ASYNC_MANAGERS: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+_HOOK_LOCK = threading.Lock()
+_hook_registered = False
+
+
+def _finish_at_exit(manager: CheckpointManager) -> None:
+    """Make the end of the main thread wait for ``manager``'s saves in flight."""
+    global _hook_registered
+    with _HOOK_LOCK:
+        _ASYNC_MANAGERS.add(manager)
+        if _hook_registered:
+            return
+        _hook_registered = True
+    register = getattr(threading, "_register_atexit", atexit.register)  # private, in 3.9+
+    with contextlib.suppress(RuntimeError):  # shutting down already: too late for any hook
+        register(_finish_saves)
+
+
+def _finish_saves() -> None:
+    """Wait for every async save in flight; report each failure on stderr, and exit non-zero."""
+    failures = []
+    managers = [m for m in list(_ASYNC_MANAGERS) if m._future is not None]
+    for i, manager in enumerate(managers):
+        try:
+            manager._drain()
+        except SaveFailed as exc:
+            failures.append(f"{exc}; the checkpoint was not saved")
+        except KeyboardInterrupt:
+            failures.extend(
+                f"interrupted at exit while the async save of step {m._pending_step} to {m.ref!r} "
+                "was in flight; it may not be saved"
+                for m in managers[i:] if m._future is not None
+            )
+            break
+    for message in failures:
+        print(f"cas_ckpt: {message}", file=sys.stderr, flush=True)
+    if failures:
+        _exit_status_120()
+
+
+def _exit_status_120() -> None:
+    """Make the interpreter exit with status 120 without cutting its shutdown short.
+
+    Nothing an exit hook raises changes the exit status, and ``os._exit`` would skip the atexit
+    callbacks and the output still buffered. Python itself exits 120 when flushing ``sys.stdout``
+    fails at the very end of finalization (after every atexit callback ran); a stand-in stream
+    whose flush fails only then gets that status. Its error is not printed again: the reason is.
+    """
+    name = "stdout" if sys.stdout is not None else "stderr"
+    stream = _FailingFlush(getattr(sys, name))
+    setattr(sys, name, stream)
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if unraisable.object is not stream:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+class _FailingFlush:
+    """A stream that passes everything through, but whose flush fails once Python finalizes."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        return len(text) if self._stream is None else int(self._stream.write(text))
+
+    def flush(self) -> None:
+        if self._stream is not None:
+            self._stream.flush()
+        if sys.is_finalizing():
+            raise RepositoryError("an async save failed at exit (reported above)")
 
 
 def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -1,8 +1,8 @@
-"""Async saves at the edges of a process: Ctrl-C while waiting.
+"""Async saves at the edges of a process: interpreter exit, an uncaught exception, Ctrl-C.
 
 Each test runs a real Python process. To make "a save is in flight" certain rather than likely,
 the child holds the repository's exclusive (GC) lock while it saves, so the background write
-cannot start until the lock is released, by the child itself.
+cannot start until the lock is released: by a timer thread at exit, or by the child itself.
 """
 
 from __future__ import annotations
@@ -38,6 +38,14 @@ def expected_state() -> dict[str, object]:
     return {"w": np.random.default_rng(7).random(SIZE), "step": 1}
 
 
+def run_child(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
+    code = PRELUDE + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "repo")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
 def assert_saved(tmp_path: Path) -> None:
     with cas_ckpt.open(tmp_path / "repo") as repo:
         out = repo.load("run")
@@ -46,6 +54,44 @@ def assert_saved(tmp_path: Path) -> None:
     expected = expected_state()
     assert out["step"] == 1 and out["w"].dtype == np.float64
     assert out["w"].tobytes() == expected["w"].tobytes()  # type: ignore[union-attr]
+
+
+RELEASE_LATER = "threading.Timer(0.3, hold.__exit__, (None, None, None)).start()\n"
+
+
+def test_a_save_in_flight_when_the_script_ends_is_finished(tmp_path: Path) -> None:
+    result = run_child(tmp_path, RELEASE_LATER + "print('main done')\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "main done\n" and result.stderr == ""
+    assert_saved(tmp_path)
+
+
+def test_a_save_in_flight_when_an_exception_ends_the_script_is_finished(tmp_path: Path) -> None:
+    result = run_child(tmp_path, RELEASE_LATER + "raise RuntimeError('the training loop broke')\n")
+    assert result.returncode == 1
+    assert "RuntimeError: the training loop broke" in result.stderr
+    assert "cas_ckpt" not in result.stderr.split("RuntimeError: the training loop broke")[-1]
+    assert_saved(tmp_path)
+
+
+def test_a_save_that_fails_at_exit_is_reported_and_the_exit_status_is_not_zero(
+    tmp_path: Path,
+) -> None:
+    body = """
+        other = cas_ckpt.open("memory://")
+        foreign = other.save({"x": 1}, ref="x")  # a CID whose block ``repo`` does not hold
+        hold.__exit__(None, None, None)
+        manager.wait()
+        manager.save(2, {"link": foreign})  # fails in the background; nobody waits for it
+        print("main done")
+    """
+    result = run_child(tmp_path, body)
+    assert result.returncode != 0
+    assert result.stdout == "main done\n"
+    assert "async save of step 2 to 'run' failed" in result.stderr, result.stderr
+    assert "not saved" in result.stderr
+    assert "Traceback" not in result.stderr  # one clear message, not an unraisable-error dump
+    assert_saved(tmp_path)  # step 1 is intact; the ref did not move to a partial step 2
 
 
 def test_ctrl_c_during_wait_stays_a_keyboard_interrupt_and_the_save_completes(
