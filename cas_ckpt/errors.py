@@ -185,3 +185,17 @@ class GraphCycleError(CasCkptError, ValueError):
     def __init__(self, nodes: list[str]) -> None:
         super().__init__(f"computation graph has a cycle through nodes {nodes}")
         self.nodes = nodes
+
+
+class UnknownMetric(CasCkptError, ValueError):
+    """A retention rule ranks by a metric that no save of the ref has reported (a misspelling?)."""
+
+    def __init__(self, ref: str, metric: str, reported: list[str]) -> None:
+        seen = f"the metrics reported are {reported}" if reported else "no metrics were reported"
+        super().__init__(
+            f"keep_best ranks {ref!r} by best_metric {metric!r}, but no save of it reported that "
+            f"metric ({seen}); nothing was saved or expired"
+        )
+        self.ref = ref
+        self.metric = metric
+        self.reported = reported

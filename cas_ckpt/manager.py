@@ -42,6 +42,7 @@ from cas_ckpt.errors import (
     SaveFailed,
     StateTypeError,
     StepNotFound,
+    UnknownMetric,
 )
 from cas_ckpt.refs import check_ref_name
 from cas_ckpt.repository import Commit, Repository, SaveReport, Target
@@ -58,7 +59,10 @@ class CheckpointManager:
     ``save_every``: save only steps divisible by it (``force=True`` saves any step).
     ``keep_last`` / ``keep_every`` / ``keep_best``: keep the last N steps, every step divisible by
     K, and the N best by ``metrics[best_metric]`` (``best_mode`` "min" or "max"); a step any rule
-    keeps survives, the latest always does. No rule given: keep everything.
+    keeps survives, the latest always does. No rule given: keep everything. Until a save of
+    ``ref`` has reported ``best_metric``, a save without it raises :class:`UnknownMetric` (naming
+    the metrics reported) before anything is written or expired: a misspelt metric would rank
+    nothing and expire the best step. Once one has, saves may leave it out; they never rank.
     ``async_save``: ``save`` returns once the state is copied to host memory; writing continues in
     a background thread, one save at a time. ``reuse_buffers`` (async): keep that host copy between
     saves and refill it in place, which is faster than fresh memory but holds one copy of the state
@@ -105,6 +109,7 @@ class CheckpointManager:
         self._future: Future[CID] | None = None
         self._pending_step = -1
         self._last_cid: CID | None = None
+        self._best_metric_stored = False  # a retained step reported best_metric
         self._closed = False
         self._lock = threading.Lock()
         if fork_from is not None and repo.refs_store.get(self.ref) is None:
@@ -163,6 +168,7 @@ class CheckpointManager:
             return None
         self._check_new(step, overwrite)
         metadata = {"step": step, "metrics": _metrics(metrics)}
+        self._check_best_metric(metadata["metrics"])
         if not self.async_save:
             return self._write(step, state, metadata)
         copy = snapshot(state, self._buffers)
@@ -310,6 +316,25 @@ class CheckpointManager:
             self.repo.delete_ref(self.step_ref(step), expected=steps[step])
         if expired and self.gc_after_retention:
             self.repo.gc()
+
+    def _check_best_metric(self, metrics: dict[str, Any]) -> None:
+        """Refuse a save while ``keep_best`` ranks by a metric that no save has reported.
+
+        A misspelt name ranks nothing, and retention would expire every step but the latest, the
+        best one included. Once a retained step reported the metric, saves may leave it out (steps
+        without an evaluation, say): they never rank.
+        """
+        if self.keep_best is None or self.best_metric in metrics or self._best_metric_stored:
+            return
+        reported = set(metrics)
+        for cid in self._step_refs().values():
+            stored = self._commit(cid).metadata.get("metrics")
+            if isinstance(stored, dict):
+                if self.best_metric in stored:
+                    self._best_metric_stored = True
+                    return
+                reported.update(k for k in stored if isinstance(k, str))
+        raise UnknownMetric(self.ref, str(self.best_metric), sorted(reported))
 
     def _best(self, steps: dict[int, bytes]) -> list[int]:
         scored = []

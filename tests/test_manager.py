@@ -15,6 +15,7 @@ from strategies import colliding_states
 
 import cas_ckpt
 from cas_ckpt import CheckpointManager
+from cas_ckpt.errors import UnknownMetric
 from cas_ckpt.manager import snapshot
 
 MIB = 1024 * 1024
@@ -135,6 +136,39 @@ def test_keep_best_ranks_by_metric_and_keeps_the_latest(
         mgr.save(step, {"step": step}, metrics=metrics)
     # NaN and missing metrics never rank; 7 stays as the latest
     assert mgr.steps() == sorted({*best, 7})
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_keep_best_on_a_metric_no_save_reported_raises_before_anything_expires(
+    repo: cas_ckpt.Repository, async_save: bool
+) -> None:
+    plain = CheckpointManager(repo, "run")
+    for step, loss in [(1, 0.3), (2, 0.1), (3, 0.2)]:
+        plain.save(step, {"step": step}, metrics={"val/loss": loss, "lr": 0.1})
+    # "val_loss" is misspelt: ranking nothing, keep_best=1 would expire steps 1 and 2, the best.
+    mgr = CheckpointManager(repo, "run", keep_best=1, best_metric="val_loss", async_save=async_save)
+    with pytest.raises(UnknownMetric, match=r"'val_loss'.*\['lr', 'val/loss'\]") as info:
+        mgr.save(4, {"step": 4}, metrics={"val/loss": 0.05, "lr": 0.1})
+    assert isinstance(info.value, ValueError) and info.value.metric == "val_loss"
+    assert info.value.reported == ["lr", "val/loss"]
+    assert mgr.steps() == [1, 2, 3] and mgr.latest_step() == 3  # nothing saved, nothing expired
+    fresh = CheckpointManager(repo, "fresh", keep_best=1, best_metric="val_loss")
+    with pytest.raises(UnknownMetric, match=r"no metrics were reported"):
+        fresh.save(1, {"step": 1})
+    assert fresh.steps() == []
+
+
+def test_keep_best_allows_saves_without_the_metric_once_one_reported_it(
+    repo: cas_ckpt.Repository,
+) -> None:
+    mgr = CheckpointManager(repo, "run", keep_best=1, best_metric="val_loss")
+    mgr.save(1, {"step": 1}, metrics={"val_loss": 0.5})
+    mgr.save(2, {"step": 2}, metrics={"train_loss": 0.4})  # no evaluation at this step: never ranks
+    mgr.save(3, {"step": 3})
+    assert mgr.steps() == [1, 3]
+    again = CheckpointManager(repo, "run", keep_best=1, best_metric="val_loss")  # a new process
+    again.save(4, {"step": 4}, metrics={"train_loss": 0.3})
+    assert again.steps() == [1, 4]
 
 
 def test_expired_blocks_stay_until_gc_when_gc_after_retention_is_off(
