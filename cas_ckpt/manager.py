@@ -439,12 +439,35 @@ def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     for key, value in (metrics or {}).items():
         if not isinstance(key, str):
             raise StateTypeError(f"metrics.{key}", "metric names must be str")
-        if hasattr(value, "item") and callable(value.item):
-            value = value.item()
-        if type(value) not in (int, float, bool):
-            raise StateTypeError(f"metrics.{key}", f"metrics must be numbers, not {type(value).__name__}")
-        out[key] = value
+        out[key] = _metric(value, f"metrics.{key}")
     return out
+
+
+def _metric(value: Any, path: str) -> Any:
+    """One metric as a Python number; numpy scalars and one-element arrays or tensors unwrapped."""
+    if type(value) in (int, float, bool):
+        return value
+    if hasattr(value, "item") and callable(value.item):
+        count = _element_count(value)
+        if count is not None and count != 1:
+            shape = tuple(getattr(value, "shape", ()))
+            raise StateTypeError(
+                path, f"a metric must be one number, not a {type(value).__name__} of shape {shape}"
+            )
+        try:
+            value = value.item()
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:  # a meta tensor
+            raise StateTypeError(path, f"a metric must be one number; reading it failed: {exc}") from exc
+    if type(value) not in (int, float, bool):
+        raise StateTypeError(path, f"metrics must be numbers, not {type(value).__name__}")
+    return value
+
+
+def _element_count(value: Any) -> int | None:
+    if isinstance(value, (np.ndarray, np.generic)):
+        return int(value.size)
+    numel = getattr(value, "numel", None)  # torch tensors, without importing torch
+    return int(numel()) if callable(numel) else None
 
 
 # Where a value sits in a state, one (container, key) pair per level: ("d", key) for a dict

@@ -533,7 +533,11 @@ def _plain(value: Any, path: str) -> Any:
         return {k: _plain(v, f"{path}.{k}") for k, v in value.items()}
     scalar_array = isinstance(value, np.ndarray) and value.ndim == 0
     if isinstance(value, np.generic) or scalar_array or _is_scalar_tensor(value):  # metrics
-        return _plain(value.item(), path)
+        try:
+            item = value.item()
+        except (RuntimeError, NotImplementedError) as exc:  # a meta tensor has no value to read
+            raise StateTypeError(path, f"cannot read the value of this tensor: {exc}") from exc
+        return _plain(item, path)
     raise StateTypeError(path, f"metadata cannot hold {type(value).__name__}")
 
 

@@ -100,6 +100,31 @@ def test_bad_options_and_metrics(repo: cas_ckpt.Repository) -> None:
     assert mgr.steps() == []
 
 
+def assert_metrics_refused(mgr: CheckpointManager, values: list[object]) -> None:
+    for value in values:
+        with pytest.raises(cas_ckpt.StateTypeError, match=r"metrics\.val/loss: .*one number"):
+            mgr.save(1, {}, metrics={"val/loss": value})
+    assert mgr.steps() == []
+
+
+def test_metrics_must_be_single_numbers(repo: cas_ckpt.Repository) -> None:
+    mgr = CheckpointManager(repo, "run")
+    assert_metrics_refused(mgr, [np.array([0.5, 0.25]), np.zeros((2, 2)), np.array([], "f4")])
+    mgr.save(1, {}, metrics={"a": np.array([0.5]), "b": np.array(2), "c": np.float16(0.25)})
+    assert mgr.metrics(1) == {"a": 0.5, "b": 2, "c": 0.25}
+
+
+def test_vector_tensor_metrics_are_refused_naming_the_metric(repo: cas_ckpt.Repository) -> None:
+    torch = pytest.importorskip("torch")
+    mgr = CheckpointManager(repo, "run")
+    meta = torch.tensor(1.0, device="meta")  # one element, but no value to read
+    assert_metrics_refused(mgr, [torch.tensor([0.5, 0.25]), torch.zeros(0), meta])
+    with pytest.raises(cas_ckpt.StateTypeError, match=r"metadata\.loss"):
+        repo.save({}, metadata={"loss": meta})
+    mgr.save(1, {}, metrics={"t": torch.tensor([[1.5]], requires_grad=True), "i": torch.tensor(3)})
+    assert mgr.metrics(1) == {"t": 1.5, "i": 3}
+
+
 # -- retention ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["memory", "local"])
 def test_keep_last_frees_space_and_keeps_history(where: str, tmp_path: Path) -> None:
