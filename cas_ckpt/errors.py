@@ -199,3 +199,23 @@ class UnknownMetric(CasCkptError, ValueError):
         self.ref = ref
         self.metric = metric
         self.reported = reported
+
+
+class MapLocationError(CasCkptError, ValueError):
+    """``map_location`` cannot place a loaded tensor: a device this process cannot use, or a
+    malformed mapping. Names the path of the tensor inside the state (and ``device`` when known).
+    """
+
+    def __init__(self, message: str, *, device: str | None = None, path: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.device = device
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"{self.path or '<root>'}: {self.message}"
+
+    def inside(self, key: object) -> MapLocationError:
+        """Put ``key`` in front of the path (the reader adds each level on the way out)."""
+        self.path = f"{key}.{self.path}" if self.path else str(key)
+        return self

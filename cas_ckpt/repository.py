@@ -31,6 +31,7 @@ from cas_ckpt.errors import (
     DecodeError,
     InvalidCID,
     InvalidRefName,
+    MapLocationError,
     RefConflict,
     RefNotFound,
     RepositoryError,
@@ -289,6 +290,10 @@ class Repository:
             else:
                 value = reader.select(Link(tree), list(path), cidlib.to_str(root), exact=True)
             return reader.load(value)
+        except MapLocationError as exc:  # the reader named the tensor's path below ``path``
+            if path:
+                exc.inside(path if isinstance(path, str) else ".".join(map(str, path)))
+            raise
         except BlockNotFound as exc:
             if tree != root and not self._held(root):
                 raise CheckpointExpired(cidlib.to_str(root), exc.cid) from None
