@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fixtures.make_v1_repo import state
 
 import cas_ckpt
-from fixtures.make_v1_repo import state
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1-repo"
 MANIFEST = json.loads((FIXTURE.parent / "v1-repo.json").read_text())

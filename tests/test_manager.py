@@ -102,7 +102,7 @@ def test_bad_options_and_metrics(repo: cas_ckpt.Repository) -> None:
 
 def assert_metrics_refused(mgr: CheckpointManager, values: list[object]) -> None:
     for value in values:
-        with pytest.raises(cas_ckpt.StateTypeError, match=r"metrics\.val/loss: .*one number"):
+        with pytest.raises(cas_ckpt.errors.StateTypeError, match=r"metrics\.val/loss: .*one number"):
             mgr.save(1, {}, metrics={"val/loss": value})
     assert mgr.steps() == []
 
@@ -119,7 +119,7 @@ def test_vector_tensor_metrics_are_refused_naming_the_metric(repo: cas_ckpt.Repo
     mgr = CheckpointManager(repo, "run")
     meta = torch.tensor(1.0, device="meta")  # one element, but no value to read
     assert_metrics_refused(mgr, [torch.tensor([0.5, 0.25]), torch.zeros(0), meta])
-    with pytest.raises(cas_ckpt.StateTypeError, match=r"metadata\.loss"):
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match=r"metadata\.loss"):
         repo.save({}, metadata={"loss": meta})
     mgr.save(1, {}, metrics={"t": torch.tensor([[1.5]], requires_grad=True), "i": torch.tensor(3)})
     assert mgr.metrics(1) == {"t": 1.5, "i": 3}

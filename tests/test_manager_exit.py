@@ -102,7 +102,7 @@ def test_ctrl_c_during_wait_stays_a_keyboard_interrupt_and_the_save_completes(
         try:
             manager.wait()
         except BaseException as exc:
-            print(type(exc).__name__, isinstance(exc, cas_ckpt.CasCkptError), flush=True)
+            print(type(exc).__name__, isinstance(exc, cas_ckpt.errors.CasCkptError), flush=True)
         hold.__exit__(None, None, None)
         print(manager.wait() == repo.resolve("run"), manager.steps(), flush=True)
         manager.close()
