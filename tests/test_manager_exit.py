@@ -98,8 +98,8 @@ def test_ctrl_c_during_wait_stays_a_keyboard_interrupt_and_the_save_completes(
     tmp_path: Path,
 ) -> None:
     body = """
-        print("waiting", flush=True)
         try:
+            print("waiting", flush=True)
             manager.wait()
         except BaseException as exc:
             print(type(exc).__name__, isinstance(exc, cas_ckpt.errors.CasCkptError), flush=True)
