@@ -232,7 +232,8 @@ def test_map_location_dict_and_callable_work_as_in_torch_load(repo: cas_ckpt.Rep
         (lambda storage, location: "cpu", r"model\.w: .*must return a storage or None, not str"),
         (lambda storage, location: storage.cuda(), r"model\.w: the map_location callable failed"),
     ],
-    ids=str,
+    ids=["cuda-str", "cuda-device", "dict-to-cuda", "not-a-device", "dict-value", "dict-key", "int",
+         "callable-returns-str", "callable-raises"],
 )
 def test_map_location_errors_name_the_device_and_the_path(where: object, match: str) -> None:
     repo = cas_ckpt.open("memory://")
