@@ -18,6 +18,7 @@ __all__ = [
     "GraphCycleError",
     "InvalidCID",
     "InvalidRefName",
+    "MapLocationError",
     "MediumError",
     "OutOfMemory",
     "PathNotFound",
@@ -29,6 +30,7 @@ __all__ = [
     "SaveFailed",
     "StateTypeError",
     "StepNotFound",
+    "UnknownMetric",
 ]
 
 
@@ -225,3 +227,37 @@ class GraphCycleError(CasCkptError, ValueError):
     def __init__(self, nodes: list[str]) -> None:
         super().__init__(f"computation graph has a cycle through nodes {nodes}")
         self.nodes = nodes
+
+
+class UnknownMetric(CasCkptError, ValueError):
+    """A retention rule ranks by a metric that no save of the ref has reported (a misspelling?)."""
+
+    def __init__(self, ref: str, metric: str, reported: list[str]) -> None:
+        seen = f"the metrics reported are {reported}" if reported else "no metrics were reported"
+        super().__init__(
+            f"keep_best ranks {ref!r} by best_metric {metric!r}, but no save of it reported that "
+            f"metric ({seen}); nothing was saved or expired"
+        )
+        self.ref = ref
+        self.metric = metric
+        self.reported = reported
+
+
+class MapLocationError(CasCkptError, ValueError):
+    """``map_location`` cannot place a loaded tensor: a device this process cannot use, or a
+    malformed mapping. Names the path of the tensor inside the state (and ``device`` when known).
+    """
+
+    def __init__(self, message: str, *, device: str | None = None, path: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.device = device
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"{self.path or '<root>'}: {self.message}"
+
+    def inside(self, key: object) -> MapLocationError:
+        """Put ``key`` in front of the path (the reader adds each level on the way out)."""
+        self.path = f"{key}.{self.path}" if self.path else str(key)
+        return self

@@ -20,9 +20,12 @@ the abandoned trajectory count as retained steps like any other.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
+import sys
 import threading
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -39,6 +42,7 @@ from cas_ckpt.errors import (
     SaveFailed,
     StateTypeError,
     StepNotFound,
+    UnknownMetric,
 )
 from cas_ckpt.refs import check_ref_name
 from cas_ckpt.repository import Commit, Repository, SaveReport, Target
@@ -55,7 +59,10 @@ class CheckpointManager:
     ``save_every``: save only steps divisible by it (``force=True`` saves any step).
     ``keep_last`` / ``keep_every`` / ``keep_best``: keep the last N steps, every step divisible by
     K, and the N best by ``metrics[best_metric]`` (``best_mode`` "min" or "max"); a step any rule
-    keeps survives, the latest always does. No rule given: keep everything.
+    keeps survives, the latest always does. No rule given: keep everything. Until a save of
+    ``ref`` has reported ``best_metric``, a save without it raises :class:`UnknownMetric` (naming
+    the metrics reported) before anything is written or expired: a misspelt metric would rank
+    nothing and expire the best step. Once one has, saves may leave it out; they never rank.
     ``async_save``: ``save`` returns once the state is copied to host memory; writing continues in
     a background thread, one save at a time. ``reuse_buffers`` (async): keep that host copy between
     saves and refill it in place, which is faster than fresh memory but holds one copy of the state
@@ -93,7 +100,7 @@ class CheckpointManager:
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = async_save
-        self._buffers: dict[str, Any] | None = {} if reuse_buffers else None
+        self._buffers: dict[Place, Any] | None = {} if reuse_buffers else None
         self.gc_after_retention = gc_after_retention
         self.last_report: SaveReport | None = None  # of the latest save this manager finished
         self._prefix = check_ref_name(f"{ref}.steps") + "/"
@@ -102,6 +109,7 @@ class CheckpointManager:
         self._future: Future[CID] | None = None
         self._pending_step = -1
         self._last_cid: CID | None = None
+        self._best_metric_stored = False  # a retained step reported best_metric
         self._closed = False
         self._lock = threading.Lock()
         if fork_from is not None and repo.refs_store.get(self.ref) is None:
@@ -160,9 +168,11 @@ class CheckpointManager:
             return None
         self._check_new(step, overwrite)
         metadata = {"step": step, "metrics": _metrics(metrics)}
+        self._check_best_metric(metadata["metrics"])
         if not self.async_save:
             return self._write(step, state, metadata)
         copy = snapshot(state, self._buffers)
+        _finish_at_exit(self)
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="cas_ckpt-save")
@@ -271,14 +281,22 @@ class CheckpointManager:
         return cid
 
     def _drain(self) -> None:
+        """Wait for the save in flight; raise its failure as :class:`SaveFailed`, once.
+
+        An exception raised while waiting (KeyboardInterrupt) propagates as it is and leaves the
+        save pending: it is still running, and the next call, or interpreter exit, waits for it.
+        """
         with self._lock:
-            future, self._future = self._future, None
+            future, step = self._future, self._pending_step
         if future is None:
             return
-        try:
-            future.result()
-        except BaseException as exc:
-            raise SaveFailed(self.ref, self._pending_step, exc) from exc
+        error = future.exception()
+        with self._lock:
+            if self._future is not future:
+                return  # another thread took this result (and reports a failure)
+            self._future = None
+        if error is not None:
+            raise SaveFailed(self.ref, step, error) from error
 
     # -- retention -----------------------------------------------------------------------------
     def _retain(self) -> None:
@@ -299,6 +317,25 @@ class CheckpointManager:
         if expired and self.gc_after_retention:
             self.repo.gc()
 
+    def _check_best_metric(self, metrics: dict[str, Any]) -> None:
+        """Refuse a save while ``keep_best`` ranks by a metric that no save has reported.
+
+        A misspelt name ranks nothing, and retention would expire every step but the latest, the
+        best one included. Once a retained step reported the metric, saves may leave it out (steps
+        without an evaluation, say): they never rank.
+        """
+        if self.keep_best is None or self.best_metric in metrics or self._best_metric_stored:
+            return
+        reported = set(metrics)
+        for cid in self._step_refs().values():
+            stored = self._commit(cid).metadata.get("metrics")
+            if isinstance(stored, dict):
+                if self.best_metric in stored:
+                    self._best_metric_stored = True
+                    return
+                reported.update(k for k in stored if isinstance(k, str))
+        raise UnknownMetric(self.ref, str(self.best_metric), sorted(reported))
+
     def _best(self, steps: dict[int, bytes]) -> list[int]:
         scored = []
         for step, cid in steps.items():
@@ -309,40 +346,158 @@ class CheckpointManager:
         return [step for *_, step in sorted(scored)[: self.keep_best]]
 
 
+# -- interpreter exit ----------------------------------------------------------------------------
+# The last checkpoint of a run is the one most needed, and a script that ends (or dies of an
+# exception) right after an async save must not lose it. concurrent.futures makes every thread
+# pool, Repository.pool included, refuse new work from a hook it registers with
+# threading._register_atexit when it is imported; those hooks run, last registered first, as the
+# main thread ends, before non-daemon threads are joined and long before atexit callbacks. This
+# module imported concurrent.futures before it registers its own hook, so that hook runs first and
+# the saves in flight can still use the pools.
+_ASYNC_MANAGERS: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+_HOOK_LOCK = threading.Lock()
+_hook_registered = False
+
+
+def _finish_at_exit(manager: CheckpointManager) -> None:
+    """Make the end of the main thread wait for ``manager``'s saves in flight."""
+    global _hook_registered
+    with _HOOK_LOCK:
+        _ASYNC_MANAGERS.add(manager)
+        if _hook_registered:
+            return
+        _hook_registered = True
+    register = getattr(threading, "_register_atexit", atexit.register)  # private, in 3.9+
+    with contextlib.suppress(RuntimeError):  # shutting down already: too late for any hook
+        register(_finish_saves)
+
+
+def _finish_saves() -> None:
+    """Wait for every async save in flight; report each failure on stderr, and exit non-zero."""
+    failures = []
+    managers = [m for m in list(_ASYNC_MANAGERS) if m._future is not None]
+    for i, manager in enumerate(managers):
+        try:
+            manager._drain()
+        except SaveFailed as exc:
+            failures.append(f"{exc}; the checkpoint was not saved")
+        except KeyboardInterrupt:
+            failures.extend(
+                f"interrupted at exit while the async save of step {m._pending_step} to {m.ref!r} "
+                "was in flight; it may not be saved"
+                for m in managers[i:] if m._future is not None
+            )
+            break
+    for message in failures:
+        print(f"cas_ckpt: {message}", file=sys.stderr, flush=True)
+    if failures:
+        _exit_status_120()
+
+
+def _exit_status_120() -> None:
+    """Make the interpreter exit with status 120 without cutting its shutdown short.
+
+    Nothing an exit hook raises changes the exit status, and ``os._exit`` would skip the atexit
+    callbacks and the output still buffered. Python itself exits 120 when flushing ``sys.stdout``
+    fails at the very end of finalization (after every atexit callback ran); a stand-in stream
+    whose flush fails only then gets that status. Its error is not printed again: the reason is.
+    """
+    name = "stdout" if sys.stdout is not None else "stderr"
+    stream = _FailingFlush(getattr(sys, name))
+    setattr(sys, name, stream)
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if unraisable.object is not stream:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+class _FailingFlush:
+    """A stream that passes everything through, but whose flush fails once Python finalizes."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        return len(text) if self._stream is None else int(self._stream.write(text))
+
+    def flush(self) -> None:
+        if self._stream is not None:
+            self._stream.flush()
+        if sys.is_finalizing():
+            raise RepositoryError("an async save failed at exit (reported above)")
+
+
 def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     """Metrics as plain numbers (numpy and torch scalars converted), checked now, not later."""
     out: dict[str, Any] = {}
     for key, value in (metrics or {}).items():
         if not isinstance(key, str):
             raise StateTypeError(f"metrics.{key}", "metric names must be str")
-        if hasattr(value, "item") and callable(value.item):
-            value = value.item()
-        if type(value) not in (int, float, bool):
-            raise StateTypeError(f"metrics.{key}", f"metrics must be numbers, not {type(value).__name__}")
-        out[key] = value
+        out[key] = _metric(value, f"metrics.{key}")
     return out
 
 
-def snapshot(state: Any, buffers: dict[str, Any] | None = None) -> Any:
+def _metric(value: Any, path: str) -> Any:
+    """One metric as a Python number; numpy scalars and one-element arrays or tensors unwrapped."""
+    if type(value) in (int, float, bool):
+        return value
+    if hasattr(value, "item") and callable(value.item):
+        count = _element_count(value)
+        if count is not None and count != 1:
+            shape = tuple(getattr(value, "shape", ()))
+            raise StateTypeError(
+                path, f"a metric must be one number, not a {type(value).__name__} of shape {shape}"
+            )
+        try:
+            value = value.item()
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:  # a meta tensor
+            raise StateTypeError(path, f"a metric must be one number; reading it failed: {exc}") from exc
+    if type(value) not in (int, float, bool):
+        raise StateTypeError(path, f"metrics must be numbers, not {type(value).__name__}")
+    return value
+
+
+def _element_count(value: Any) -> int | None:
+    if isinstance(value, (np.ndarray, np.generic)):
+        return int(value.size)
+    numel = getattr(value, "numel", None)  # torch tensors, without importing torch
+    return int(numel()) if callable(numel) else None
+
+
+# Where a value sits in a state, one (container, key) pair per level: ("d", key) for a dict
+# key (int and str kept apart), ("i", index) for a list or tuple item. Unlike the dotted path
+# (which errors show), it never names two places alike: {"a.b": x} and {"a": {"b": y}}, or
+# {0: x} and {"0": y}, once shared a host buffer and saved y twice.
+Place = tuple[tuple[str, Any], ...]
+
+
+def snapshot(state: Any, buffers: dict[Place, Any] | None = None) -> Any:
     """A copy of ``state`` that in-place updates of its arrays and tensors cannot reach.
 
     Tensors are copied to host memory (detached), numpy arrays copied; immutable values are shared.
-    An object reached twice (tied weights) is copied once. ``buffers`` (path -> array or tensor):
-    copies from an earlier snapshot no longer in use, refilled in place when shape and dtype still
-    match (no new memory to fault in); the dict is updated to this snapshot's copies. Raises
-    :class:`StateTypeError` for values ``save`` would refuse.
+    An object reached twice (tied weights) is copied once. ``buffers`` (place -> array or tensor,
+    a place being a tuple of ``("d", key)`` and ``("i", index)`` steps): copies from an earlier
+    snapshot no longer in use, refilled in place when shape and dtype still match (no new memory
+    to fault in), each into at most one value; the dict is updated to this snapshot's copies.
+    Raises :class:`StateTypeError` for values ``save`` would refuse.
     """
-    return _Snapshot({} if buffers is None else buffers).copy(state, "", 0)
+    return _Snapshot({} if buffers is None else buffers).copy(state, "", (), 0)
 
 
 class _Snapshot:
-    def __init__(self, buffers: dict[str, Any]) -> None:
+    def __init__(self, buffers: dict[Place, Any]) -> None:
         self.old = dict(buffers)
         self.buffers = buffers
         buffers.clear()
         self.memo: dict[int, Any] = {}  # tied values are copied (and registered) once
 
-    def copy(self, value: Any, path: str, depth: int) -> Any:
+    def copy(self, value: Any, path: str, place: Place, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise StateTypeError(path, f"nesting deeper than {MAX_DEPTH} levels")
         kind = type(value)
@@ -357,17 +512,20 @@ class _Snapshot:
                     raise StateTypeError(
                         join_path(path, key), f"dict keys must be str or int, not {type(key).__name__}"
                     )
-                out[key] = self.copy(item, join_path(path, key), depth + 1)
+                out[key] = self.copy(item, join_path(path, key), (*place, ("d", key)), depth + 1)
             return out
         if kind in (list, tuple):
-            items = [self.copy(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
+            items = [
+                self.copy(v, join_path(path, i), (*place, ("i", i)), depth + 1)
+                for i, v in enumerate(value)
+            ]
             return items if kind is list else tuple(items)
         if id(value) not in self.memo:
-            self.memo[id(value)] = self.leaf(value, path)
+            self.memo[id(value)] = self.leaf(value, path, place)
         return self.memo[id(value)]
 
-    def leaf(self, value: Any, path: str) -> Any:
-        old = self.old.get(path)
+    def leaf(self, value: Any, path: str, place: Place) -> Any:
+        old = self.old.pop(place, None)  # popped: an old buffer never backs two values
         if isinstance(value, np.ndarray):
             if dtype_name(value.dtype) is None:
                 raise StateTypeError(path, f"unsupported array dtype {value.dtype}")
@@ -383,5 +541,5 @@ class _Snapshot:
         else:
             kind = type(value)
             raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}")
-        self.buffers[path] = copy
+        self.buffers[place] = copy
         return copy

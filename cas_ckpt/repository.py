@@ -37,6 +37,7 @@ from cas_ckpt.errors import (
     DecodeError,
     InvalidCID,
     InvalidRefName,
+    MapLocationError,
     MediumError,
     RefConflict,
     RefNotFound,
@@ -311,6 +312,10 @@ class Repository:
             else:
                 value = reader.select(Link(tree), list(path), cidlib.to_str(root), exact=True)
             return reader.load(value)
+        except MapLocationError as exc:  # the reader named the tensor's path below ``path``
+            if path:
+                exc.inside(path if isinstance(path, str) else ".".join(map(str, path)))
+            raise
         except BlockNotFound as exc:
             if tree != root and not self._held(root):
                 raise CheckpointExpired(cidlib.to_str(root), exc.cid) from None
@@ -536,7 +541,11 @@ def _plain(value: Any, path: str) -> Any:
         return {k: _plain(v, f"{path}.{k}") for k, v in value.items()}
     scalar_array = isinstance(value, np.ndarray) and value.ndim == 0
     if isinstance(value, np.generic) or scalar_array or _is_scalar_tensor(value):  # metrics
-        return _plain(value.item(), path)
+        try:
+            item = value.item()
+        except (RuntimeError, NotImplementedError) as exc:  # a meta tensor has no value to read
+            raise StateTypeError(path, f"cannot read the value of this tensor: {exc}") from exc
+        return _plain(item, path)
     raise StateTypeError(path, f"metadata cannot hold {type(value).__name__}")
 
 

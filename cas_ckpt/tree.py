@@ -46,6 +46,7 @@ from cas_ckpt.errors import (
     CorruptBlock,
     DecodeError,
     InvalidCID,
+    MapLocationError,
     OutOfMemory,
     PathNotFound,
     StateTypeError,
@@ -549,9 +550,9 @@ class TreeReader:
         value = self.resolve(value, depth)
         try:
             if isinstance(value, dict):
-                return {k: self._load(v, depth + 1) for k, v in value.items()}
+                return self._load_map(value, depth)
             if isinstance(value, list):
-                return [self._load(v, depth + 1) for v in value]
+                return self._load_list(value, depth)
         except MemoryError as exc:
             if isinstance(exc, OutOfMemory):
                 raise
@@ -562,10 +563,32 @@ class TreeReader:
             return value
         raise DecodeError(f"unexpected {type(value).__name__} in a state node")
 
+    # A MapLocationError learns the tensor's path inside the state on its way out, one level each.
+    def _load_map(self, value: dict[Any, Any], depth: int) -> dict[Any, Any]:
+        out: dict[Any, Any] = {}
+        key = None
+        try:
+            for key, item in value.items():
+                out[key] = self._load(item, depth + 1)
+        except MapLocationError as exc:
+            exc.inside(key)
+            raise
+        return out
+
+    def _load_list(self, value: Sequence[Any], depth: int) -> list[Any]:
+        out: list[Any] = []
+        try:
+            for item in value:
+                out.append(self._load(item, depth + 1))
+        except MapLocationError as exc:
+            exc.inside(len(out))  # the index of the item that failed
+            raise
+        return out
+
     def _load_tagged(self, value: Tagged, depth: int) -> Any:
         code, body = value.code, value.value
         if code == TUPLE:
-            return tuple(self._load(v, depth + 1) for v in _seq(body, "tuple"))
+            return tuple(self._load_list(_seq(body, "tuple"), depth))
         if code == BIGINT:
             if not isinstance(body, bytes) or not body:
                 raise DecodeError("malformed bigint")

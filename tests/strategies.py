@@ -194,3 +194,28 @@ def states(max_leaves: int = 25) -> st.SearchStrategy[Any]:
         ),
         max_leaves=max_leaves,
     )
+
+
+# Keys whose dotted joins collide: "a.b" vs "a" > "b", 0 vs "0", "" vs "." and so on.
+colliding_keys = st.sampled_from(["a", "b", "a.b", "b.a", "", ".", "a.", ".a", "0", "1", "0.1", 0, 1, 10])
+
+
+@st.composite
+def colliding_states(draw: st.DrawFn) -> Any:
+    """Nested dicts and lists of arrays whose joined paths often collide.
+
+    The arrays come from a pool of one or two templates, so colliding leaves usually have the
+    same shape and dtype (the case where a buffer keyed by the joined path would be shared).
+    """
+    pool = draw(st.lists(arrays(large=False), min_size=1, max_size=2))
+    leaf = st.sampled_from(pool)
+    return draw(
+        st.recursive(
+            leaf,
+            lambda children: st.one_of(
+                st.lists(children, min_size=1, max_size=3),
+                st.dictionaries(colliding_keys, children, min_size=1, max_size=4),
+            ),
+            max_leaves=10,
+        )
+    )

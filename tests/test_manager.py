@@ -9,9 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import assert_state_equal
+from hypothesis import example, given
+from strategies import colliding_states
 
 import cas_ckpt
 from cas_ckpt import CheckpointManager
+from cas_ckpt.errors import UnknownMetric
 from cas_ckpt.manager import snapshot
 
 MIB = 1024 * 1024
@@ -96,6 +100,31 @@ def test_bad_options_and_metrics(repo: cas_ckpt.Repository) -> None:
     assert mgr.steps() == []
 
 
+def assert_metrics_refused(mgr: CheckpointManager, values: list[object]) -> None:
+    for value in values:
+        with pytest.raises(cas_ckpt.errors.StateTypeError, match=r"metrics\.val/loss: .*one number"):
+            mgr.save(1, {}, metrics={"val/loss": value})
+    assert mgr.steps() == []
+
+
+def test_metrics_must_be_single_numbers(repo: cas_ckpt.Repository) -> None:
+    mgr = CheckpointManager(repo, "run")
+    assert_metrics_refused(mgr, [np.array([0.5, 0.25]), np.zeros((2, 2)), np.array([], "f4")])
+    mgr.save(1, {}, metrics={"a": np.array([0.5]), "b": np.array(2), "c": np.float16(0.25)})
+    assert mgr.metrics(1) == {"a": 0.5, "b": 2, "c": 0.25}
+
+
+def test_vector_tensor_metrics_are_refused_naming_the_metric(repo: cas_ckpt.Repository) -> None:
+    torch = pytest.importorskip("torch")
+    mgr = CheckpointManager(repo, "run")
+    meta = torch.tensor(1.0, device="meta")  # one element, but no value to read
+    assert_metrics_refused(mgr, [torch.tensor([0.5, 0.25]), torch.zeros(0), meta])
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match=r"metadata\.loss"):
+        repo.save({}, metadata={"loss": meta})
+    mgr.save(1, {}, metrics={"t": torch.tensor([[1.5]], requires_grad=True), "i": torch.tensor(3)})
+    assert mgr.metrics(1) == {"t": 1.5, "i": 3}
+
+
 # -- retention ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["memory", "local"])
 def test_keep_last_frees_space_and_keeps_history(where: str, tmp_path: Path) -> None:
@@ -132,6 +161,39 @@ def test_keep_best_ranks_by_metric_and_keeps_the_latest(
         mgr.save(step, {"step": step}, metrics=metrics)
     # NaN and missing metrics never rank; 7 stays as the latest
     assert mgr.steps() == sorted({*best, 7})
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_keep_best_on_a_metric_no_save_reported_raises_before_anything_expires(
+    repo: cas_ckpt.Repository, async_save: bool
+) -> None:
+    plain = CheckpointManager(repo, "run")
+    for step, loss in [(1, 0.3), (2, 0.1), (3, 0.2)]:
+        plain.save(step, {"step": step}, metrics={"val/loss": loss, "lr": 0.1})
+    # "val_loss" is misspelt: ranking nothing, keep_best=1 would expire steps 1 and 2, the best.
+    mgr = CheckpointManager(repo, "run", keep_best=1, best_metric="val_loss", async_save=async_save)
+    with pytest.raises(UnknownMetric, match=r"'val_loss'.*\['lr', 'val/loss'\]") as info:
+        mgr.save(4, {"step": 4}, metrics={"val/loss": 0.05, "lr": 0.1})
+    assert isinstance(info.value, ValueError) and info.value.metric == "val_loss"
+    assert info.value.reported == ["lr", "val/loss"]
+    assert mgr.steps() == [1, 2, 3] and mgr.latest_step() == 3  # nothing saved, nothing expired
+    fresh = CheckpointManager(repo, "fresh", keep_best=1, best_metric="val_loss")
+    with pytest.raises(UnknownMetric, match=r"no metrics were reported"):
+        fresh.save(1, {"step": 1})
+    assert fresh.steps() == []
+
+
+def test_keep_best_allows_saves_without_the_metric_once_one_reported_it(
+    repo: cas_ckpt.Repository,
+) -> None:
+    mgr = CheckpointManager(repo, "run", keep_best=1, best_metric="val_loss")
+    mgr.save(1, {"step": 1}, metrics={"val_loss": 0.5})
+    mgr.save(2, {"step": 2}, metrics={"train_loss": 0.4})  # no evaluation at this step: never ranks
+    mgr.save(3, {"step": 3})
+    assert mgr.steps() == [1, 3]
+    again = CheckpointManager(repo, "run", keep_best=1, best_metric="val_loss")  # a new process
+    again.save(4, {"step": 4}, metrics={"train_loss": 0.3})
+    assert again.steps() == [1, 4]
 
 
 def test_expired_blocks_stay_until_gc_when_gc_after_retention_is_off(
@@ -258,7 +320,7 @@ def test_snapshot_buffers_are_refilled_in_place_only_when_safe() -> None:
     buffers: dict[str, object] = {}
     a = np.arange(4.0)
     first = snapshot({"a": a, "b": a, "c": np.zeros(2)}, buffers)
-    assert set(buffers) == {"a", "c"}  # "b" is the same object as "a": one copy
+    assert set(buffers) == {(("d", "a"),), (("d", "c"),)}  # "b" is the same object as "a": one copy
     a += 1
     second = snapshot({"a": a, "b": np.full(4, 7.0), "c": np.zeros(3)}, buffers)
     assert second["a"] is first["a"] and second["a"].tolist() == [1.0, 2.0, 3.0, 4.0]
@@ -299,6 +361,35 @@ def test_async_saves_reusing_buffers_store_each_steps_values(repo: cas_ckpt.Repo
     for step in range(1, 5):
         out = mgr.restore(step)
         assert bool((out["w"] == step).all()) and bool((out["m"] == step).all()), step
+
+
+def refilled(template: object, rng: np.random.Generator) -> object:
+    """``template`` with every array replaced by a new one of its shape and dtype, random bits."""
+    if isinstance(template, dict):
+        return {k: refilled(v, rng) for k, v in template.items()}
+    if isinstance(template, list):
+        return [refilled(v, rng) for v in template]
+    assert isinstance(template, np.ndarray)
+    if template.dtype == np.bool_:
+        return rng.integers(0, 2, template.shape).astype(bool)
+    raw = rng.bytes(template.size * template.dtype.itemsize)
+    return np.frombuffer(raw, dtype=template.dtype).reshape(template.shape).copy()
+
+
+@given(template=colliding_states())
+@example(template={"a.b": np.zeros(1000, "f4"), "a": {"b": np.zeros(1000, "f4")}})
+@example(template={0: np.zeros(3), "0": np.zeros(3), "": [np.zeros(3)], ".": np.zeros(3)})
+def test_async_buffer_reuse_never_mixes_up_paths_that_join_alike(template: object) -> None:
+    # {"a.b": x, "a": {"b": y}} and {0: x, "0": y} once shared one host buffer: y overwrote x.
+    rng = np.random.default_rng(0)
+    with cas_ckpt.open("memory://") as repo, CheckpointManager(repo, "run", async_save=True) as mgr:
+        saved = {}
+        for step in (1, 2, 3):
+            saved[step] = refilled(template, rng)
+            mgr.save(step, saved[step])
+        mgr.wait()
+        for step, state in saved.items():
+            assert_state_equal(state, mgr.restore(step))
 
 
 # -- forks and dedup across runs ---------------------------------------------------------------

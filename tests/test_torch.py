@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import cas_ckpt
+from cas_ckpt.errors import MapLocationError
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -189,6 +190,60 @@ def test_map_location_and_kinds() -> None:
         assert moved["t"].device.type == "cpu" and type(moved["n"]) is np.ndarray
         assert moved["b"].dtype == torch.bfloat16
     assert repo.load(path="t", map_location="cpu").tolist() == [0, 1, 2]
+
+
+def test_map_location_dict_and_callable_work_as_in_torch_load(repo: cas_ckpt.Repository) -> None:
+    # cas_ckpt does not record a tensor's device: every tensor loads as if saved on "cpu".
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3).t(), "b": torch.ones(2, dtype=torch.bfloat16)}}
+    mgr = cas_ckpt.CheckpointManager(repo, "run")
+    mgr.save(1, {**state, "n": np.arange(3)})
+    for where in ({"cuda:0": "cpu"}, {"cpu": "cpu"}, {"cpu": torch.device("cpu")}, {}):
+        out = mgr.restore(map_location=where)
+        assert type(out["n"]) is np.ndarray and out["model"]["b"].dtype == torch.bfloat16
+        for key, value in state["model"].items():
+            assert out["model"][key].device.type == "cpu" and bits(out["model"][key]) == bits(value)
+    locations: list[str] = []
+
+    def keep(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        locations.append(location)
+        return storage
+
+    def copy(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        return storage.clone()
+
+    for where in (keep, copy, lambda storage, location: None):  # None: the default location
+        out = mgr.restore(path="model", map_location=where)
+        for key, value in state["model"].items():
+            assert out[key].shape == value.shape and bits(out[key]) == bits(value), key
+    assert locations == ["cpu", "cpu"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="for torch without a usable CUDA device")
+@pytest.mark.parametrize(
+    ("where", "match"),
+    [
+        ("cuda:0", r"model\.w: cannot load a tensor onto 'cuda:0'"),
+        (torch.device("cuda", 0), r"model\.w: cannot load a tensor onto 'cuda:0'"),
+        ({"cpu": "cuda:0"}, r"model\.w: cannot load a tensor onto 'cuda:0'"),
+        ("gpu", r"model\.w: .*'gpu' is not a device"),
+        ({"cpu": 3.5}, r"model\.w: .*3\.5 is not a device"),
+        ({0: "cpu"}, r"model\.w: .*keys must be str"),
+        (5, r"model\.w: map_location must be a str, torch\.device, dict or callable, not int"),
+        (lambda storage, location: "cpu", r"model\.w: .*must return a storage or None, not str"),
+        (lambda storage, location: storage.cuda(), r"model\.w: the map_location callable failed"),
+    ],
+    ids=["cuda-str", "cuda-device", "dict-to-cuda", "not-a-device", "dict-value", "dict-key", "int",
+         "callable-returns-str", "callable-raises"],
+)
+def test_map_location_errors_name_the_device_and_the_path(where: object, match: str) -> None:
+    repo = cas_ckpt.open("memory://")
+    repo.save({"n": np.arange(2), "model": {"w": torch.arange(3.0)}})
+    with pytest.raises(MapLocationError, match=match) as info:
+        repo.load(map_location=where)
+    assert isinstance(info.value, cas_ckpt.errors.CasCkptError) and info.value.path == "model.w"
+    with pytest.raises(MapLocationError, match=r"^model\.w: ") as info:
+        repo.load(path="model", map_location=where)  # the path is still the whole state's
+    assert repo.load(path="model", map_location="cpu")["w"].tolist() == [0.0, 1.0, 2.0]
 
 
 def test_loaded_tensors_are_writable_and_own_their_memory() -> None:

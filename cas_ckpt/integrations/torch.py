@@ -4,6 +4,10 @@ torch is imported lazily: ``import cas_ckpt`` never needs it. Dtypes numpy lacks
 float8 variants) travel as their ``ml_dtypes`` equivalents. What comes back:
 
 * a plain ``torch.Tensor`` on the CPU (or ``map_location``), with the saved shape, dtype and values.
+  ``map_location`` is read as ``torch.load`` reads it: a device (str or ``torch.device``), a dict
+  of locations (``{"cuda:0": "cpu"}``), or a callable ``(storage, location) -> storage or None``.
+  No device is recorded with a tensor (it is stored as a host copy), so every tensor's location
+  is ``"cpu"``: a dict maps only ``"cpu"`` and a callable always gets ``"cpu"``;
   ``nn.Parameter`` comes back as a plain tensor (``requires_grad`` is not stored):
   ``model.load_state_dict`` copies it into the parameter, which is the usual way back;
 * tensors that shared storage (tied weights, views) come back as separate tensors. Their bytes are
@@ -20,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from cas_ckpt.errors import DecodeError, StateTypeError
+from cas_ckpt.errors import DecodeError, MapLocationError, StateTypeError
 from cas_ckpt.tree import TensorAdapter, register_tensor_adapter
 
 # torch dtype name -> ml_dtypes name, for the dtypes numpy has no native type for.
@@ -140,7 +144,11 @@ def host_copy(tensor: Any, path: str, *, out: Any = None) -> Any:
 def numpy_to_tensor(
     array: np.ndarray[Any, Any], header: dict[str, Any], *, map_location: Any = None
 ) -> Any:
-    """The torch tensor for a loaded array (sharing its memory on the CPU); numpy without torch."""
+    """The torch tensor for a loaded array (sharing its memory on the CPU); numpy without torch.
+
+    Raises :class:`MapLocationError` when ``map_location`` cannot place it (the tree reader adds
+    the path of the value inside the state).
+    """
     try:
         torch = _torch()
     except ImportError:
@@ -162,8 +170,72 @@ def numpy_to_tensor(
         tensor = torch.from_numpy(array)
     tensor = tensor.reshape(shape)
     if map_location is not None:
-        tensor = tensor.to(map_location)
+        tensor = _place(tensor, map_location)
     return tensor
+
+
+# Where a loaded tensor "was saved", in torch.load's terms: tensors are stored as host copies and
+# no device is recorded, so it is always the CPU.
+SAVED_LOCATION = "cpu"
+
+
+def _place(tensor: Any, map_location: Any) -> Any:
+    """``tensor`` (on the CPU) moved where ``map_location`` sends it, read as torch.load reads it."""
+    torch = _torch()
+    if isinstance(map_location, dict):
+        keys = [k for k in map_location if not isinstance(k, str)]
+        if keys:
+            raise MapLocationError(
+                f"map_location dict keys must be str locations such as 'cuda:0', not {keys[0]!r}"
+            )
+        return _to_device(tensor, map_location.get(SAVED_LOCATION, SAVED_LOCATION))
+    if isinstance(map_location, (str, torch.device)):
+        return _to_device(tensor, map_location)
+    if callable(map_location):
+        try:
+            storage = map_location(tensor.untyped_storage(), SAVED_LOCATION)
+        except (RuntimeError, AssertionError, ValueError, TypeError) as exc:  # no CUDA, say
+            raise MapLocationError(f"the map_location callable failed: {exc!r}") from exc
+        return _with_storage(tensor, storage)
+    raise MapLocationError(
+        "map_location must be a str, torch.device, dict or callable, "
+        f"not {type(map_location).__name__}"
+    )
+
+
+def _to_device(tensor: Any, target: Any) -> Any:
+    torch = _torch()
+    if not isinstance(target, (str, torch.device)):
+        raise MapLocationError(f"map_location {target!r} is not a device (a str or torch.device)")
+    try:
+        device = torch.device(target)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise MapLocationError(f"map_location {target!r} is not a device: {exc}") from exc
+    try:
+        return tensor.to(device)
+    except (RuntimeError, AssertionError, ValueError, TypeError) as exc:  # torch without CUDA asserts
+        name = str(device)
+        raise MapLocationError(f"cannot load a tensor onto {name!r}: {exc}", device=name) from exc
+
+
+def _with_storage(tensor: Any, storage: Any) -> Any:
+    """``tensor``'s view of ``storage``, what a map_location callable returned (None: keep it)."""
+    torch = _torch()
+    if storage is None:  # as in torch.load: the default location, here the CPU copy as loaded
+        return tensor
+    if not isinstance(storage, torch.UntypedStorage):
+        raise MapLocationError(
+            "a map_location callable must return a storage or None, "
+            f"not {type(storage).__name__}"
+        )
+    try:
+        out = torch.empty(0, dtype=tensor.dtype, device=storage.device)
+        return out.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+    except RuntimeError as exc:
+        raise MapLocationError(
+            f"the storage a map_location callable returned cannot hold this tensor: {exc}",
+            device=str(storage.device),
+        ) from exc
 
 
 def _is_tensor(value: object) -> bool:
