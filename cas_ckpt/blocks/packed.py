@@ -45,7 +45,7 @@ from cas_ckpt.blocks.pack import (
 from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, RepositoryError
 
 REPACK_READ = 16 * 1024 * 1024  # the most GC reads at once when copying live blocks
-SPACE_MARGIN = 16 * 1024 * 1024  # GC merges only with this much room left over on the medium
+SPACE_MARGIN = 1024 * 1024  # GC merges only with this much room left over (indexes, metadata)
 _MAX_MOVES = 16  # a block whose pack GC compacts again and again under a read is followed this often
 
 
@@ -526,8 +526,8 @@ class PackedBlockStore(BlockStore):
         Packs left with nothing live are deleted first (that needs no space, so GC frees space
         on a full medium). Packs losing some blocks, and small packs, are then merged: their
         surviving blocks, each verified, are written into new packs, published durably, and only
-        then are the old packs deleted; this is skipped when the medium lacks the room. Returns
-        (blocks removed, bytes freed).
+        then are the old packs deleted; in groups that fit in the room the medium has, so a full
+        disk is compacted step by step. Returns (blocks removed, bytes freed).
         """
         self._check_writable()
         self.refresh()
@@ -544,26 +544,44 @@ class PackedBlockStore(BlockStore):
             self.backend.delete(name)
             self._drop_pack(name)
             removed, freed = removed + len(packs[name][0]), freed + packs[name][1]
-        if merge and self._room_for(merge):
-            written, kept = self._repack(merge)
+        for batch in self._batches(merge):
+            written, kept = self._repack(batch)
+            if not written and kept == set(batch):
+                break  # the medium is full: what is left waits for the next GC
             if before_unlink is not None:
                 before_unlink()
-            for name in merge:
+            for name in batch:
                 if name in written or name in kept:
                     continue  # rewritten byte for byte (an identical pack), or holding the only copy
                 self.backend.delete(name)
                 self._drop_pack(name)
-                removed += len(packs[name][0]) - len(merge[name])
+                removed += len(packs[name][0]) - len(batch[name])
                 freed += packs[name][1]
             with self._lock:  # what the new packs take (an identical rewrite was never deleted)
                 freed -= sum(self._info[name].size for name in written
-                             if name in self._info and name not in merge)
+                             if name in self._info and name not in batch)
         return removed, freed
 
-    def _room_for(self, merge: dict[str, list[Entry]]) -> bool:
-        free = self.backend.free_space()
-        need = sum(length for live in merge.values() for _, _, length in live)
-        return free is None or free >= need + need // 8 + SPACE_MARGIN
+    def _batches(self, merge: dict[str, list[Entry]]) -> Iterator[dict[str, list[Entry]]]:
+        """The packs to merge in groups whose live blocks fit in the room the medium has left.
+
+        Packs with the fewest live bytes come first: on a full disk each group is rewritten and
+        its old packs deleted before the next is written, so the room grows as GC goes.
+        """
+        order = sorted(merge, key=lambda name: sum(n for _, _, n in merge[name]))
+        while order:
+            free = self.backend.free_space()
+            batch: dict[str, list[Entry]] = {}
+            need = 0
+            for name in order:
+                live = sum(n for _, _, n in merge[name])
+                if free is not None and batch and need + live + SPACE_MARGIN > free:
+                    break
+                batch[name], need = merge[name], need + live
+            if free is not None and need + SPACE_MARGIN > free:
+                return  # not even the smallest fits
+            order = order[len(batch) :]
+            yield batch
 
     def _repack(self, merge: dict[str, list[Entry]]) -> tuple[list[str], set[str]]:
         """Copy the live blocks of these packs into new packs, each verified first.
