@@ -1,5 +1,9 @@
 """Garbage collection: keep what refs, pins and live reflog entries reach; remove the rest.
 
+Refs and pins are strong roots: a block missing below one is damage, and GC refuses to sweep.
+Reflog entries younger than the expiry are weak roots: GC keeps what they still reach, and a part
+an earlier GC removed is an expired record.
+
 Safety with concurrent saves rests on two things (``docs/gc.md``):
 
 1. the repository lock: every save holds it shared from its first dedup check until its ref has
@@ -37,22 +41,32 @@ class GCReport:
     unreachable: list[str] = field(default_factory=list)
 
 
-def roots(refs: RefStore, *, reflog_expiry: float = 0.0) -> dict[bytes, str]:
-    """Every root GC must keep: refs, pins, and reflog entries newer than ``reflog_expiry`` s."""
-    found: dict[bytes, str] = {}
+@dataclass
+class Roots:
+    """What GC keeps: ``strong`` (refs, pins: a block missing below is damage) and ``weak``
+    (reflog entries: kept as far as they are still there)."""
+
+    strong: dict[bytes, str]
+    weak: dict[bytes, str]
+
+
+def roots(refs: RefStore, *, reflog_expiry: float = 0.0) -> Roots:
+    """Refs, pins, and reflog entries newer than ``reflog_expiry`` s."""
+    strong: dict[bytes, str] = {}
     for name in refs.names():
         value = refs.get(name)
         if value is not None:
-            found.setdefault(value, name)
+            strong.setdefault(value, name)
     for pin in refs.pins():
-        found.setdefault(pin, "pin")
+        strong.setdefault(pin, "pin")
+    weak: dict[bytes, str] = {}
     if reflog_expiry > 0:
         cutoff = time.time() - reflog_expiry
         for name in refs.reflog_names():
             for entry in refs.reflog(name):
-                if entry.time >= cutoff and entry.new is not None:
-                    found.setdefault(entry.new, f"reflog:{name}")
-    return found
+                if entry.time >= cutoff and entry.new is not None and entry.new not in strong:
+                    weak.setdefault(entry.new, f"reflog:{name}")
+    return Roots(strong, weak)
 
 
 def collect(
@@ -67,9 +81,11 @@ def collect(
     """Mark from every root, then sweep unreachable blocks older than ``grace`` seconds."""
     with refs.lock(exclusive=True):
         blocks.refresh()
+        found = roots(refs, reflog_expiry=reflog_expiry)
         reach: Reach = walk(
             blocks,
-            roots(refs, reflog_expiry=reflog_expiry),
+            found.strong,
+            weak=found.weak,
             progress=(lambda n: progress("mark", n)) if progress else None,
         )
         if reach.problems:
@@ -79,12 +95,11 @@ def collect(
                 f"(e.g. {first.kind} {first.cid}, needed by {first.needed_by[0]}); sweeping now "
                 "could delete data a repair would need. Run fsck."
             )
-        live = reach.live
-        dead = {cid for cid in blocks.keys() if cid not in live}  # noqa: SIM118 - a store, not a dict
+        dead, live, lineage = _partition(blocks, reach)
         dead_bytes = sum(blocks.size(cid) for cid in dead)
         report = GCReport(
-            live_blocks=len(reach.data),
-            lineage_blocks=len(reach.lineage - reach.data),
+            live_blocks=live,
+            lineage_blocks=lineage,
             unreachable_blocks=len(dead),
             unreachable_bytes=dead_bytes,
             blocks_freed=0,
@@ -100,3 +115,20 @@ def collect(
         report.blocks_freed, report.bytes_freed = blocks.delete(dead, min_age=grace)
         report.temp_files_removed = blocks.clean_temp()
         return report
+
+
+def _partition(blocks: BlockStore, reach: Reach) -> tuple[set[bytes], int, int]:
+    """The stored blocks nothing reaches, and how many stored ones are data and lineage.
+
+    Counted among the stored blocks, not the marked ones: a weak root may name blocks long gone.
+    """
+    dead: set[bytes] = set()
+    live = lineage = 0
+    for cid in blocks.keys():  # noqa: SIM118 - a store, not a dict
+        if cid in reach.data:
+            live += 1
+        elif cid in reach.lineage:
+            lineage += 1
+        else:
+            dead.add(cid)
+    return dead, live, lineage

@@ -1,0 +1,62 @@
+"""GC in a shared repository: what reflog entries keep, and what is damage.
+
+Reflog entries are weak roots: data an earlier GC removed is an expired record, not damage, while
+a block missing under a ref still is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cas_ckpt
+from cas_ckpt import cid as cidlib
+from cas_ckpt.errors import CheckpointExpired, RepositoryError
+from cas_ckpt.maintenance.walk import walk
+
+MIB = 1024 * 1024
+
+
+def state_for(step: int, size: int = MIB) -> dict[str, object]:
+    """A state whose array bytes are unique to ``step`` (no dedup between steps)."""
+    rng = np.random.default_rng(step)
+    return {"step": step, "w": rng.integers(0, 255, size, dtype=np.uint8), "tag": f"s{step}"}
+
+
+def test_reflog_data_an_earlier_gc_removed_is_not_damage(repo: cas_ckpt.Repository) -> None:
+    first = repo.save(state_for(1))
+    repo.save(state_for(2))
+    repo.gc(reflog_expiry=0)
+    assert repo.fsck().ok
+    repo.gc()  # main's reflog names the first checkpoint, whose data is gone: an expired record
+    repo.gc(reflog_expiry=3600)
+    with pytest.raises(CheckpointExpired):
+        repo.load(first)
+    assert repo.load("main")["tag"] == "s2" and repo.fsck().ok
+
+
+def test_gc_keeps_what_a_reflog_entry_still_reaches(repo: cas_ckpt.Repository) -> None:
+    rows = [bytes([i % 256]) * 600 + str(i).encode() for i in range(3000)]  # cut into pages
+    old = repo.save({"rows": rows, "x": np.arange(300_000)})
+    repo.save(state_for(2))
+    pages = [c for c, w in walk(repo.blocks, {cidlib.to_bytes(old): "old"}).where.items()
+             if w.path == "rows" and cidlib.is_node(c)]
+    repo.blocks.delete({pages[0]})  # part of what only main's reflog still names is gone
+    repo.gc(reflog_expiry=3600)
+    assert np.array_equal(repo.load(old, path="x"), np.arange(300_000))
+    assert repo.fsck().ok
+
+
+def test_gc_refuses_when_a_ref_misses_a_block_its_reflog_also_names(
+    repo: cas_ckpt.Repository,
+) -> None:
+    state = state_for(1)
+    repo.save(state, metadata={"n": 1})
+    head = repo.save(state, metadata={"n": 2})  # a new commit over the same tree node
+    tree = cidlib.to_bytes(repo.commit(head).tree)
+    repo.blocks.delete({tree})
+    assert not repo.blocks.has(tree)
+    for expiry in (0, 3600):
+        with pytest.raises(RepositoryError, match=r"needed by main:<root>"):
+            repo.gc(reflog_expiry=expiry)
+    assert not repo.fsck().ok
