@@ -297,7 +297,8 @@ class CheckpointManager:
         for step in expired:
             self.repo.delete_ref(self.step_ref(step), expected=steps[step])
         if expired and self.gc_after_retention:
-            self.repo.gc()
+            # This policy decides what this run keeps, nothing else: other refs' reflogs stay roots.
+            self.repo.gc(expire_reflogs=(self.ref, self._prefix))
 
     def _best(self, steps: dict[int, bytes]) -> list[int]:
         scored = []

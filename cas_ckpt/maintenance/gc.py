@@ -1,8 +1,10 @@
 """Garbage collection: keep what refs, pins and live reflog entries reach; remove the rest.
 
 Refs and pins are strong roots: a block missing below one is damage, and GC refuses to sweep.
-Reflog entries younger than the expiry are weak roots: GC keeps what they still reach, and a part
-an earlier GC removed is an expired record.
+Reflog entries younger than the expiry (default 30 days, as git keeps unreachable entries) are weak
+roots: GC keeps what they still reach, and a part an earlier GC removed is an expired record. A
+``CheckpointManager`` collecting after its retention expires its own refs' reflogs only
+(``expire_reflogs``): its policy decides what its run keeps, never what another ref's history names.
 
 Safety with concurrent saves rests on two things (``docs/gc.md``):
 
@@ -16,14 +18,14 @@ Safety with concurrent saves rests on two things (``docs/gc.md``):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.errors import RepositoryError
 from cas_ckpt.maintenance.walk import Reach, walk
-from cas_ckpt.refs import RefStore
+from cas_ckpt.refs import RefStore, check_ref_name
 
 
 @dataclass
@@ -41,6 +43,10 @@ class GCReport:
     unreachable: list[str] = field(default_factory=list)
 
 
+DEFAULT_REFLOG_EXPIRY = 30 * 86400.0
+"""Reflog entries younger than this keep their checkpoints (git keeps unreachable entries 30 days)."""
+
+
 @dataclass
 class Roots:
     """What GC keeps: ``strong`` (refs, pins: a block missing below is damage) and ``weak``
@@ -50,8 +56,14 @@ class Roots:
     weak: dict[bytes, str]
 
 
-def roots(refs: RefStore, *, reflog_expiry: float = 0.0) -> Roots:
-    """Refs, pins, and reflog entries newer than ``reflog_expiry`` s."""
+def roots(
+    refs: RefStore,
+    *,
+    reflog_expiry: float = DEFAULT_REFLOG_EXPIRY,
+    expire_reflogs: Collection[str] = (),
+) -> Roots:
+    """Refs, pins, and reflog entries newer than ``reflog_expiry`` s, except those of the refs
+    ``expire_reflogs`` names (see :func:`governs`)."""
     strong: dict[bytes, str] = {}
     for name in refs.names():
         value = refs.get(name)
@@ -63,10 +75,25 @@ def roots(refs: RefStore, *, reflog_expiry: float = 0.0) -> Roots:
     if reflog_expiry > 0:
         cutoff = time.time() - reflog_expiry
         for name in refs.reflog_names():
+            if governs(expire_reflogs, name):
+                continue
             for entry in refs.reflog(name):
                 if entry.time >= cutoff and entry.new is not None and entry.new not in strong:
                     weak.setdefault(entry.new, f"reflog:{name}")
     return Roots(strong, weak)
+
+
+def governs(names: Collection[str], ref: str) -> bool:
+    """True if ``ref`` is one of ``names``, or below one of them that ends in ``/``."""
+    return ref in names or any(n.endswith("/") and ref.startswith(n) for n in names)
+
+
+def check_expire_reflogs(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` checked as ref names (a trailing ``/`` allowed, for every ref below it)."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    for name in names:
+        check_ref_name(name[:-1] if name.endswith("/") else name)
+    return names
 
 
 def collect(
@@ -74,14 +101,20 @@ def collect(
     refs: RefStore,
     *,
     grace: float = 0.0,
-    reflog_expiry: float = 0.0,
+    reflog_expiry: float = DEFAULT_REFLOG_EXPIRY,
+    expire_reflogs: Iterable[str] = (),
     dry_run: bool = False,
     progress: Callable[[str, int], None] | None = None,
 ) -> GCReport:
-    """Mark from every root, then sweep unreachable blocks older than ``grace`` seconds."""
+    """Mark from every root, then sweep unreachable blocks older than ``grace`` seconds.
+
+    ``expire_reflogs``: refs whose reflog entries are not roots, because a retention policy decides
+    what they keep (a name ending in ``/`` covers every ref below it).
+    """
+    expire = check_expire_reflogs(expire_reflogs)
     with refs.lock(exclusive=True):
         blocks.refresh()
-        found = roots(refs, reflog_expiry=reflog_expiry)
+        found = roots(refs, reflog_expiry=reflog_expiry, expire_reflogs=expire)
         reach: Reach = walk(
             blocks,
             found.strong,
