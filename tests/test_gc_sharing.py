@@ -7,6 +7,9 @@ earlier GC removed is an expired record, not damage, while a block missing under
 
 from __future__ import annotations
 
+import doctest
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -17,6 +20,7 @@ from cas_ckpt.errors import CheckpointExpired, InvalidRefName, RepositoryError
 from cas_ckpt.maintenance.walk import walk
 
 MIB = 1024 * 1024
+DOC = Path(__file__).parent.parent / "docs" / "gc.md"
 
 
 def state_for(step: int, size: int = MIB) -> dict[str, object]:
@@ -106,6 +110,13 @@ def test_gc_refuses_when_a_ref_misses_a_block_its_reflog_also_names(
         with pytest.raises(RepositoryError, match=r"needed by main:<root>"):
             repo.gc(reflog_expiry=expiry)
     assert not repo.fsck().ok
+
+
+def test_the_two_users_example_in_gc_md_runs() -> None:
+    result = doctest.testfile(
+        str(DOC), module_relative=False, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    )
+    assert result.attempted >= 6 and result.failed == 0
 
 
 def test_expire_reflogs_takes_ref_names(repo: cas_ckpt.Repository) -> None:
