@@ -40,6 +40,7 @@ from cas_ckpt.errors import (
     RepositoryError,
 )
 from cas_ckpt.maintenance.diff import leaves
+from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
 from cas_ckpt.refs import LocalRefStore
 from cas_ckpt.repository import Repository
 from cas_ckpt.tree import (
@@ -189,8 +190,9 @@ def _register_maintenance(sub: Any, json_flag: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     p.add_argument("--grace", type=_seconds, default=0.0, metavar="SECONDS",
                    help="keep blocks stored less than this long ago (default 0)")
-    p.add_argument("--reflog-expiry", type=_seconds, default=0.0, metavar="SECONDS",
-                   help="also keep what reflog entries newer than this reach (default 0: none)")
+    p.add_argument("--reflog-expiry", type=_seconds, default=DEFAULT_REFLOG_EXPIRY, metavar="SECONDS",
+                   help="also keep what reflog entries newer than this reach "
+                        "(default 2592000: 30 days; 0: refs and pins only)")
     p = _add(sub, "fsck", cmd_fsck, "re-hash blocks and resolve every link (exit 1 on problems)",
              json_flag)
     p.add_argument("--sample", type=_fraction, metavar="FRACTION",

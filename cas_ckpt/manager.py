@@ -315,7 +315,8 @@ class CheckpointManager:
         for step in expired:
             self.repo.delete_ref(self.step_ref(step), expected=steps[step])
         if expired and self.gc_after_retention:
-            self.repo.gc()
+            # This policy decides what this run keeps, nothing else: other refs' reflogs stay roots.
+            self.repo.gc(expire_reflogs=(self.ref, self._prefix))
 
     def _check_best_metric(self, metrics: dict[str, Any]) -> None:
         """Refuse a save while ``keep_best`` ranks by a metric that no save has reported.

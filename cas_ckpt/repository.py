@@ -12,7 +12,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +47,7 @@ from cas_ckpt.errors import (
 from cas_ckpt.maintenance.diff import DiffReport, compare
 from cas_ckpt.maintenance.fsck import FsckReport
 from cas_ckpt.maintenance.fsck import check as fsck_check
-from cas_ckpt.maintenance.gc import GCReport
+from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY, GCReport
 from cas_ckpt.maintenance.gc import collect as gc_collect
 from cas_ckpt.maintenance.usage import Usage, usage
 from cas_ckpt.maintenance.walk import walk
@@ -454,20 +454,24 @@ class Repository:
         self,
         *,
         grace: float = 0.0,
-        reflog_expiry: float = 0.0,
+        reflog_expiry: float = DEFAULT_REFLOG_EXPIRY,
+        expire_reflogs: Iterable[str] = (),
         dry_run: bool = False,
         progress: Callable[[str, int], None] | None = None,
     ) -> GCReport:
         """Remove blocks no ref, pin or reflog entry newer than ``reflog_expiry`` s reaches.
 
-        Blocks stored less than ``grace`` seconds ago are kept. Waits for saves in progress and
-        blocks new ones while it runs. See ``docs/gc.md``.
+        Reflog entries (default: 30 days) keep what is still there; ``reflog_expiry=0`` keeps only
+        what refs and pins reach. ``expire_reflogs``: refs a retention policy governs, whose
+        reflogs keep nothing (``"run.steps/"`` covers every ref below). Blocks stored less than
+        ``grace`` seconds ago are kept. Waits for saves in progress and blocks new ones while it
+        runs. See ``docs/gc.md``.
         """
         if not dry_run:
             self._check_writable()
         return gc_collect(
             self.blocks, self.refs_store, grace=grace, reflog_expiry=reflog_expiry,
-            dry_run=dry_run, progress=progress,
+            expire_reflogs=expire_reflogs, dry_run=dry_run, progress=progress,
         )
 
     def fsck(

@@ -1,5 +1,11 @@
 """Garbage collection: keep what refs, pins and live reflog entries reach; remove the rest.
 
+Refs and pins are strong roots: a block missing below one is damage, and GC refuses to sweep.
+Reflog entries younger than the expiry (default 30 days, as git keeps unreachable entries) are weak
+roots: GC keeps what they still reach, and a part an earlier GC removed is an expired record. A
+``CheckpointManager`` collecting after its retention expires its own refs' reflogs only
+(``expire_reflogs``): its policy decides what its run keeps, never what another ref's history names.
+
 Safety with concurrent saves rests on two things (``docs/gc.md``):
 
 1. the repository lock: every save holds it shared from its first dedup check until its ref has
@@ -12,14 +18,14 @@ Safety with concurrent saves rests on two things (``docs/gc.md``):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.errors import RepositoryError
 from cas_ckpt.maintenance.walk import Reach, walk
-from cas_ckpt.refs import RefStore
+from cas_ckpt.refs import RefStore, check_ref_name
 
 
 @dataclass
@@ -37,22 +43,57 @@ class GCReport:
     unreachable: list[str] = field(default_factory=list)
 
 
-def roots(refs: RefStore, *, reflog_expiry: float = 0.0) -> dict[bytes, str]:
-    """Every root GC must keep: refs, pins, and reflog entries newer than ``reflog_expiry`` s."""
-    found: dict[bytes, str] = {}
+DEFAULT_REFLOG_EXPIRY = 30 * 86400.0
+"""Reflog entries younger than this keep their checkpoints (git keeps unreachable entries 30 days)."""
+
+
+@dataclass
+class Roots:
+    """What GC keeps: ``strong`` (refs, pins: a block missing below is damage) and ``weak``
+    (reflog entries: kept as far as they are still there)."""
+
+    strong: dict[bytes, str]
+    weak: dict[bytes, str]
+
+
+def roots(
+    refs: RefStore,
+    *,
+    reflog_expiry: float = DEFAULT_REFLOG_EXPIRY,
+    expire_reflogs: Collection[str] = (),
+) -> Roots:
+    """Refs, pins, and reflog entries newer than ``reflog_expiry`` s, except those of the refs
+    ``expire_reflogs`` names (see :func:`governs`)."""
+    strong: dict[bytes, str] = {}
     for name in refs.names():
         value = refs.get(name)
         if value is not None:
-            found.setdefault(value, name)
+            strong.setdefault(value, name)
     for pin in refs.pins():
-        found.setdefault(pin, "pin")
+        strong.setdefault(pin, "pin")
+    weak: dict[bytes, str] = {}
     if reflog_expiry > 0:
         cutoff = time.time() - reflog_expiry
         for name in refs.reflog_names():
+            if governs(expire_reflogs, name):
+                continue
             for entry in refs.reflog(name):
-                if entry.time >= cutoff and entry.new is not None:
-                    found.setdefault(entry.new, f"reflog:{name}")
-    return found
+                if entry.time >= cutoff and entry.new is not None and entry.new not in strong:
+                    weak.setdefault(entry.new, f"reflog:{name}")
+    return Roots(strong, weak)
+
+
+def governs(names: Collection[str], ref: str) -> bool:
+    """True if ``ref`` is one of ``names``, or below one of them that ends in ``/``."""
+    return ref in names or any(n.endswith("/") and ref.startswith(n) for n in names)
+
+
+def check_expire_reflogs(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` checked as ref names (a trailing ``/`` allowed, for every ref below it)."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    for name in names:
+        check_ref_name(name[:-1] if name.endswith("/") else name)
+    return names
 
 
 def collect(
@@ -60,16 +101,24 @@ def collect(
     refs: RefStore,
     *,
     grace: float = 0.0,
-    reflog_expiry: float = 0.0,
+    reflog_expiry: float = DEFAULT_REFLOG_EXPIRY,
+    expire_reflogs: Iterable[str] = (),
     dry_run: bool = False,
     progress: Callable[[str, int], None] | None = None,
 ) -> GCReport:
-    """Mark from every root, then sweep unreachable blocks older than ``grace`` seconds."""
+    """Mark from every root, then sweep unreachable blocks older than ``grace`` seconds.
+
+    ``expire_reflogs``: refs whose reflog entries are not roots, because a retention policy decides
+    what they keep (a name ending in ``/`` covers every ref below it).
+    """
+    expire = check_expire_reflogs(expire_reflogs)
     with refs.lock(exclusive=True):
         blocks.refresh()
+        found = roots(refs, reflog_expiry=reflog_expiry, expire_reflogs=expire)
         reach: Reach = walk(
             blocks,
-            roots(refs, reflog_expiry=reflog_expiry),
+            found.strong,
+            weak=found.weak,
             progress=(lambda n: progress("mark", n)) if progress else None,
         )
         if reach.problems:
@@ -79,12 +128,11 @@ def collect(
                 f"(e.g. {first.kind} {first.cid}, needed by {first.needed_by[0]}); sweeping now "
                 "could delete data a repair would need. Run fsck."
             )
-        live = reach.live
-        dead = {cid for cid in blocks.keys() if cid not in live}  # noqa: SIM118 - a store, not a dict
+        dead, live, lineage = _partition(blocks, reach)
         dead_bytes = sum(blocks.size(cid) for cid in dead)
         report = GCReport(
-            live_blocks=len(reach.data),
-            lineage_blocks=len(reach.lineage - reach.data),
+            live_blocks=live,
+            lineage_blocks=lineage,
             unreachable_blocks=len(dead),
             unreachable_bytes=dead_bytes,
             blocks_freed=0,
@@ -102,3 +150,20 @@ def collect(
         )
         report.temp_files_removed = blocks.clean_temp()
         return report
+
+
+def _partition(blocks: BlockStore, reach: Reach) -> tuple[set[bytes], int, int]:
+    """The stored blocks nothing reaches, and how many stored ones are data and lineage.
+
+    Counted among the stored blocks, not the marked ones: a weak root may name blocks long gone.
+    """
+    dead: set[bytes] = set()
+    live = lineage = 0
+    for cid in blocks.keys():  # noqa: SIM118 - a store, not a dict
+        if cid in reach.data:
+            live += 1
+        elif cid in reach.lineage:
+            lineage += 1
+        else:
+            dead.add(cid)
+    return dead, live, lineage

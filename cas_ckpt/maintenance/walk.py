@@ -3,7 +3,9 @@
 Two ways a block can be reached:
 
 * **data**: through strong links (ext 42) from a ref, pin or live reflog entry. Everything below is
-  needed to load the checkpoint.
+  needed to load the checkpoint. Refs and pins are strong roots: a block missing below one is
+  damage. Reflog entries are weak roots: GC keeps what they still reach, but an earlier GC (with a
+  shorter expiry) may have removed part of it, and that is an expired record, not damage.
 * **lineage**: through a commit's history links (ext 43). Only the commit nodes themselves are
   kept, so ``log`` still shows expired checkpoints without pinning their data.
 
@@ -94,17 +96,47 @@ def walk(
     store: BlockStore,
     roots: dict[bytes, str],
     *,
+    weak: dict[bytes, str] | None = None,
     check_raw: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> Reach:
     """Mark everything ``roots`` (binary CID -> root name) reach; record problems, never raise.
 
-    ``check_raw`` also checks that raw chunks exist (fsck); GC does not need to.
+    ``weak`` roots (reflog entries) keep what is still there: a block missing below one is an
+    expired record, not a problem. They are walked after the strong ones, so a block both need is
+    always judged as the strong root needs it. ``check_raw`` also checks that raw chunks exist
+    (fsck); GC does not need to.
     """
     reach = Reach()
+    counter = _Counter(progress)
+    _mark(store, reach, roots, strong=True, check_raw=check_raw, counter=counter)
+    if weak:
+        _mark(store, reach, weak, strong=False, check_raw=check_raw, counter=counter)
+    return reach
+
+
+@dataclass
+class _Counter:
+    progress: Callable[[int], None] | None
+    visited: int = 0
+
+    def tick(self) -> None:
+        self.visited += 1
+        if self.progress is not None and self.visited % 1024 == 0:
+            self.progress(self.visited)
+
+
+def _mark(
+    store: BlockStore,
+    reach: Reach,
+    roots: dict[bytes, str],
+    *,
+    strong: bool,
+    check_raw: bool,
+    counter: _Counter,
+) -> None:
     # (cid, root name, path, data?) ; data=False means lineage-only
     stack: list[tuple[bytes, str, str, bool]] = [(c, name, "", True) for c, name in roots.items()]
-    visited = 0
     while stack:
         cid, root, path, data = stack.pop()
         seen = reach.data if data else reach.lineage
@@ -112,14 +144,12 @@ def walk(
             continue
         seen.add(cid)
         reach.where.setdefault(cid, Where(root, path))
-        visited += 1
-        if progress is not None and visited % 1024 == 0:
-            progress(visited)
+        counter.tick()
         if not cidlib.is_node(cid):
-            if check_raw and not store.has(cid):
+            if check_raw and strong and not store.has(cid):
                 _problem(reach, cid, "missing", "block not found", Where(root, path))
             continue
-        node = _read_node(store, reach, cid, Where(root, path))
+        node = _read_node(store, reach, cid, Where(root, path), strong=strong)
         if node is None:
             continue
         top = is_commit(node)  # a commit's tree starts the state paths afresh
@@ -128,15 +158,14 @@ def walk(
                 stack.append((link.cid, root, "<history>", False))
             elif data:
                 stack.append((link.cid, root, "" if top else where, True))
-    return reach
 
 
-def _read_node(store: BlockStore, reach: Reach, cid: bytes, where: Where) -> Any:
+def _read_node(store: BlockStore, reach: Reach, cid: bytes, where: Where, *, strong: bool) -> Any:
     try:
         return codec.decode(store.get(cid, verify=True), cid=cid)
     except BlockNotFound:
-        if where.path == "<history>":
-            return None  # lineage past a garbage-collected commit ends quietly
+        if where.path == "<history>" or not strong:
+            return None  # lineage past a collected commit, or data an earlier GC expired
         _problem(reach, cid, "missing", "block not found", where)
     except CorruptBlock as exc:
         _problem(reach, cid, "corrupt", str(exc), where)

@@ -5,7 +5,7 @@
 success appends ``REF CID DIGEST`` to LOG. After each save to its own ref it loads that ref back
 and checks it bit for bit, while GC runs. Prints the number of conflicts retried.
 
-``_conc_child.py gc REPO STOPFILE``: ``repo.gc()`` in a loop until STOPFILE exists; prints the
+``_conc_child.py gc REPO STOPFILE``: ``repo.gc(reflog_expiry=0)`` in a loop until STOPFILE exists; prints the
 number of collections and of blocks they freed.
 """
 
@@ -64,7 +64,7 @@ def gc_loop(repo_dir: str, stop: str) -> None:
     runs = freed = 0
     with cas_ckpt.open(repo_dir) as repo:
         while not os.path.exists(stop):
-            freed += repo.gc().blocks_freed
+            freed += repo.gc(reflog_expiry=0).blocks_freed
             runs += 1
             time.sleep(0.005)
     print(runs, freed)

@@ -37,7 +37,7 @@ def saver(repo_dir: str, log: str, seed: int, scale: float, start: int, child_se
     while True:
         if i > start and rng.random() < 0.15:
             append(log, f"gc-begin {i}")
-            repo.gc()
+            repo.gc(reflog_expiry=0)  # sweep old checkpoints under the kills too
             append(log, f"gc-done {i}")
         ref = rng.choice(REFS)
         state = _support.make_state(seed, i, scale=scale)

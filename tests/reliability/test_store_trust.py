@@ -121,7 +121,7 @@ def _two_savers_race(root: Path) -> tuple[bytes, str]:
     with cas_ckpt.open(root) as repo:
         first = LocalStore(root)  # a second writer, opened before the first one's pack existed
         root_cid = repo.save(_state(3), ref="a")
-        chunk = next(c for c in repo.blocks.keys() if not cidlib.is_node(c))
+        chunk = next(c for c in list(repo.blocks.keys()) if not cidlib.is_node(c))
         with first.writer() as writer:  # its own batch: other blocks around, another order
             writer.put(*_raw(b"the other writer's own block"))
             for cid in reversed(list(repo.blocks.keys())):
