@@ -41,7 +41,6 @@ from cas_ckpt.errors import (
 )
 from cas_ckpt.maintenance.diff import leaves
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
-from cas_ckpt.refs import LocalRefStore
 from cas_ckpt.repository import Repository
 from cas_ckpt.tree import (
     BIGINT,
@@ -249,15 +248,16 @@ def _location(given: str) -> Path | str:
 @contextmanager
 def open_repo(args: argparse.Namespace, *, write: bool = False) -> Iterator[Repository]:
     """Open the existing repository (never create one); read-only unless ``write``."""
-    path = repo_path(args)
-    if path is None:
-        path = Path.cwd()
-        if LocalRefStore(path).read_config() is None:
-            raise RepositoryError(
-                f"no repository given: pass --repo PATH or set {ENV_REPO} "
-                "(or run inside a repository)"
-            )
-    with cas_ckpt.open(path, create=False, read_only=not write) as repo:
+    given = repo_path(args)
+    try:
+        repo = cas_ckpt.open(given or Path.cwd(), create=False, read_only=not write)
+    except RepositoryError:
+        if given is not None:
+            raise
+        raise RepositoryError(
+            f"no repository given: pass --repo PATH or set {ENV_REPO} (or run inside a repository)"
+        ) from None
+    with repo:
         yield repo
 
 

@@ -263,7 +263,7 @@ class CheckpointManager:
     def _reconcile(self) -> None:
         """Give the latest checkpoint its step ref if a crash (or a fork) left it without one."""
         head = self.repo.refs_store.get(self.ref)
-        if head is None:
+        if head is None or self.repo.read_only:  # a read-only manager restores, never writes
             return
         try:
             step = self._commit(head).step

@@ -159,7 +159,8 @@ class LocalBackend(Backend):
         now = time.time()
         found = []
         try:
-            entries = list(os.scandir(_fs.refuse_links(self.root, self.pack_dir)))
+            with os.scandir(_fs.refuse_links(self.root, self.pack_dir)) as listing:
+                entries = list(listing)
         except FileNotFoundError:
             return []
         for entry in entries:

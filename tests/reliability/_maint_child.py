@@ -1,0 +1,62 @@
+"""Child of test_kill_maintenance: runs one maintenance operation in a loop until it is killed.
+
+Usage: ``_maint_child.py OP REPO LOG [CAR]``. Appends ``begin N`` (fsynced) to LOG before each
+round and ``done N ...`` after it; the parent SIGKILLs it at a random moment.
+
+* ``gc``: a scratch checkpoint is saved and its ref deleted, then ``gc(reflog_expiry=0)`` sweeps it
+  (merging packs that lost blocks);
+* ``import``: the CAR file is imported to ref ``imported``;
+* ``delete``: ref ``tmp/N`` is set to ``keep/0`` and deleted again;
+* ``retention``: a CheckpointManager with ``keep_last=2`` saves step N (its GC runs each time);
+  ``done N DIGEST`` records what step N holds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import _support
+
+import cas_ckpt
+
+
+def append(log: str, line: str) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    op, root, log = sys.argv[1], sys.argv[2], sys.argv[3]
+    repo = cas_ckpt.open(root, create=False)
+    manager = cas_ckpt.CheckpointManager(repo, "run", keep_last=2) if op == "retention" else None
+    start = manager.latest_step() + 1 if manager is not None and manager.latest_step() is not None else 0
+    for n in range(start, start + 10_000):
+        append(log, f"begin {n}")
+        if op == "gc":
+            repo.save(_support.make_state(9, n, scale=0.05), ref="scratch")
+            repo.delete_ref("scratch")
+            repo.gc(reflog_expiry=0)
+            append(log, f"done {n}")
+        elif op == "import":
+            repo.import_car(sys.argv[4], ref="imported")
+            append(log, f"done {n}")
+        elif op == "delete":
+            repo.set_ref(f"tmp/{n}", "keep/0")
+            repo.delete_ref(f"tmp/{n}")
+            append(log, f"done {n}")
+        elif op == "retention":
+            assert manager is not None
+            state = _support.make_state(5, n, scale=0.05)
+            manager.save(n, state)
+            append(log, f"done {n} {_support.digest(state)}")
+        else:
+            raise SystemExit(f"unknown operation {op}")
+
+
+if __name__ == "__main__":
+    main()
