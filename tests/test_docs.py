@@ -20,6 +20,13 @@ def test_dedup_doc_examples_run() -> None:
     assert result.attempted >= 7 and result.failed == 0
 
 
+def test_architecture_doc_examples_run() -> None:
+    result = doctest.testfile(
+        str(ROOT / "docs" / "architecture.md"), module_relative=False, optionflags=doctest.ELLIPSIS
+    )
+    assert result.attempted >= 3 and result.failed == 0
+
+
 def test_package_docstring_example_runs() -> None:
     result = doctest.testmod(cas_ckpt, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 3 and result.failed == 0
