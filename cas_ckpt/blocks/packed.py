@@ -63,7 +63,7 @@ class PackWriter(BlockWriter):
         self._sink: Sink | None = None
         self._entries: list[Entry] = []
         self._offset = 0
-        self._sealed: list[Future[tuple[str, list[Entry]]]] = []
+        self._sealed: list[Future[tuple[ObjectInfo, list[Entry]]]] = []
         self.published: list[str] = []
 
     def _stored(self, cid: bytes) -> bool:
@@ -100,11 +100,12 @@ class PackWriter(BlockWriter):
         except BaseException:
             sink.abort()
             raise
+        info = ObjectInfo(name, self._offset + len(tail), 0.0)
         if self._packed.backend.publish_in_background:
-            self._sealed.append(self._packed._publisher.submit(self._packed._publish, sink, name, entries))
+            self._sealed.append(self._packed._publisher.submit(self._packed._publish, sink, info, entries))
         else:
-            done: Future[tuple[str, list[Entry]]] = Future()
-            done.set_result(self._packed._publish(sink, name, entries))
+            done: Future[tuple[ObjectInfo, list[Entry]]] = Future()
+            done.set_result(self._packed._publish(sink, info, entries))
             self._sealed.append(done)
 
     def commit(self) -> None:
@@ -119,7 +120,7 @@ class PackWriter(BlockWriter):
             finally:
                 self.closed = True
             self._packed._add_packs(packs)
-            self.published = [name for name, _ in packs]
+            self.published = [info.name for info, _ in packs]
 
     def abort(self) -> None:
         with self._lock:
@@ -135,7 +136,7 @@ class PackWriter(BlockWriter):
             future.exception()
         self._sealed = []
 
-    def _wait(self) -> list[tuple[str, list[Entry]]]:
+    def _wait(self) -> list[tuple[ObjectInfo, list[Entry]]]:
         """Every sealed pack, once all have finished publishing; the first failure raised."""
         results, first = [], None
         for future in self._sealed:
@@ -235,10 +236,9 @@ class PackedBlockStore(BlockStore):
                 if self._index.setdefault(cid, loc) is not loc:
                     self._extra.setdefault(cid, []).append(loc)
 
-    def _add_packs(self, packs: list[tuple[str, list[Entry]]]) -> None:
-        for name, entries in packs:
-            size = entries[-1][1] + entries[-1][2] if entries else len(PACK_MAGIC)
-            self._add_pack(ObjectInfo(name, size + len(encode_index(entries)[0]), 0.0), entries)
+    def _add_packs(self, packs: list[tuple[ObjectInfo, list[Entry]]]) -> None:
+        for info, entries in packs:
+            self._add_pack(info, entries)
 
     def _drop_pack(self, name: str) -> None:
         """Forget a pack that left the medium; its blocks stay readable from their other copies."""
@@ -482,8 +482,11 @@ class PackedBlockStore(BlockStore):
                 self._publisher_pool = ThreadPoolExecutor(2, thread_name_prefix="cas_ckpt-publish")
             return self._publisher_pool
 
-    def _publish(self, sink: Sink, name: str, entries: list[Entry]) -> tuple[str, list[Entry]]:
+    def _publish(
+        self, sink: Sink, info: ObjectInfo, entries: list[Entry]
+    ) -> tuple[ObjectInfo, list[Entry]]:
         """Publish a sealed pack; an existing object of its name is trusted only once verified."""
+        name = info.name
         try:
             if not sink.publish(name):
                 if self._pack_intact(name, entries):
@@ -496,7 +499,7 @@ class PackedBlockStore(BlockStore):
         except BaseException:
             sink.abort()
             raise
-        return name, entries
+        return info, entries
 
     def _pack_intact(self, name: str, entries: list[Entry]) -> bool:
         """True if the object ``name`` holds ``entries``, each passing its hash."""
@@ -511,10 +514,9 @@ class PackedBlockStore(BlockStore):
                     cid, offset, length = entries[i]
                     if not cidlib.matches(cid, view[offset - first[1] : offset - first[1] + length]):
                         return False
-            tail_size = len(encode_index(entries)[0])
+            expected = encode_index(entries)[0]
             end = entries[-1][1] + entries[-1][2] if entries else len(PACK_MAGIC)
-            tail = self.backend.read(name, end, tail_size)
-            return tail is not None and tail == encode_index(entries)[0]
+            return self.backend.read(name, end, len(expected)) == expected
         except CorruptStore:
             return False
 
