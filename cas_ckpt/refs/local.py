@@ -15,14 +15,20 @@ from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import CorruptStore, InvalidRefName, RefLocked
 from cas_ckpt.refs.base import MAX_SEGMENT_BYTES, ReflogEntry, RefStore, check_ref_name
 
+# In refs/ and logs/, under the ref lock, no writer is using a file of these names: they are what
+# a crash leaves (temp files; cas_ckpt 0.1's per-ref lock files), removed when pruning.
+_DEBRIS = (".lock", ".tmp")
+_MAX_DEPTH = 512  # directory levels a ref name can make (1024 characters, '/'-separated)
+
 
 class LocalRefStore(RefStore):
     """Refs as files under ``refs/``, reflogs under ``logs/``, pins under ``pins/``.
 
-    An update takes ``<ref>.lock`` with ``O_EXCL`` (holding pid, host, time), re-reads the ref under
-    it, appends the reflog line (fsynced), writes the new value to a temp file, fsyncs it, renames it
-    over the ref, fsyncs the directory and drops the lock. A lock whose holder process is gone (same
-    host) is broken safely; any other lock that outlives ``lock_timeout`` raises :class:`RefLocked`.
+    Every update holds the repository's ref lock, an exclusive ``flock`` on ``locks/refs.lock``
+    that the kernel releases when its holder exits or dies; under it the update re-reads the ref,
+    appends the reflog line (fsynced), writes the new value to a temp file, fsyncs it, renames it
+    over the ref and fsyncs the directory (a delete also prunes emptied directories). Waiting for
+    a live holder longer than ``lock_timeout`` raises :class:`RefLocked`.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, lock_timeout: float = 10.0) -> None:
@@ -63,96 +69,72 @@ class LocalRefStore(RefStore):
 
     def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
         path = self._path(self.refs_dir, name)
-        self._make_parents(name, path)
-        with self._ref_lock(name, path):
+        log = self._path(self.logs_dir, name)
+        # Everything below, directories created and pruned included, happens under the one ref
+        # lock: updates of refs sharing a directory never interleave.
+        with self._ref_lock(name):
             current = self._read(path)
             if not check(current):
                 return False
             if new is None:
-                # As git does: a deleted ref takes its reflog along (step refs come and go often).
-                # The reflog goes first, durably: a ref left without a reflog is fine, a reflog
-                # naming a checkpoint for a ref that is gone is what fsck reports as a lost ref.
-                log = self._path(self.logs_dir, name)
-                if log.exists():
-                    log.unlink()
-                    _fs.fsync_dir(log.parent)
-                path.unlink()
-                _fs.fsync_dir(path.parent)
+                self._delete(path, log)
             else:
-                self._append_log(name, ReflogEntry(current, new, time.time(), message))
+                self._make_parents(name, path, log)
+                self._append_log(log, ReflogEntry(current, new, time.time(), message))
                 _fs.atomic_write(path, (cidlib.to_str(new) + "\n").encode("ascii"))
-        if new is None:
-            self._prune_empty(path.parent, self.refs_dir)
-            self._prune_empty(self._path(self.logs_dir, name).parent, self.logs_dir)
         return True
 
-    def _make_parents(self, name: str, path: Path) -> None:
-        """Create the ref's directories; a ref cannot sit above or below another ref."""
+    @contextlib.contextmanager
+    def _ref_lock(self, name: str) -> Iterator[None]:
+        lock = _fs.refuse_links(self.root, self.locks_dir) / "refs.lock"
+        _fs.makedirs(self.locks_dir)
+        with _fs.flocked(lock, exclusive=True, timeout=self.lock_timeout) as held:
+            if not held:
+                holder = f"another process or thread for over {self.lock_timeout:g} s"
+                raise RefLocked(name, str(lock), holder)
+            yield
+
+    def _delete(self, path: Path, log: Path) -> None:
+        # As git does: a deleted ref takes its reflog along (step refs come and go often). The
+        # reflog goes first, durably: a ref left without a reflog is fine, a reflog naming a
+        # checkpoint for a ref that is gone is what fsck reports as a lost ref.
+        try:
+            log.unlink()
+            _fs.fsync_dir(log.parent)
+        except FileNotFoundError:
+            pass
+        path.unlink()
+        _fs.fsync_dir(path.parent)
+        self._prune(path.parent, self.refs_dir)
+        self._prune(log.parent, self.logs_dir)
+
+    def _make_parents(self, name: str, path: Path, log: Path) -> None:
+        """Create the ref's and its reflog's directories; a ref cannot sit above or below another."""
         if path.is_dir():
-            raise InvalidRefName(name, "refs exist below this name")
+            if self._walk(path):
+                raise InvalidRefName(name, "refs exist below this name")
+            self._vacate(path, "the ref file")
         for parent in path.relative_to(self.refs_dir).parents:
             if parent != Path(".") and (self.refs_dir / parent).is_file():
                 raise InvalidRefName(name, f"clashes with the existing ref {parent.as_posix()!r}")
         try:
             _fs.makedirs(path.parent)
+            _fs.makedirs(log.parent)
         except (FileExistsError, NotADirectoryError):
-            raise InvalidRefName(name, "clashes with an existing ref") from None
+            raise InvalidRefName(name, "clashes with an existing ref or reflog") from None
 
     @staticmethod
-    def _prune_empty(directory: Path, top: Path) -> None:
-        while directory != top and top in directory.parents:
-            try:
-                directory.rmdir()
-            except OSError:
-                return  # not empty (or gone): stop
+    def _vacate(directory: Path, what: str) -> None:
+        """Remove an empty directory tree (a crash leftover) where ``what`` must go."""
+        if not _clear(directory):
+            raise CorruptStore(directory, f"is a directory, not cas_ckpt's, where {what} belongs")
+
+    @staticmethod
+    def _prune(directory: Path, top: Path) -> None:
+        while directory != top and top in directory.parents and _clear(directory):
             directory = directory.parent
 
-    @contextlib.contextmanager
-    def _ref_lock(self, name: str, path: Path) -> Iterator[None]:
-        lock = path.with_name(path.name + ".lock")
-        deadline = time.monotonic() + self.lock_timeout
-        delay = 0.001
-        while True:
-            # Created whole (temp file linked into place): a live holder's lock is never empty, so
-            # an empty or torn one is a crash leftover that holder_is_dead lets us break.
-            try:
-                if _fs.create_exclusive(
-                    lock, _fs.lock_holder_text(), tmp_dir=path.parent, durable=False
-                ):
-                    break
-            except FileNotFoundError:  # a concurrent delete pruned the emptied directory
-                _fs.makedirs(path.parent)
-                continue
-            holder = self._lock_text(lock)
-            if holder is not None and _fs.lock_is_stale(lock, holder):
-                self._break_stale(lock, holder)
-                continue
-            if time.monotonic() > deadline:
-                raise RefLocked(name, str(lock), holder or "an unknown process") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        try:
-            yield
-        finally:
-            lock.unlink(missing_ok=True)
-
-    @staticmethod
-    def _lock_text(lock: Path) -> str | None:
-        try:
-            return _fs.read_bytes(lock).decode(errors="replace")
-        except FileNotFoundError:
-            return None
-
-    def _break_stale(self, lock: Path, seen: str) -> None:
-        # Re-check under a kernel lock: two breakers must not remove a lock a live writer just took.
-        _fs.makedirs(_fs.refuse_links(self.root, self.locks_dir))
-        with _fs.flocked(self.locks_dir / "refs.breaker", exclusive=True):
-            if self._lock_text(lock) == seen:
-                lock.unlink(missing_ok=True)
-
-    def _append_log(self, name: str, entry: ReflogEntry) -> None:
-        path = self._path(self.logs_dir, name)
-        _fs.makedirs(path.parent)
+    def _append_log(self, path: Path, entry: ReflogEntry) -> None:
         fd = _fs.open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
         try:
             with _fs.naming(path):
@@ -273,6 +255,38 @@ def _whole_lines_length(fd: int) -> int:
             return start + newline + 1
         pos = start
     return 0
+
+
+def _clear(directory: Path, depth: int = 0) -> bool:
+    """Remove ``directory`` if it holds only directories like it and crash leftovers (_DEBRIS).
+
+    Only under the ref lock, where no writer is using such a file or is about to use the directory.
+    """
+    debris = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    if depth >= _MAX_DEPTH or not _clear(Path(entry.path), depth + 1):
+                        return False
+                elif entry.name.endswith(_DEBRIS) and entry.is_file(follow_symlinks=False):
+                    debris.append(entry.path)
+                else:
+                    return False
+    except FileNotFoundError:
+        return True
+    except NotADirectoryError:
+        return False
+    for leftover in debris:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(leftover)
+    try:
+        os.rmdir(directory)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
