@@ -289,6 +289,8 @@ def _open_lock_file(path: Path) -> int:
     except OSError as exc:
         if exc.errno in (errno.EISDIR, errno.ENXIO):  # a directory; a socket
             raise CorruptStore(path, "lock file is not a regular file") from None
+        if exc.errno == errno.ENOTDIR:
+            raise CorruptStore(path.parent, "is not a directory") from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

@@ -248,6 +248,15 @@ def test_a_ref_and_a_ref_below_it_conflict_cleanly(refs: cas_ckpt.refs.RefStore)
     assert refs.get("runs") == B
 
 
+def test_a_huge_reflog_message_is_cut_to_fit_a_line(tmp_path: Path) -> None:
+    """Readers refuse reflog lines over 64 KiB (no real one is): a long message is cut instead."""
+    store = cas_ckpt.refs.LocalRefStore(tmp_path / "repo")
+    store.ensure_dirs()
+    assert store.add_if_new("main", A, message="\U0001f600" * 100_000)  # 12 bytes each, escaped
+    assert store.set_if_equals("main", A, B, message="short")
+    assert [(e.message, e.new) for e in store.reflog("main")] == [("\U0001f600" * 4096, A), ("short", B)]
+
+
 def test_every_update_is_in_the_reflog(repo: cas_ckpt.Repository) -> None:
     saved = [repo.save({"step": i}, step=i) for i in range(5)]
     other = repo.save({"x": 1}, ref="runs/exp-7")

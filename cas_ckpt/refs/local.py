@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 from cas_ckpt import _fs
 from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import CorruptStore, InvalidRefName, RefLocked
+from cas_ckpt.refs import _files
 from cas_ckpt.refs.base import MAX_SEGMENT_BYTES, ReflogEntry, RefStore, check_ref_name
 
 # In refs/ and logs/, under the ref lock, no writer is using a file of these names: they are what
@@ -57,9 +60,12 @@ class LocalRefStore(RefStore):
 
     def _read(self, path: Path) -> bytes | None:
         try:
-            text = _fs.read_bytes(path).decode("ascii").strip()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return None
+            text = _files.read_small(path, _files.MAX_REF_BYTES).decode("ascii").strip()
+        except (FileNotFoundError, IsADirectoryError):
+            return None  # a directory: a prefix of other refs' names
+        except NotADirectoryError:
+            _check_dir(self.refs_dir)
+            return None  # a prefix of the name is a ref
         except UnicodeDecodeError:
             raise CorruptStore(path, "ref file is not ASCII") from None
         try:
@@ -103,6 +109,8 @@ class LocalRefStore(RefStore):
             _fs.fsync_dir(log.parent)
         except FileNotFoundError:
             pass
+        except IsADirectoryError:
+            raise CorruptStore(log, "is a directory, not the reflog of the ref") from None
         path.unlink()
         _fs.fsync_dir(path.parent)
         self._prune(path.parent, self.refs_dir)
@@ -110,6 +118,8 @@ class LocalRefStore(RefStore):
 
     def _make_parents(self, name: str, path: Path, log: Path) -> None:
         """Create the ref's and its reflog's directories; a ref cannot sit above or below another."""
+        _check_dir(self.refs_dir)
+        _check_dir(self.logs_dir)
         if path.is_dir():
             if self._walk(path):
                 raise InvalidRefName(name, "refs exist below this name")
@@ -135,16 +145,23 @@ class LocalRefStore(RefStore):
             directory = directory.parent
 
     def _append_log(self, path: Path, entry: ReflogEntry) -> None:
-        fd = _fs.open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        line = entry.to_json()
+        if len(line) >= _files.MAX_REFLOG_LINE:  # readers refuse longer lines
+            line = dataclasses.replace(entry, message=entry.message[: _files.MAX_MESSAGE]).to_json()
+        try:
+            fd = _files.open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        except IsADirectoryError:
+            self._vacate(path, "the reflog")
+            fd = _files.open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
         try:
             with _fs.naming(path):
                 # A torn line (an append cut short by a crash or a full disk) is dropped, never
                 # left for the next line to be glued to; a failed append leaves no part behind.
-                start = _whole_lines_length(fd)
+                start = _files.whole_lines_length(fd, path)
                 if start != os.fstat(fd).st_size:
                     os.ftruncate(fd, start)
                 try:
-                    _fs.write_all(fd, (entry.to_json() + "\n").encode("ascii"))
+                    _fs.write_all(fd, (line + "\n").encode("ascii"))
                     os.fsync(fd)
                 except BaseException:
                     with contextlib.suppress(OSError):
@@ -154,15 +171,28 @@ class LocalRefStore(RefStore):
             os.close(fd)
 
     def _walk(self, base: Path, suffix_skip: tuple[str, ...] = (".lock", ".tmp")) -> list[str]:
+        """The valid names of the files below ``base``.
+
+        A listing that fails raises: one that quietly came back short would let GC delete the
+        checkpoints of the refs it missed. Only a directory pruned meanwhile is skipped.
+        """
         names = []
-        _fs.refuse_links(self.root, base)  # os.walk follows its top (not links below it)
-        for dirpath, _dirs, files in os.walk(base):
-            for f in files:
-                if f.endswith(suffix_skip) or f.startswith("."):
-                    continue
-                rel = Path(dirpath, f).relative_to(base).as_posix()
-                with contextlib.suppress(InvalidRefName):
-                    names.append(check_ref_name(rel))
+        _check_dir(_fs.refuse_links(self.root, base))  # os.walk follows its top (not links below)
+
+        def fail(exc: OSError) -> None:
+            if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+                raise CorruptStore(exc.filename or base, f"cannot be listed: {exc.strerror}")
+
+        try:
+            for dirpath, _dirs, files in os.walk(base, onerror=fail):
+                for f in files:
+                    if f.endswith(suffix_skip) or f.startswith("."):
+                        continue
+                    rel = Path(dirpath, f).relative_to(base).as_posix()
+                    with contextlib.suppress(InvalidRefName):
+                        names.append(check_ref_name(rel))
+        except RecursionError:
+            raise CorruptStore(base, "holds directories nested deeper than any ref name") from None
         return sorted(names)
 
     def names(self) -> list[str]:
@@ -171,45 +201,67 @@ class LocalRefStore(RefStore):
     def reflog(self, name: str) -> list[ReflogEntry]:
         path = self._path(self.logs_dir, name)
         try:
-            lines = _fs.read_bytes(path).split(b"\n")
+            fd = _files.open_regular(path, os.O_RDONLY)
         except FileNotFoundError:
             return []
-        entries = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                entries.append(ReflogEntry.from_json(line.decode("ascii")))
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-                if number == len(lines):
-                    continue  # a torn last line (no newline): the update it began never happened
-                raise CorruptStore(path, f"line {number}: {exc}") from None
-        return entries
+        except NotADirectoryError:
+            _check_dir(self.logs_dir)
+            return []  # a prefix of the name has a reflog
+        except IsADirectoryError:
+            if self.get(name) is None:
+                return []  # a prefix of other refs' names
+            raise CorruptStore(path, "is a directory, not the reflog of the ref") from None
+        try:
+            return _parse_reflog(fd, path)
+        finally:
+            os.close(fd)
 
     def reflog_names(self) -> list[str]:
         return self._walk(self.logs_dir)
 
     def pins(self) -> set[bytes]:
         try:
-            names = os.listdir(_fs.refuse_links(self.root, self.pins_dir))
+            entries = list(os.scandir(_fs.refuse_links(self.root, self.pins_dir)))
         except FileNotFoundError:
             return set()
+        except NotADirectoryError:
+            raise CorruptStore(self.pins_dir, "is not a directory") from None
         found = set()
-        for name in names:
-            if name.endswith(".tmp") or name.startswith("."):
+        for entry in entries:
+            if entry.name.endswith(".tmp") or entry.name.startswith("."):
                 continue  # a pin() a crash cut short
+            path = self.pins_dir / entry.name
+            if not entry.is_file(follow_symlinks=False):
+                self._check_pin(path)
             try:
-                found.add(cidlib.to_bytes(name))
+                found.add(cidlib.to_bytes(entry.name))
             except ValueError:
-                raise CorruptStore(self.pins_dir / name, "pin file name is not a CID") from None
+                raise CorruptStore(path, "pin file name is not a CID") from None
         return found
+
+    @staticmethod
+    def _check_pin(path: Path) -> bool:
+        """True if the pin file ``path`` exists; :class:`CorruptStore` if it is not a regular file."""
+        try:
+            mode = os.stat(path, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return False
+        except NotADirectoryError:
+            _check_dir(path.parent)
+            raise
+        if not stat.S_ISREG(mode):
+            raise CorruptStore(path, f"is {_files.kind(mode)}; a pin is an empty regular file")
+        return True
 
     def pin(self, cid: bytes) -> None:
         path = _fs.refuse_links(self.root, self.pins_dir) / cidlib.to_str(cid)
+        self._check_pin(path)
         _fs.atomic_write(path, b"")
 
     def unpin(self, cid: bytes) -> bool:
         path = _fs.refuse_links(self.root, self.pins_dir) / cidlib.to_str(cid)
+        if not self._check_pin(path):
+            return False
         try:
             path.unlink()
         except FileNotFoundError:
@@ -218,18 +270,20 @@ class LocalRefStore(RefStore):
         return True
 
     def read_config(self) -> dict[str, Any] | None:
+        path = self.config_path
         try:
-            text = _fs.read_bytes(self.config_path).decode("utf-8")
+            data = _files.read_small(path, _files.MAX_CONFIG_BYTES)
         except (FileNotFoundError, NotADirectoryError):  # NotADirectory: the root is a file
             return None
-        except UnicodeDecodeError:
-            raise CorruptStore(self.config_path, "not UTF-8 text") from None
+        except IsADirectoryError:
+            raise CorruptStore(path, "is a directory, not the repository's configuration") from None
         try:
-            config = json.loads(text)
-        except ValueError as exc:
-            raise CorruptStore(self.config_path, f"not valid JSON: {exc}") from None
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptStore(path, "not UTF-8 text") from None
+        config = _files.parse_json(text, path)
         if not isinstance(config, dict):
-            raise CorruptStore(self.config_path, "not a JSON object")
+            raise CorruptStore(path, "not a JSON object")
         return config
 
     def init_config(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -243,18 +297,29 @@ class LocalRefStore(RefStore):
         return _flock_none(_fs.refuse_links(self.root, self.locks_dir) / "gc.lock", exclusive)
 
 
-def _whole_lines_length(fd: int) -> int:
-    """The length of the file up to and including its last newline."""
-    pos = os.fstat(fd).st_size
-    if pos == 0 or os.pread(fd, 1, pos - 1) == b"\n":
-        return pos
-    while pos > 0:
-        start = max(0, pos - 4096)
-        newline = os.pread(fd, pos - start, start).rfind(b"\n")
-        if newline >= 0:
-            return start + newline + 1
-        pos = start
-    return 0
+def _parse_reflog(fd: int, path: Path) -> list[ReflogEntry]:
+    entries = []
+    for number, line in enumerate(_files.lines(fd, path), 1):
+        if not line.strip():
+            continue
+        try:
+            entries.append(ReflogEntry.from_json(line.decode("ascii")))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+            if not line.endswith(b"\n"):
+                continue  # a torn last line: the update it began never happened
+            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            raise CorruptStore(path, f"line {number}: {why}") from None
+    return entries
+
+
+def _check_dir(path: Path) -> None:
+    """:class:`CorruptStore` if ``path`` exists but is not a directory."""
+    try:
+        mode = os.stat(path, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        raise CorruptStore(path, f"is {_files.kind(mode)}, not a directory")
 
 
 def _clear(directory: Path, depth: int = 0) -> bool:

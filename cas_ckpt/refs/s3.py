@@ -255,8 +255,9 @@ class S3RefStore(RefStore):
             text = got[0].decode("ascii")
             prev = json.loads(text).get("prev")
             return ReflogEntry.from_json(text), prev if isinstance(prev, str) else None
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-            raise CorruptStore(self._where(key), f"bad reflog entry: {exc}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            raise CorruptStore(self._where(key), f"bad reflog entry: {why}") from None
 
     def reflog_names(self) -> list[str]:
         names = {m.key[len("logs/") : m.key.rindex("/")] for m in self.bucket.list("logs/")}
@@ -290,6 +291,8 @@ class S3RefStore(RefStore):
             config = json.loads(got[0].decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise CorruptStore(self._where("config.json"), f"not valid JSON: {exc}") from None
+        except RecursionError:
+            raise CorruptStore(self._where("config.json"), "not valid JSON: nested too deeply") from None
         if not isinstance(config, dict):
             raise CorruptStore(self._where("config.json"), "not a JSON object")
         return config
