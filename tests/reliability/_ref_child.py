@@ -6,6 +6,10 @@
 ``_ref_child.py churn ROOT GO REF ROUNDS``: creates and deletes REF with a ``LocalRefStore``, ROUNDS
 times; after each create, the ref and its one-line reflog must read back. Prints the rounds done.
 
+``_ref_child.py s3writer URL GO K COUNT``: COUNT unconditional sets of ``main`` in an S3 ref store,
+each to a CID of its own (compare-and-swap retried inside the store, losers removing their reflog
+entries). Prints the CIDs set.
+
 Each prints ``ready`` once set up, then waits for GO. Any error ends the child with a traceback and a
 non-zero status.
 """
@@ -54,8 +58,21 @@ def churn(root: str, go: str, ref: str, count: int) -> None:
     print(rounds)
 
 
+def s3writer(url: str, go: str, k: int, count: int) -> None:
+    from cas_ckpt.refs.s3 import S3RefStore
+
+    store = S3RefStore(url)
+    wait_for(go)
+    for i in range(count):
+        value = cidlib.Hasher().node(f"{k}-{i}".encode())
+        assert store.set_if_equals("main", None, value, message=f"{k}-{i}")
+        print(cidlib.to_str(value), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "saver":
         saver(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
-    else:
+    elif sys.argv[1] == "churn":
         churn(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    else:
+        s3writer(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
