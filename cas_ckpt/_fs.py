@@ -7,7 +7,8 @@ import ctypes
 import errno
 import fcntl
 import os
-import socket
+import stat
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -45,10 +46,64 @@ def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
         raise
 
 
-def read_bytes(path: Path) -> bytes:
-    """A whole file's bytes, refusing a symbolic link (:class:`CorruptStore`)."""
-    with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as f:
-        return f.read()
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFDIR: "a directory",
+}
+
+
+def kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
+    """Open ``path`` only if it is a regular file, without following a link.
+
+    A directory raises :class:`IsADirectoryError` (to some callers it means "no such ref": a name
+    that is a prefix of others); anything else that is not a regular file :class:`CorruptStore`.
+    """
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (forever, if none comes).
+        fd = open_nofollow(path, flags | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a socket, or a FIFO opened for writing without a reader
+            raise CorruptStore(path, "is not a regular file") from None
+        raise
+    try:
+        st_mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(st_mode):
+            raise CorruptStore(path, f"is {kind(st_mode)}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file ``path``; :class:`CorruptStore` if it has over ``limit``."""
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CorruptStore(path, f"is {size} bytes; the format allows at most {limit}")
+        data = b""
+        while len(data) <= limit:
+            piece = os.read(fd, limit + 1 - len(data))
+            if not piece:
+                return data
+            data += piece
+        raise CorruptStore(path, f"grew past {limit} bytes while being read")
+    finally:
+        os.close(fd)
+
 
 
 @contextlib.contextmanager
@@ -185,81 +240,123 @@ def create_exclusive(path: Path, data: bytes, *, tmp_dir: Path, durable: bool = 
     return created
 
 
-def lock_holder_text() -> bytes:
-    return f"{os.getpid()} {socket.gethostname()} {time.time():.3f} {uuid.uuid4().hex}\n".encode()
-
-
-def _boot_time() -> float | None:
-    try:
-        with open("/proc/stat", "rb") as f:
-            for line in f:
-                if line.startswith(b"btime "):
-                    return float(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def holder_is_dead(text: str) -> bool:
-    """True only when the lock's holder was a process on this host that no longer exists.
-
-    That includes a holder that started before the last boot (its pid may have been reused since).
-    A holder on another host, or text that names no holder, is never judged dead here.
-    """
-    parts = text.split()
-    if len(parts) < 2 or parts[1] != socket.gethostname() or not parts[0].isdigit():
-        return False
-    boot = _boot_time()
-    try:
-        if boot is not None and len(parts) > 2 and float(parts[2]) < boot:
-            return True
-    except ValueError:
-        pass
-    try:
-        os.kill(int(parts[0]), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError):
-        return False
-    return False
-
-
-EMPTY_LOCK_AGE = 2.0
-
-
-def lock_is_stale(path: Path, text: str) -> bool:
-    """True when the lock file ``path`` (holding ``text``) cannot belong to a live writer.
-
-    Locks are created whole (:func:`create_exclusive`), so a live holder's lock is never empty: an
-    empty one (or one of zero bytes) is what a power cut leaves of a lock whose bytes never reached
-    the disk. The age check only spares a writer of an older cas_ckpt, which created the lock first
-    and wrote its holder line after.
-    """
-    if text.strip("\x00 \t\r\n"):
-        return holder_is_dead(text)
-    try:
-        age = time.time() - os.stat(path).st_mtime
-    except OSError:
-        return False
-    return age > EMPTY_LOCK_AGE
-
-
 @contextlib.contextmanager
-def flocked(path: Path, *, exclusive: bool, blocking: bool = True) -> Iterator[bool]:
-    """Hold an advisory ``flock`` on ``path``; the kernel drops it if the process dies.
+def flocked(
+    path: Path, *, exclusive: bool, blocking: bool = True, timeout: float | None = None
+) -> Iterator[bool]:
+    """Hold an advisory ``flock`` on the regular file ``path`` (created if missing).
 
-    Yields False (holding nothing) when ``blocking`` is False and the lock is taken.
+    The kernel drops the lock when its holder closes the file or dies (SIGKILL included), so no
+    pid, host name or clock is ever judged. ``flock`` belongs to the open file description: two
+    threads of one process exclude each other as two processes do, also across pid namespaces
+    sharing a kernel. Yields False (holding nothing) when ``blocking`` is False and the lock is
+    taken, or when it stayed taken for ``timeout`` seconds. :class:`CorruptStore` if ``path`` is
+    not a regular file (a FIFO, a directory, a link).
     """
-    fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
+    fd = _lock(path, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, blocking, timeout)
+    if fd is None:
+        yield False
+        return
     try:
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        try:
-            fcntl.flock(fd, mode if blocking else mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        except OSError as exc:
-            raise RepositoryError(f"cannot lock {path}: {exc}") from exc
         yield True
     finally:
+        # Unlock before closing: a child forked meanwhile shares the file description, and its
+        # copy of the descriptor would otherwise keep the lock held for as long as it lives.
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _lock(path: Path, mode: int, blocking: bool, timeout: float | None) -> int | None:
+    """A descriptor of ``path`` holding the lock, or None if it could not be had in time."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        fd = _open_lock_file(path)
+        try:
+            if blocking and deadline is None:
+                got = _flock(fd, mode, path)
+            else:
+                got = _flock(fd, mode | fcntl.LOCK_NB, path)
+                if not got and blocking and deadline is not None:
+                    got = _flock_within(fd, mode, path, deadline - time.monotonic())
+            if not got:
+                os.close(fd)
+                return None
+            if _names(path, fd):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        # The file was removed or replaced while we waited: its lock excludes no one who opens
+        # the path now. Lock the file the path names.
+        os.close(fd)
+
+
+def _flock(fd: int, mode: int, path: Path) -> bool:
+    try:
+        fcntl.flock(fd, mode)
+    except BlockingIOError:
+        return False
+    except OSError as exc:  # ENOLCK: e.g. NFSv3 mounted without a lock manager
+        raise RepositoryError(f"cannot lock {path}: {exc}") from exc
+    return True
+
+
+def _flock_within(fd: int, mode: int, path: Path, timeout: float) -> bool:
+    """A blocking flock given up after ``timeout`` s; flock has no timeout, so a thread waits.
+
+    Blocked in the kernel, the waiter is woken when the lock frees (polling would mostly miss a
+    holder that locks again at once). It locks through a duplicate of ``fd`` (one open file
+    description, so one lock); if it gets the lock after we gave up, it unlocks at once.
+    """
+    dup = os.dup(fd)
+    done = threading.Event()
+    mutex = threading.Lock()
+    state: dict[str, Any] = {"abandoned": False, "error": None}
+
+    def wait() -> None:
+        try:
+            _flock(dup, mode, path)
+        except RepositoryError as exc:
+            state["error"] = exc
+        with mutex:
+            if state["abandoned"] and state["error"] is None:
+                fcntl.flock(dup, fcntl.LOCK_UN)
+            done.set()
+        os.close(dup)
+
+    threading.Thread(target=wait, name=f"cas_ckpt-flock-{path.name}", daemon=True).start()
+    done.wait(max(timeout, 0.0))
+    with mutex:
+        if not done.is_set():
+            state["abandoned"] = True
+            return False
+    if state["error"] is not None:
+        raise state["error"]
+    return True
+
+
+def _open_lock_file(path: Path) -> int:
+    try:
+        # O_NONBLOCK: opening a FIFO planted there must not wait for a writer.
+        fd = open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.EISDIR, errno.ENXIO):  # a directory; a socket
+            raise CorruptStore(path, "lock file is not a regular file") from None
+        if exc.errno == errno.ENOTDIR:
+            raise CorruptStore(path.parent, "is not a directory") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptStore(path, "lock file is not a regular file")
+    return fd
+
+
+def _names(path: Path, fd: int) -> bool:
+    """True if ``path`` still names the file open as ``fd``."""
+    try:
+        named = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)

@@ -144,8 +144,8 @@ class RefLocked(RefError):
 
     def __init__(self, name: str, lock_path: str, holder: str) -> None:
         super().__init__(
-            f"ref {name!r} is locked by {holder}; if that process is gone and the lock stays, "
-            f"remove {lock_path}"
+            f"ref {name!r} is locked by {holder} (a lock on {lock_path}, which the system "
+            "frees when its holder exits: do not delete the file)"
         )
         self.ref = name
         self.lock_path = lock_path

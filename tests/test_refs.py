@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,7 +138,7 @@ def test_fuzz_accepted_names_stay_inside_the_repository(name: str) -> None:
             assert not any(p.is_file() for p in root.rglob("*"))
             return
         files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-        assert files == [f"logs/{name}", f"refs/{name}"]
+        assert files == ["locks/refs.lock", f"logs/{name}", f"refs/{name}"]
         assert store.names() == [name]
         assert store.get(name) == A
 
@@ -244,6 +248,15 @@ def test_a_ref_and_a_ref_below_it_conflict_cleanly(refs: cas_ckpt.refs.RefStore)
     assert refs.get("runs") == B
 
 
+def test_a_huge_reflog_message_is_cut_to_fit_a_line(tmp_path: Path) -> None:
+    """Readers refuse reflog lines over 64 KiB (no real one is): a long message is cut instead."""
+    store = cas_ckpt.refs.LocalRefStore(tmp_path / "repo")
+    store.ensure_dirs()
+    assert store.add_if_new("main", A, message="\U0001f600" * 100_000)  # 12 bytes each, escaped
+    assert store.set_if_equals("main", A, B, message="short")
+    assert [(e.message, e.new) for e in store.reflog("main")] == [("\U0001f600" * 4096, A), ("short", B)]
+
+
 def test_every_update_is_in_the_reflog(repo: cas_ckpt.Repository) -> None:
     saved = [repo.save({"step": i}, step=i) for i in range(5)]
     other = repo.save({"x": 1}, ref="runs/exp-7")
@@ -277,40 +290,109 @@ def test_stale_expected_value_is_a_conflict(repo: cas_ckpt.Repository) -> None:
     assert len(repo.reflog("main")) == 2  # failed swaps are not logged
 
 
-# -- lock files ----------------------------------------------------------------------------------
-def _lock_text(pid: int, host: str | None = None) -> str:
-    return f"{pid} {host or socket.gethostname()} {time.time():.3f} deadbeef\n"
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
+# -- the ref lock: a kernel lock on locks/refs.lock, gone when its holder is ----------------------
+HOLDER = textwrap.dedent(
+    """
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what docs/format.md tells another implementation to do
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+    """
+)
 
 
 @pytest.fixture
 def local_refs(tmp_path: Path) -> cas_ckpt.refs.LocalRefStore:
-    store = cas_ckpt.refs.LocalRefStore(tmp_path / "repo", lock_timeout=0.2)
+    store = cas_ckpt.refs.LocalRefStore(tmp_path / "repo", lock_timeout=0.3)
     store.ensure_dirs()
     store.add_if_new("main", A)
     return store
 
 
-def test_stale_lock_of_a_dead_process_is_broken(local_refs: cas_ckpt.refs.LocalRefStore) -> None:
-    lock = local_refs.refs_dir / "main.lock"
-    lock.write_text(_lock_text(_dead_pid()))
-    # lock_timeout is 0.2 s: without breaking the lock this would raise RefLocked.
-    assert local_refs.set_if_equals("main", A, B) is True
+@contextlib.contextmanager
+def _holder(store: cas_ckpt.refs.LocalRefStore, seconds: float) -> Iterator[subprocess.Popen[str]]:
+    """Another process holding the repository's ref lock for ``seconds``."""
+    lock = store.locks_dir / "refs.lock"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), str(seconds)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_live_holder_is_waited_for_up_to_lock_timeout(local_refs: cas_ckpt.refs.LocalRefStore) -> None:
+    with _holder(local_refs, 60):
+        started = time.monotonic()
+        with pytest.raises(cas_ckpt.errors.RefLocked) as info:
+            local_refs.set_if_equals("main", A, B)
+        waited = time.monotonic() - started
+    assert 0.3 <= waited < 10.0
+    assert info.value.ref == "main" and "'main'" in str(info.value)
+    assert info.value.lock_path == str(local_refs.locks_dir / "refs.lock")
+    assert info.value.lock_path in str(info.value)
+    assert local_refs.get("main") == A
+    assert [e.new for e in local_refs.reflog("main")] == [A]
+
+
+def test_holder_that_lets_go_in_time_is_waited_for(local_refs: cas_ckpt.refs.LocalRefStore) -> None:
+    patient = cas_ckpt.refs.LocalRefStore(local_refs.root, lock_timeout=30.0)
+    with _holder(local_refs, 0.4) as holder:
+        started = time.monotonic()
+        assert patient.set_if_equals("main", A, B) is True
+        assert time.monotonic() - started > 0.3  # it waited for the holder to exit
+        assert holder.wait(timeout=30) == 0
+    assert patient.get("main") == B
+
+
+def test_lock_of_a_killed_holder_is_gone_at_once(local_refs: cas_ckpt.refs.LocalRefStore) -> None:
+    with _holder(local_refs, 60) as holder:
+        holder.kill()  # SIGKILL: no cleanup code runs; the kernel drops the lock with the process
+        holder.wait()
+        assert local_refs.set_if_equals("main", A, B) is True  # lock_timeout is 0.3 s
     assert local_refs.get("main") == B
-    assert not lock.exists()
 
 
-def test_stale_lock_is_broken_in_a_repository(tmp_path: Path) -> None:
-    with cas_ckpt.open(tmp_path / "repo") as repo:
-        first = repo.save({"a": 1})
-        (tmp_path / "repo" / "refs" / "main.lock").write_text(_lock_text(_dead_pid()))
-        second = repo.save({"a": 2})
-        assert repo.resolve() == second and repo.commit(second).parents == (first,)
+FORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from cas_ckpt import _fs
+
+    with _fs.flocked(Path(sys.argv[1]), exclusive=True):
+        child = os.fork()  # as a fork-started worker pool would, while a ref update is running
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+    print(child, flush=True)  # the update is over; the child still has the descriptor
+    time.sleep(60)
+    """
+)
+
+
+def test_a_child_forked_during_an_update_does_not_keep_the_lock(
+    local_refs: cas_ckpt.refs.LocalRefStore,
+) -> None:
+    lock = local_refs.locks_dir / "refs.lock"
+    proc = subprocess.Popen([sys.executable, "-c", FORKER, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        try:
+            assert local_refs.set_if_equals("main", A, B) is True  # lock_timeout is 0.3 s
+        finally:
+            os.kill(child, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def _old_lock(pid: int, host: str | None = None) -> str:
+    """A lock file as cas_ckpt 0.1 wrote it: "pid host time uuid"."""
+    return f"{pid} {host or socket.gethostname()} {time.time():.3f} deadbeef\n"
 
 
 @pytest.fixture
@@ -323,56 +405,61 @@ def live_pid() -> Iterator[int]:
         proc.wait()
 
 
-def test_lock_of_a_live_process_raises_ref_locked(
-    local_refs: cas_ckpt.refs.LocalRefStore, live_pid: int
-) -> None:
-    lock = local_refs.refs_dir / "main.lock"
-    lock.write_text(_lock_text(live_pid))
-    started = time.monotonic()
-    with pytest.raises(cas_ckpt.errors.RefLocked) as info:
-        local_refs.set_if_equals("main", A, B)
-    waited = time.monotonic() - started
-    assert 0.2 <= waited < 10.0
-    assert info.value.ref == "main"
-    assert info.value.lock_path == str(lock)
-    assert str(lock) in str(info.value) and str(live_pid) in str(info.value)
-    assert lock.exists(), "a live holder's lock must not be broken"
-    assert local_refs.get("main") == A
-    assert local_refs.reflog("main")[-1].new == A
-
-
-def test_lock_freed_in_time_is_waited_for(
-    local_refs: cas_ckpt.refs.LocalRefStore, live_pid: int
-) -> None:
-    lock = local_refs.refs_dir / "main.lock"
-    lock.write_text(_lock_text(live_pid))
-    slow = cas_ckpt.refs.LocalRefStore(local_refs.root, lock_timeout=30.0)
-    remover = subprocess.Popen(
-        [sys.executable, "-c", f"import os, time; time.sleep(0.3); os.unlink({str(lock)!r})"]
-    )
-    try:
-        started = time.monotonic()
-        assert slow.set_if_equals("main", A, B) is True
-        assert time.monotonic() - started > 0.25  # it waited for the holder
-    finally:
-        remover.wait()
-    assert slow.get("main") == B
-
-
 @pytest.mark.parametrize(
-    "text",
-    [_lock_text(1, host="some-other-host"), "garbage", "-5 host"],
-    ids=["other host", "garbage", "bad pid"],
+    "kind", ["pid 1 (a container's init)", "live pid, renamed host", "garbage", "empty"]
 )
-def test_locks_that_cannot_be_judged_are_not_broken(
-    local_refs: cas_ckpt.refs.LocalRefStore, text: str
+def test_old_lock_files_block_nothing(tmp_path: Path, live_pid: int, kind: str) -> None:
+    """A trainer that ran as pid 1, or on a host since renamed, left its lock: it must not matter."""
+    text = {
+        "pid 1 (a container's init)": _old_lock(1),
+        "live pid, renamed host": _old_lock(live_pid, "old-hostname"),
+        "garbage": "garbage",
+        "empty": "",
+    }[kind]
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        first = repo.save({"a": 1})
+        nested = repo.save({"n": 1}, ref="runs/x")
+        (tmp_path / "repo" / "refs" / "main.lock").write_text(text)
+        (tmp_path / "repo" / "refs" / "runs" / "x.lock").write_text(text)
+        started = time.monotonic()
+        second = repo.save({"a": 2})
+        assert time.monotonic() - started < 5.0  # no waiting on a lock nobody holds
+        assert repo.resolve() == second and repo.commit(second).parents == (first,)
+        assert repo.save({"n": 2}, ref="runs/x") != nested
+        repo.delete_ref("runs/x")  # the leftover does not keep the emptied directory either
+    assert not (tmp_path / "repo" / "refs" / "runs").exists()
+
+
+def test_lock_file_replaced_while_waiting_is_locked_again(
+    local_refs: cas_ckpt.refs.LocalRefStore,
 ) -> None:
-    lock = local_refs.refs_dir / "main.lock"
-    lock.write_text(text)
-    with pytest.raises(cas_ckpt.errors.RefLocked):
-        local_refs.set_if_equals("main", A, B)
-    assert lock.read_text() == text
-    assert local_refs.get("main") == A
+    """Locking a file that no longer has the lock's name locks nothing: take the new one."""
+    lock = local_refs.locks_dir / "refs.lock"
+    first = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(first, fcntl.LOCK_EX)
+    store = cas_ckpt.refs.LocalRefStore(local_refs.root, lock_timeout=1.5)
+    outcome: list[object] = []
+
+    def update() -> None:
+        try:
+            outcome.append(store.set_if_equals("main", A, B))
+        except cas_ckpt.errors.RefLocked as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=update)
+    waiter.start()
+    time.sleep(0.3)  # the waiter has opened the first file and polls its lock
+    lock.unlink()
+    second = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    try:
+        fcntl.flock(second, fcntl.LOCK_EX)  # another locker holds the file now named refs.lock
+        os.close(first)  # frees the unlinked file's lock: the waiter must not take that as its own
+        waiter.join()
+        assert len(outcome) == 1 and isinstance(outcome[0], cas_ckpt.errors.RefLocked), outcome
+        assert local_refs.get("main") == A
+    finally:
+        os.close(second)
+    assert store.set_if_equals("main", A, B) is True
 
 
 def test_no_lock_files_are_left_behind(local_repo: cas_ckpt.Repository) -> None:
@@ -381,7 +468,8 @@ def test_no_lock_files_are_left_behind(local_repo: cas_ckpt.Repository) -> None:
         local_repo.save({"i": i})
     local_repo.delete_ref("runs/r1")
     root = Path(local_repo.location)
-    assert not [p for p in (root / "refs").rglob("*.lock")]  # locks/gc.lock is a kept flock file
+    assert not [p for p in (root / "refs").rglob("*.lock")]
+    assert sorted(p.name for p in (root / "locks").iterdir()) == ["gc.lock", "refs.lock"]  # kept
     assert not [p for p in root.rglob("*.tmp")]
 
 

@@ -16,7 +16,6 @@ import errno
 import fcntl
 import mmap
 import os
-import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -33,21 +32,12 @@ TEMP_SUFFIX = ".pack.tmp"
 
 
 def open_regular(path: Path) -> int:
-    """A read-only descriptor of ``path``, refusing links and anything but a regular file.
-
-    ``O_NONBLOCK`` keeps a FIFO planted under the name from blocking the open; both refusals are a
-    :class:`CorruptStore` naming the path.
-    """
-    fd = _fs.open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
+    """A read-only descriptor of the regular file ``path``; anything else is :class:`CorruptStore`
+    (a FIFO planted under the name never blocks the open, a link is never followed)."""
     try:
-        mode = os.fstat(fd).st_mode
-    except BaseException:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise CorruptStore(path, "is not a regular file")
-    return fd
+        return _fs.open_regular(path, os.O_RDONLY)
+    except IsADirectoryError:
+        raise CorruptStore(path, "is a directory, not a regular file") from None
 
 
 class LocalSink(Sink):

@@ -500,6 +500,7 @@ PACK_SIZE = 64 * 1024 * 1024  # a full pack uploads while the next one is writte
 READ_SIZE = 16 * 1024 * 1024  # the most one ranged GET of neighbouring blocks fetches
 DEFAULT_GRACE = 3600.0  # GC never removes a pack younger than this on S3
 PACKS = "packs/"
+HAVE_LIMIT = 64 << 20  # a cache's list of held offsets: one short line per cached block
 
 
 class PackCache:
@@ -522,7 +523,7 @@ class PackCache:
         have = self._have.get(pack)
         if have is None:
             try:
-                text = _fs.read_bytes(self.root / f"{pack}.have").decode("ascii")
+                text = _fs.read_small(self.root / f"{pack}.have", HAVE_LIMIT).decode("ascii")
             except (OSError, UnicodeDecodeError, CorruptStore):  # absent, or a planted link
                 text = ""
             have = self._have[pack] = {int(x) for x in text.split() if x.isdigit()}

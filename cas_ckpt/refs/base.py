@@ -19,7 +19,7 @@ from cas_ckpt.errors import InvalidRefName
 
 _FORBIDDEN = set(' \\*?[]:~^"<>|')
 MAX_REF_LENGTH = 1024
-MAX_SEGMENT_BYTES = 250  # on disk: a file name is at most 255 bytes, and locks add ".lock"
+MAX_SEGMENT_BYTES = 250  # on disk: a file name is at most 255 bytes (cas_ckpt 0.1 added ".lock")
 
 
 def check_ref_name(name: object) -> str:

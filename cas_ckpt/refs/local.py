@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,16 +15,23 @@ from typing import Any
 from cas_ckpt import _fs
 from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import CorruptStore, InvalidRefName, RefLocked
+from cas_ckpt.refs import _files
 from cas_ckpt.refs.base import MAX_SEGMENT_BYTES, ReflogEntry, RefStore, check_ref_name
+
+# In refs/ and logs/, under the ref lock, no writer is using a file of these names: they are what
+# a crash leaves (temp files; cas_ckpt 0.1's per-ref lock files), removed when pruning.
+_DEBRIS = (".lock", ".tmp")
+_MAX_DEPTH = 512  # directory levels a ref name can make (1024 characters, '/'-separated)
 
 
 class LocalRefStore(RefStore):
     """Refs as files under ``refs/``, reflogs under ``logs/``, pins under ``pins/``.
 
-    An update takes ``<ref>.lock`` with ``O_EXCL`` (holding pid, host, time), re-reads the ref under
-    it, appends the reflog line (fsynced), writes the new value to a temp file, fsyncs it, renames it
-    over the ref, fsyncs the directory and drops the lock. A lock whose holder process is gone (same
-    host) is broken safely; any other lock that outlives ``lock_timeout`` raises :class:`RefLocked`.
+    Every update holds the repository's ref lock, an exclusive ``flock`` on ``locks/refs.lock``
+    that the kernel releases when its holder exits or dies; under it the update re-reads the ref,
+    appends the reflog line (fsynced), writes the new value to a temp file, fsyncs it, renames it
+    over the ref and fsyncs the directory (a delete also prunes emptied directories). Waiting for
+    a live holder longer than ``lock_timeout`` raises :class:`RefLocked`.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, lock_timeout: float = 10.0) -> None:
@@ -51,9 +60,12 @@ class LocalRefStore(RefStore):
 
     def _read(self, path: Path) -> bytes | None:
         try:
-            text = _fs.read_bytes(path).decode("ascii").strip()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return None
+            text = _fs.read_small(path, _files.MAX_REF_BYTES).decode("ascii").strip()
+        except (FileNotFoundError, IsADirectoryError):
+            return None  # a directory: a prefix of other refs' names
+        except NotADirectoryError:
+            _check_dir(self.refs_dir)
+            return None  # a prefix of the name is a ref
         except UnicodeDecodeError:
             raise CorruptStore(path, "ref file is not ASCII") from None
         try:
@@ -63,106 +75,93 @@ class LocalRefStore(RefStore):
 
     def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
         path = self._path(self.refs_dir, name)
-        self._make_parents(name, path)
-        with self._ref_lock(name, path):
+        log = self._path(self.logs_dir, name)
+        # Everything below, directories created and pruned included, happens under the one ref
+        # lock: updates of refs sharing a directory never interleave.
+        with self._ref_lock(name):
             current = self._read(path)
             if not check(current):
                 return False
             if new is None:
-                # As git does: a deleted ref takes its reflog along (step refs come and go often).
-                # The reflog goes first, durably: a ref left without a reflog is fine, a reflog
-                # naming a checkpoint for a ref that is gone is what fsck reports as a lost ref.
-                log = self._path(self.logs_dir, name)
-                if log.exists():
-                    log.unlink()
-                    _fs.fsync_dir(log.parent)
-                path.unlink()
-                _fs.fsync_dir(path.parent)
+                self._delete(path, log)
             else:
-                self._append_log(name, ReflogEntry(current, new, time.time(), message))
+                self._make_parents(name, path, log)
+                self._append_log(log, ReflogEntry(current, new, time.time(), message))
                 _fs.atomic_write(path, (cidlib.to_str(new) + "\n").encode("ascii"))
-        if new is None:
-            self._prune_empty(path.parent, self.refs_dir)
-            self._prune_empty(self._path(self.logs_dir, name).parent, self.logs_dir)
         return True
 
-    def _make_parents(self, name: str, path: Path) -> None:
-        """Create the ref's directories; a ref cannot sit above or below another ref."""
+    @contextlib.contextmanager
+    def _ref_lock(self, name: str) -> Iterator[None]:
+        lock = _fs.refuse_links(self.root, self.locks_dir) / "refs.lock"
+        _fs.makedirs(self.locks_dir)
+        with _fs.flocked(lock, exclusive=True, timeout=self.lock_timeout) as held:
+            if not held:
+                holder = f"another process or thread for over {self.lock_timeout:g} s"
+                raise RefLocked(name, str(lock), holder)
+            yield
+
+    def _delete(self, path: Path, log: Path) -> None:
+        # As git does: a deleted ref takes its reflog along (step refs come and go often). The
+        # reflog goes first, durably: a ref left without a reflog is fine, a reflog naming a
+        # checkpoint for a ref that is gone is what fsck reports as a lost ref.
+        try:
+            log.unlink()
+            _fs.fsync_dir(log.parent)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            raise CorruptStore(log, "is a directory, not the reflog of the ref") from None
+        path.unlink()
+        _fs.fsync_dir(path.parent)
+        self._prune(path.parent, self.refs_dir)
+        self._prune(log.parent, self.logs_dir)
+
+    def _make_parents(self, name: str, path: Path, log: Path) -> None:
+        """Create the ref's and its reflog's directories; a ref cannot sit above or below another."""
+        _check_dir(self.refs_dir)
+        _check_dir(self.logs_dir)
         if path.is_dir():
-            raise InvalidRefName(name, "refs exist below this name")
+            if self._walk(path):
+                raise InvalidRefName(name, "refs exist below this name")
+            self._vacate(path, "the ref file")
         for parent in path.relative_to(self.refs_dir).parents:
             if parent != Path(".") and (self.refs_dir / parent).is_file():
                 raise InvalidRefName(name, f"clashes with the existing ref {parent.as_posix()!r}")
         try:
             _fs.makedirs(path.parent)
+            _fs.makedirs(log.parent)
         except (FileExistsError, NotADirectoryError):
-            raise InvalidRefName(name, "clashes with an existing ref") from None
+            raise InvalidRefName(name, "clashes with an existing ref or reflog") from None
 
     @staticmethod
-    def _prune_empty(directory: Path, top: Path) -> None:
-        while directory != top and top in directory.parents:
-            try:
-                directory.rmdir()
-            except OSError:
-                return  # not empty (or gone): stop
+    def _vacate(directory: Path, what: str) -> None:
+        """Remove an empty directory tree (a crash leftover) where ``what`` must go."""
+        if not _clear(directory):
+            raise CorruptStore(directory, f"is a directory, not cas_ckpt's, where {what} belongs")
+
+    @staticmethod
+    def _prune(directory: Path, top: Path) -> None:
+        while directory != top and top in directory.parents and _clear(directory):
             directory = directory.parent
 
-    @contextlib.contextmanager
-    def _ref_lock(self, name: str, path: Path) -> Iterator[None]:
-        lock = path.with_name(path.name + ".lock")
-        deadline = time.monotonic() + self.lock_timeout
-        delay = 0.001
-        while True:
-            # Created whole (temp file linked into place): a live holder's lock is never empty, so
-            # an empty or torn one is a crash leftover that holder_is_dead lets us break.
-            try:
-                if _fs.create_exclusive(
-                    lock, _fs.lock_holder_text(), tmp_dir=path.parent, durable=False
-                ):
-                    break
-            except FileNotFoundError:  # a concurrent delete pruned the emptied directory
-                _fs.makedirs(path.parent)
-                continue
-            holder = self._lock_text(lock)
-            if holder is not None and _fs.lock_is_stale(lock, holder):
-                self._break_stale(lock, holder)
-                continue
-            if time.monotonic() > deadline:
-                raise RefLocked(name, str(lock), holder or "an unknown process") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+    def _append_log(self, path: Path, entry: ReflogEntry) -> None:
+        line = entry.to_json()
+        if len(line) >= _files.MAX_REFLOG_LINE:  # readers refuse longer lines
+            line = dataclasses.replace(entry, message=entry.message[: _files.MAX_MESSAGE]).to_json()
         try:
-            yield
-        finally:
-            lock.unlink(missing_ok=True)
-
-    @staticmethod
-    def _lock_text(lock: Path) -> str | None:
-        try:
-            return _fs.read_bytes(lock).decode(errors="replace")
-        except FileNotFoundError:
-            return None
-
-    def _break_stale(self, lock: Path, seen: str) -> None:
-        # Re-check under a kernel lock: two breakers must not remove a lock a live writer just took.
-        _fs.makedirs(_fs.refuse_links(self.root, self.locks_dir))
-        with _fs.flocked(self.locks_dir / "refs.breaker", exclusive=True):
-            if self._lock_text(lock) == seen:
-                lock.unlink(missing_ok=True)
-
-    def _append_log(self, name: str, entry: ReflogEntry) -> None:
-        path = self._path(self.logs_dir, name)
-        _fs.makedirs(path.parent)
-        fd = _fs.open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
+            fd = _fs.open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        except IsADirectoryError:
+            self._vacate(path, "the reflog")
+            fd = _fs.open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
         try:
             with _fs.naming(path):
                 # A torn line (an append cut short by a crash or a full disk) is dropped, never
                 # left for the next line to be glued to; a failed append leaves no part behind.
-                start = _whole_lines_length(fd)
+                start = _files.whole_lines_length(fd, path)
                 if start != os.fstat(fd).st_size:
                     os.ftruncate(fd, start)
                 try:
-                    _fs.write_all(fd, (entry.to_json() + "\n").encode("ascii"))
+                    _fs.write_all(fd, (line + "\n").encode("ascii"))
                     os.fsync(fd)
                 except BaseException:
                     with contextlib.suppress(OSError):
@@ -172,15 +171,28 @@ class LocalRefStore(RefStore):
             os.close(fd)
 
     def _walk(self, base: Path, suffix_skip: tuple[str, ...] = (".lock", ".tmp")) -> list[str]:
+        """The valid names of the files below ``base``.
+
+        A listing that fails raises: one that quietly came back short would let GC delete the
+        checkpoints of the refs it missed. Only a directory pruned meanwhile is skipped.
+        """
         names = []
-        _fs.refuse_links(self.root, base)  # os.walk follows its top (not links below it)
-        for dirpath, _dirs, files in os.walk(base):
-            for f in files:
-                if f.endswith(suffix_skip) or f.startswith("."):
-                    continue
-                rel = Path(dirpath, f).relative_to(base).as_posix()
-                with contextlib.suppress(InvalidRefName):
-                    names.append(check_ref_name(rel))
+        _check_dir(_fs.refuse_links(self.root, base))  # os.walk follows its top (not links below)
+
+        def fail(exc: OSError) -> None:
+            if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+                raise CorruptStore(exc.filename or base, f"cannot be listed: {exc.strerror}")
+
+        try:
+            for dirpath, _dirs, files in os.walk(base, onerror=fail):
+                for f in files:
+                    if f.endswith(suffix_skip) or f.startswith("."):
+                        continue
+                    rel = Path(dirpath, f).relative_to(base).as_posix()
+                    with contextlib.suppress(InvalidRefName):
+                        names.append(check_ref_name(rel))
+        except RecursionError:
+            raise CorruptStore(base, "holds directories nested deeper than any ref name") from None
         return sorted(names)
 
     def names(self) -> list[str]:
@@ -189,45 +201,67 @@ class LocalRefStore(RefStore):
     def reflog(self, name: str) -> list[ReflogEntry]:
         path = self._path(self.logs_dir, name)
         try:
-            lines = _fs.read_bytes(path).split(b"\n")
+            fd = _fs.open_regular(path, os.O_RDONLY)
         except FileNotFoundError:
             return []
-        entries = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                entries.append(ReflogEntry.from_json(line.decode("ascii")))
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-                if number == len(lines):
-                    continue  # a torn last line (no newline): the update it began never happened
-                raise CorruptStore(path, f"line {number}: {exc}") from None
-        return entries
+        except NotADirectoryError:
+            _check_dir(self.logs_dir)
+            return []  # a prefix of the name has a reflog
+        except IsADirectoryError:
+            if self.get(name) is None:
+                return []  # a prefix of other refs' names
+            raise CorruptStore(path, "is a directory, not the reflog of the ref") from None
+        try:
+            return _parse_reflog(fd, path)
+        finally:
+            os.close(fd)
 
     def reflog_names(self) -> list[str]:
         return self._walk(self.logs_dir)
 
     def pins(self) -> set[bytes]:
         try:
-            names = os.listdir(_fs.refuse_links(self.root, self.pins_dir))
+            entries = list(os.scandir(_fs.refuse_links(self.root, self.pins_dir)))
         except FileNotFoundError:
             return set()
+        except NotADirectoryError:
+            raise CorruptStore(self.pins_dir, "is not a directory") from None
         found = set()
-        for name in names:
-            if name.endswith(".tmp") or name.startswith("."):
+        for entry in entries:
+            if entry.name.endswith(".tmp") or entry.name.startswith("."):
                 continue  # a pin() a crash cut short
+            path = self.pins_dir / entry.name
+            if not entry.is_file(follow_symlinks=False):
+                self._check_pin(path)
             try:
-                found.add(cidlib.to_bytes(name))
+                found.add(cidlib.to_bytes(entry.name))
             except ValueError:
-                raise CorruptStore(self.pins_dir / name, "pin file name is not a CID") from None
+                raise CorruptStore(path, "pin file name is not a CID") from None
         return found
+
+    @staticmethod
+    def _check_pin(path: Path) -> bool:
+        """True if the pin file ``path`` exists; :class:`CorruptStore` if it is not a regular file."""
+        try:
+            mode = os.stat(path, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return False
+        except NotADirectoryError:
+            _check_dir(path.parent)
+            raise
+        if not stat.S_ISREG(mode):
+            raise CorruptStore(path, f"is {_fs.kind(mode)}; a pin is an empty regular file")
+        return True
 
     def pin(self, cid: bytes) -> None:
         path = _fs.refuse_links(self.root, self.pins_dir) / cidlib.to_str(cid)
+        self._check_pin(path)
         _fs.atomic_write(path, b"")
 
     def unpin(self, cid: bytes) -> bool:
         path = _fs.refuse_links(self.root, self.pins_dir) / cidlib.to_str(cid)
+        if not self._check_pin(path):
+            return False
         try:
             path.unlink()
         except FileNotFoundError:
@@ -236,18 +270,20 @@ class LocalRefStore(RefStore):
         return True
 
     def read_config(self) -> dict[str, Any] | None:
+        path = self.config_path
         try:
-            text = _fs.read_bytes(self.config_path).decode("utf-8")
+            data = _fs.read_small(path, _files.MAX_CONFIG_BYTES)
         except (FileNotFoundError, NotADirectoryError):  # NotADirectory: the root is a file
             return None
-        except UnicodeDecodeError:
-            raise CorruptStore(self.config_path, "not UTF-8 text") from None
+        except IsADirectoryError:
+            raise CorruptStore(path, "is a directory, not the repository's configuration") from None
         try:
-            config = json.loads(text)
-        except ValueError as exc:
-            raise CorruptStore(self.config_path, f"not valid JSON: {exc}") from None
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptStore(path, "not UTF-8 text") from None
+        config = _files.parse_json(text, path)
         if not isinstance(config, dict):
-            raise CorruptStore(self.config_path, "not a JSON object")
+            raise CorruptStore(path, "not a JSON object")
         return config
 
     def init_config(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -261,18 +297,61 @@ class LocalRefStore(RefStore):
         return _flock_none(_fs.refuse_links(self.root, self.locks_dir) / "gc.lock", exclusive)
 
 
-def _whole_lines_length(fd: int) -> int:
-    """The length of the file up to and including its last newline."""
-    pos = os.fstat(fd).st_size
-    if pos == 0 or os.pread(fd, 1, pos - 1) == b"\n":
-        return pos
-    while pos > 0:
-        start = max(0, pos - 4096)
-        newline = os.pread(fd, pos - start, start).rfind(b"\n")
-        if newline >= 0:
-            return start + newline + 1
-        pos = start
-    return 0
+def _parse_reflog(fd: int, path: Path) -> list[ReflogEntry]:
+    entries = []
+    for number, line in enumerate(_files.lines(fd, path), 1):
+        if not line.strip():
+            continue
+        try:
+            entries.append(ReflogEntry.from_json(line.decode("ascii")))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+            if not line.endswith(b"\n"):
+                continue  # a torn last line: the update it began never happened
+            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            raise CorruptStore(path, f"line {number}: {why}") from None
+    return entries
+
+
+def _check_dir(path: Path) -> None:
+    """:class:`CorruptStore` if ``path`` exists but is not a directory."""
+    try:
+        mode = os.stat(path, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        raise CorruptStore(path, f"is {_fs.kind(mode)}, not a directory")
+
+
+def _clear(directory: Path, depth: int = 0) -> bool:
+    """Remove ``directory`` if it holds only directories like it and crash leftovers (_DEBRIS).
+
+    Only under the ref lock, where no writer is using such a file or is about to use the directory.
+    """
+    debris = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    if depth >= _MAX_DEPTH or not _clear(Path(entry.path), depth + 1):
+                        return False
+                elif entry.name.endswith(_DEBRIS) and entry.is_file(follow_symlinks=False):
+                    debris.append(entry.path)
+                else:
+                    return False
+    except FileNotFoundError:
+        return True
+    except NotADirectoryError:
+        return False
+    for leftover in debris:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(leftover)
+    try:
+        os.rmdir(directory)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 @contextlib.contextmanager

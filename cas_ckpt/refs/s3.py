@@ -41,6 +41,7 @@ MAX_KEY = 1024  # S3's limit on a key, in UTF-8 bytes
 _ENTRY_ID = 20 + 1 + 32  # "<seq:020d>-<uuid hex>"
 LEASE_TIMEOUT = 60.0
 MAX_TRIES = 100  # compare-and-swap attempts of one unconditional update under contention
+REFLOG_TRIES = 3  # reads of a reflog whose ref keeps moving under the reader
 
 
 @dataclass(frozen=True)
@@ -235,28 +236,56 @@ class S3RefStore(RefStore):
         return [m for m in self.bucket.list(f"logs/{name}/", delimiter="/") if m.key.endswith(".json")]
 
     def reflog(self, name: str) -> list[ReflogEntry]:
+        """The chain of entries from the one the ref names back, oldest first.
+
+        Entries are listed, then read: meanwhile a writer that lost a race may delete its entry
+        (never part of the chain), and a delete of the ref removes the chain itself. So an entry
+        that vanished is damage only if the chain needs it and the ref did not move meanwhile.
+        """
         head = self._head(self._name(name))
-        if head is None or head.entry is None:
-            return []
+        for _ in range(REFLOG_TRIES):
+            if head is None or head.entry is None:
+                return []
+            chain, missing = self._chain(name, head)
+            if missing is None:
+                return chain
+            again = self._head(name)
+            if again == head:
+                why = f"reflog entry missing from the chain of refs/{name}"
+                raise CorruptStore(self._where(missing), why)
+            head = again  # the ref moved while we read: read the chain of its new value
+        raise RepositoryError(f"ref {name!r} changed under each of {REFLOG_TRIES} reads of its reflog")
+
+    def _chain(self, name: str, head: _Head) -> tuple[list[ReflogEntry], str | None]:
+        """The chain from ``head`` back (oldest first), or the key of the first entry it lacks."""
         keys = [m.key for m in self._entries(name) if _seq(_entry_id(m.key)) <= _seq(head.entry)]
         records = dict(zip(map(_entry_id, keys), self.bucket.pool.map(self._record, keys), strict=True))
         chain: list[ReflogEntry] = []
-        current: str | None = head.entry
-        while current is not None and current in records:
-            entry, current = records[current]
+        current = head.entry
+        while current is not None:
+            record = records.get(current)
+            if record is None:
+                return [], f"logs/{name}/{current}.json"
+            if isinstance(record, CorruptStore):
+                raise record  # a damaged entry is reported only when the chain needs it
+            if len(chain) == len(records):
+                raise CorruptStore(self._where(f"logs/{name}/"), "reflog entries link in a loop")
+            entry, current = record
             chain.append(entry)
-        return chain[::-1]
+        return chain[::-1], None
 
-    def _record(self, key: str) -> tuple[ReflogEntry, str | None]:
+    def _record(self, key: str) -> tuple[ReflogEntry, str | None] | CorruptStore | None:
+        """An entry and the id of the one before it; None if it is gone; the error if damaged."""
         got = self.bucket.get(key)
         if got is None:
-            raise CorruptStore(self._where(key), "reflog entry vanished while being read")
+            return None
         try:
             text = got[0].decode("ascii")
             prev = json.loads(text).get("prev")
             return ReflogEntry.from_json(text), prev if isinstance(prev, str) else None
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-            raise CorruptStore(self._where(key), f"bad reflog entry: {exc}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            return CorruptStore(self._where(key), f"bad reflog entry: {why}")
 
     def reflog_names(self) -> list[str]:
         names = {m.key[len("logs/") : m.key.rindex("/")] for m in self.bucket.list("logs/")}
@@ -290,6 +319,8 @@ class S3RefStore(RefStore):
             config = json.loads(got[0].decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise CorruptStore(self._where("config.json"), f"not valid JSON: {exc}") from None
+        except RecursionError:
+            raise CorruptStore(self._where("config.json"), "not valid JSON: nested too deeply") from None
         if not isinstance(config, dict):
             raise CorruptStore(self._where("config.json"), "not a JSON object")
         return config
