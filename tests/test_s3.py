@@ -419,6 +419,22 @@ def test_processes_racing_on_one_ref_lose_no_update(s3_url: str, tmp_path: Path)
     assert _keys(s3_url, "locks/") == []
 
 
+def test_an_update_whose_answer_was_lost_is_found_on_the_chain(s3_url: str) -> None:
+    """A PUT that landed but whose answer was lost (then retried, failing its condition on its own
+    success) must not delete its reflog entry once another writer built on it: the chain needs it."""
+    refs = S3RefStore(s3_url)
+    a, b, c = (cidlib.Hasher().node(bytes([i])) for i in range(3))
+    assert refs.add_if_new("main", a)
+    head = refs._head("main")
+    assert head is not None and head.entry is not None
+    ours = head.entry
+    assert refs.set_if_equals("main", a, b) and refs.set_if_equals("main", b, c)  # others built on it
+    assert refs._landed("main", ours)
+    assert not refs._landed("main", f"{10**19:020d}-{'0' * 32}")  # newer than the head: not landed
+    assert not refs._landed("main", f"{1:020d}-{'0' * 32}")  # older, and not on the chain
+    assert [e.new for e in refs.reflog("main")] == [a, b, c]
+
+
 def test_threads_racing_unconditional_sets_keep_one_chain(s3_url: str) -> None:
     refs = S3RefStore(s3_url)
     values = [cidlib.Hasher().node(bytes([i])) for i in range(40)]

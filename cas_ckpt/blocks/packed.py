@@ -282,6 +282,8 @@ class PackedBlockStore(BlockStore):
 
     def _prefer(self, cid: bytes, loc: Location) -> None:
         """Make ``loc`` the copy reads try first (a good copy found behind a damaged one)."""
+        if cid not in self._extra:
+            return  # one copy: the usual case, no lock taken
         with self._lock:
             first = self._index.get(cid)
             others = self._extra.get(cid)

@@ -200,10 +200,29 @@ class S3RefStore(RefStore):
             etag = self.bucket.put(key, value, match=head.etag)
         if etag is not None:
             return True
-        again = self._head(name)
-        if again is not None and again.entry == entry_id:
+        if self._landed(name, entry_id):
             return True  # a retried request failed its condition on our own first attempt
         self.bucket.delete(log_key)  # lost the race: the entry records nothing
+        return False
+
+    def _landed(self, name: str, entry_id: str) -> bool:
+        """True if the update that wrote ``entry_id`` moved the ref after all.
+
+        A PUT whose response was lost is retried; the retry fails its condition on the first
+        attempt's own success, and other writers may have moved the ref on since. The update
+        landed if its entry is on the chain from the head: walk back while entries are newer.
+        """
+        head = self._head(name)
+        current = head.entry if head is not None else None
+        for _ in range(MAX_TRIES * 100):  # each entry's prev is older: a bound only against damage
+            if current is None or _seq(current) < _seq(entry_id):
+                return False
+            if current == entry_id:
+                return True
+            found = self._record(f"logs/{name}/{current}.json")
+            if not isinstance(found, tuple):
+                return False  # gone or damaged: not provably ours, so report the conflict
+            current = found[1]
         return False
 
     def _delete(self, name: str, head: _Head | None) -> bool:

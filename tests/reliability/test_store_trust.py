@@ -112,6 +112,27 @@ def test_odd_files_named_like_packs_are_damage_not_hangs(tmp_path: Path, kind: s
     record("odd_pack_files", kinds=1)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_odd_files_among_temp_packs_are_left_alone(tmp_path: Path, kind: str) -> None:
+    """GC removes the temp packs of dead writers; a FIFO, directory or link there is not one of
+    them: it is neither opened (a FIFO would block) nor followed, nor removed."""
+    root = tmp_path / "repo"
+    with cas_ckpt.open(root) as repo:
+        repo.save(_state(1), step=1)
+    planted = root / "tmp" / "0123abcd.pack.tmp"
+    ODD_PACKS[kind](planted)
+    (root / "tmp" / "dead-writer.pack.tmp").write_bytes(PACK_MAGIC + b"half")  # a real leftover
+    result = _run(f"""
+        import cas_ckpt
+        with cas_ckpt.open({str(root)!r}) as repo:
+            report = repo.gc()
+            repo.save({{"again": 1}}, ref="other")
+            print(report.temp_files_removed)
+    """)
+    assert result.returncode == 0 and result.stdout.split() == ["1"], result.stderr
+    assert os.path.lexists(planted) and not (root / "tmp" / "dead-writer.pack.tmp").exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # Damaged duplicate copies
 # ----------------------------------------------------------------------------------------------
