@@ -18,8 +18,9 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from cas_ckpt import _fs
 from cas_ckpt.backends.base import Backend, ObjectInfo, Sink
@@ -29,6 +30,7 @@ WRITEBACK_STEP = 32 * 1024 * 1024  # start disk writeback every this many bytes 
 SMALL_WRITE = 256 * 1024  # writes below this are gathered before the write syscall
 SUFFIX = ".pack"
 TEMP_SUFFIX = ".pack.tmp"
+T = TypeVar("T")
 
 
 def open_regular(path: Path) -> int:
@@ -191,28 +193,31 @@ class LocalBackend(Backend):
         return fd
 
     def read_into(self, name: str, offset: int, out: memoryview) -> bool:
-        with self._reading():
-            try:
-                fd = self._fd(name)
-            except FileNotFoundError:
-                return False
-            n = _fs.pread_into(fd, out, offset)
-        if n != out.nbytes:
-            raise CorruptStore(self.pack_dir / name, f"truncated: {out.nbytes} bytes at {offset} "
-                                                     f"asked, the file ends after {n}")
+        done = self._pread(name, lambda fd: _fs.pread_into(fd, out, offset))
+        if done is None:
+            return False
+        self._check_length(name, offset, out.nbytes, done)
         return True
 
     def read(self, name: str, offset: int, length: int) -> bytes | None:
+        data = self._pread(name, lambda fd: os.pread(fd, length, offset))
+        if data is not None:
+            self._check_length(name, offset, length, len(data))
+        return data
+
+    def _pread(self, name: str, read: Callable[[int], T]) -> T | None:
+        """``read(fd)`` on the object's descriptor, held open meanwhile; None if it is gone."""
         with self._reading():
             try:
                 fd = self._fd(name)
             except FileNotFoundError:
                 return None
-            data = os.pread(fd, length, offset)
-        if len(data) != length:
-            raise CorruptStore(self.pack_dir / name, f"truncated: {length} bytes at {offset} "
-                                                     f"asked, the file ends after {len(data)}")
-        return data
+            return read(fd)
+
+    def _check_length(self, name: str, offset: int, asked: int, got: int) -> None:
+        if got != asked:
+            raise CorruptStore(self.pack_dir / name,
+                               f"truncated: {asked} bytes at {offset} asked, the file ends after {got}")
 
     def map(self, name: str) -> memoryview | None:
         mapped = self._maps.get(name)

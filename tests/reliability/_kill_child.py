@@ -21,30 +21,21 @@ import cas_ckpt
 REFS = ("main", "runs/a", "runs/b/c")
 
 
-def append(log: str, line: str) -> None:
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def saver(repo_dir: str, log: str, seed: int, scale: float, start: int, child_seed: int) -> None:
     rng = random.Random(child_seed)
     repo = cas_ckpt.open(repo_dir)
     i = start
     while True:
         if i > start and rng.random() < 0.15:
-            append(log, f"gc-begin {i}")
+            _support.append_line(log, f"gc-begin {i}")
             repo.gc(reflog_expiry=0)  # sweep old checkpoints under the kills too
-            append(log, f"gc-done {i}")
+            _support.append_line(log, f"gc-done {i}")
         ref = rng.choice(REFS)
         state = _support.make_state(seed, i, scale=scale)
         d = _support.digest(state)
-        append(log, f"begin {ref} {i} {d}")
+        _support.append_line(log, f"begin {ref} {i} {d}")
         cid = repo.save(state, ref=ref, step=i)
-        append(log, f"done {ref} {i} {cid} {d}")
+        _support.append_line(log, f"done {ref} {i} {cid} {d}")
         i += 1
 
 

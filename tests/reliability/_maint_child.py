@@ -13,21 +13,11 @@ round and ``done N ...`` after it; the parent SIGKILLs it at a random moment.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import _support
 
 import cas_ckpt
-
-
-def append(log: str, line: str) -> None:
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def main() -> None:
@@ -36,24 +26,24 @@ def main() -> None:
     manager = cas_ckpt.CheckpointManager(repo, "run", keep_last=2) if op == "retention" else None
     start = manager.latest_step() + 1 if manager is not None and manager.latest_step() is not None else 0
     for n in range(start, start + 10_000):
-        append(log, f"begin {n}")
+        _support.append_line(log, f"begin {n}")
         if op == "gc":
             repo.save(_support.make_state(9, n, scale=0.05), ref="scratch")
             repo.delete_ref("scratch")
             repo.gc(reflog_expiry=0)
-            append(log, f"done {n}")
+            _support.append_line(log, f"done {n}")
         elif op == "import":
             repo.import_car(sys.argv[4], ref="imported")
-            append(log, f"done {n}")
+            _support.append_line(log, f"done {n}")
         elif op == "delete":
             repo.set_ref(f"tmp/{n}", "keep/0")
             repo.delete_ref(f"tmp/{n}")
-            append(log, f"done {n}")
+            _support.append_line(log, f"done {n}")
         elif op == "retention":
             assert manager is not None
             state = _support.make_state(5, n, scale=0.05)
             manager.save(n, state)
-            append(log, f"done {n} {_support.digest(state)}")
+            _support.append_line(log, f"done {n} {_support.digest(state)}")
         else:
             raise SystemExit(f"unknown operation {op}")
 

@@ -52,6 +52,16 @@ def scratch_dir(fallback: Path) -> Iterator[Path]:
         yield fallback
 
 
+def append_line(log: str | os.PathLike[str], line: str) -> None:
+    """Append ``line`` to the log a parent reads after killing its child: fsynced, whole."""
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 # ----------------------------------------------------------------------------------------------
 # Figures
 # ----------------------------------------------------------------------------------------------
