@@ -450,3 +450,19 @@ def test_ipld_car_rejects_a_truncated_export(small_car: bytes, tmp_path: Path) -
     path.write_bytes(small_car[:-5])
     result = subprocess.run([*node_tool(), "verify", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "car_tool:" in result.stderr
+
+
+def test_export_to_a_path_never_follows_a_link_planted_beside_it(tmp_path: Path) -> None:
+    """0.1 wrote ``.NAME.PID.tmp`` and followed a link planted there; the temp name is now random
+    and created exclusively."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    out = tmp_path / "ckpt.car"
+    for pid in range(os.getpid() - 2, os.getpid() + 3):
+        (tmp_path / f".{out.name}.{pid}.tmp").symlink_to(victim)
+    with cas_ckpt.open("memory://") as repo:
+        repo.save({"w": np.arange(1000)})
+        repo.export_car("main", out)
+    assert victim.read_bytes() == b"precious"
+    assert out.is_file() and not out.is_symlink() and out.stat().st_size > 8000
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.is_symlink()) == ["ckpt.car", "victim"]

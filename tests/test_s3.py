@@ -10,6 +10,7 @@ import http.client
 import itertools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -574,6 +575,26 @@ def test_local_cache_serves_repeated_loads(proxy: Proxy, s3_url: str, tmp_path: 
         before = len(proxy.gets())
         assert_state_equal(state(1), repo.load())
         assert block_reads(before) != []
+
+
+def test_links_planted_in_the_cache_are_never_followed(s3_url: str, tmp_path: Path) -> None:
+    """A ``*.pack`` or ``*.have`` in the cache folder that is a link is neither read nor written
+    through: loads go to S3, and the file the link names is untouched."""
+    options = {"cache_dir": str(tmp_path / "cache")}
+    with cas_ckpt.open(s3_url, chunk_size=64 * 1024, storage_options=options) as repo:
+        repo.save(state(2))
+        names = list(repo.blocks.packs())
+    shutil.rmtree(tmp_path / "cache")
+    (tmp_path / "cache").mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    for name in names:
+        (tmp_path / "cache" / name).symlink_to(victim)
+        (tmp_path / "cache" / f"{name}.have").symlink_to(victim)
+    with cas_ckpt.open(s3_url, storage_options=options) as repo:
+        assert_state_equal(state(2), repo.load())
+        assert_state_equal(state(2), repo.load())
+    assert victim.read_bytes() == b"precious"
 
 
 # -- failures --------------------------------------------------------------------------------------
