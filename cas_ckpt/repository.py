@@ -233,18 +233,24 @@ class Repository:
         transaction would reuse, storing a good copy over a damaged one (imports do: a re-import
         repairs). A failure of the medium raises :class:`MediumError` (an OSError too).
         """
+        with self._writing(), self.refs_store.lock(exclusive=False):
+            self.blocks.refresh()
+            with self.blocks.writer(verify_existing=verify_existing) as writer:
+                txn = Transaction(self, writer)
+                yield txn
+            for ref, old, new, message in txn.moves:
+                self._move_ref(ref, old, new, message)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Refuse on a read-only repository; a failure of the medium becomes :class:`MediumError`
+        (an OSError too, errno and file kept) naming the repository."""
         self._check_writable()
         try:
-            with self.refs_store.lock(exclusive=False):
-                self.blocks.refresh()
-                with self.blocks.writer(verify_existing=verify_existing) as writer:
-                    txn = Transaction(self, writer)
-                    yield txn
-                for ref, old, new, message in txn.moves:
-                    self._move_ref(ref, old, new, message)
+            yield
+        except MediumError:
+            raise
         except OSError as exc:
-            if isinstance(exc, MediumError):
-                raise
             raise MediumError(f"writing to {self.location or 'the repository'} failed", exc) from exc
 
     def _move_ref(self, ref: str, old: bytes | None, new: bytes, message: str) -> None:
@@ -385,9 +391,8 @@ class Repository:
 
     def set_ref(self, ref: str, target: Target, *, expected: Target | None = None) -> CID:
         """Point ``ref`` at ``target`` (compare-and-swap against ``expected`` when given)."""
-        self._check_writable()
         new = self._resolve(target)
-        with self.refs_store.lock(exclusive=False):  # GC cannot sweep it between check and move
+        with self._writing(), self.refs_store.lock(exclusive=False):  # GC cannot sweep in between
             self._check_complete(new)  # never point a ref at a partial checkpoint
             old = self._resolve(expected) if expected is not None else self.refs_store.get(ref)
             self._move_ref(ref, old, new, f"set to {cidlib.to_str(new)}")
@@ -395,11 +400,12 @@ class Repository:
 
     def delete_ref(self, ref: str, *, expected: Target | None = None) -> None:
         """Delete ``ref`` (only if it still holds ``expected``, when given)."""
-        self._check_writable()
         old = self._resolve(expected) if expected is not None else self.refs_store.get(ref)
         if old is None:
             raise RefNotFound(ref)
-        if not self.refs_store.remove_if_equals(ref, old, message="delete"):
+        with self._writing():
+            removed = self.refs_store.remove_if_equals(ref, old, message="delete")
+        if not removed:
             actual = self.refs_store.get(ref)
             raise RefConflict(ref, cidlib.to_str(old), cidlib.to_str(actual) if actual else None)
 
@@ -408,9 +414,8 @@ class Repository:
 
         Saves to ``ref`` continue its history, and share every unchanged block with ``source``.
         """
-        self._check_writable()
         new = self._resolve(source)
-        with self.refs_store.lock(exclusive=False):
+        with self._writing(), self.refs_store.lock(exclusive=False):
             self._check_complete(new)
             self._move_ref(check_ref_name(ref), None, new, f"fork from {source}")
         return cidlib.to_cid(new)
@@ -418,9 +423,8 @@ class Repository:
     # -- maintenance ---------------------------------------------------------------------------
     def pin(self, target: Target) -> CID:
         """Keep ``target`` and everything it reaches through GC, without a ref."""
-        self._check_writable()
         cid = self._resolve(target)
-        with self.refs_store.lock(exclusive=False):
+        with self._writing(), self.refs_store.lock(exclusive=False):
             self._check_complete(cid)
             self.refs_store.pin(cid)
         return cidlib.to_cid(cid)
@@ -444,8 +448,8 @@ class Repository:
 
     def unpin(self, target: Target) -> bool:
         """Drop a pin; False if it was not pinned."""
-        self._check_writable()
-        return self.refs_store.unpin(self._resolve(target))
+        with self._writing():
+            return self.refs_store.unpin(self._resolve(target))
 
     def pins(self) -> list[CID]:
         return sorted((cidlib.to_cid(c) for c in self.refs_store.pins()), key=str)
@@ -467,12 +471,11 @@ class Repository:
         ``grace`` seconds ago are kept. Waits for saves in progress and blocks new ones while it
         runs. See ``docs/gc.md``.
         """
-        if not dry_run:
-            self._check_writable()
-        return gc_collect(
-            self.blocks, self.refs_store, grace=grace, reflog_expiry=reflog_expiry,
-            expire_reflogs=expire_reflogs, dry_run=dry_run, progress=progress,
-        )
+        with contextlib.nullcontext() if dry_run else self._writing():
+            return gc_collect(
+                self.blocks, self.refs_store, grace=grace, reflog_expiry=reflog_expiry,
+                expire_reflogs=expire_reflogs, dry_run=dry_run, progress=progress,
+            )
 
     def fsck(
         self,
