@@ -23,10 +23,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import signal
 import sys
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -51,6 +52,7 @@ from cas_ckpt.tree import MAX_DEPTH, dtype_name, is_tensor, join_path
 __all__ = ["CheckpointManager", "snapshot"]
 
 STEP_DIGITS = 12
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 with --signal
 
 
 class CheckpointManager:
@@ -68,6 +70,8 @@ class CheckpointManager:
     saves and refill it in place, which is faster than fresh memory but holds one copy of the state
     while the manager is open. ``fork_from``: a ref or CID that a new ``ref`` starts
     from (ignored once ``ref`` exists, so a restarted run simply resumes).
+    ``preemption``: install handlers for ``preemption_signals`` that only set a flag, which
+    :meth:`reached_preemption` reports; they are restored by :meth:`close`.
     """
 
     def __init__(
@@ -85,6 +89,8 @@ class CheckpointManager:
         reuse_buffers: bool = True,
         gc_after_retention: bool = True,
         fork_from: Target | None = None,
+        preemption: bool = False,
+        preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
     ) -> None:
         for name, value in (("save_every", save_every), ("keep_last", keep_last),
                             ("keep_every", keep_every), ("keep_best", keep_best)):
@@ -112,9 +118,14 @@ class CheckpointManager:
         self._best_metric_stored = False  # a retained step reported best_metric
         self._closed = False
         self._lock = threading.Lock()
+        self._preempted: int | None = None  # the signal that asked this run to stop
+        self._handlers: dict[int, Any] = {}  # signal -> the handler installed before ours
+        self.preempted_at: int | None = None  # the step at which reached_preemption said True
         if fork_from is not None and repo.refs_store.get(self.ref) is None:
             repo.fork(fork_from, self.ref)
         self._reconcile()
+        if preemption:
+            self._install_handlers(tuple(preemption_signals))
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.ref!r} in {self.repo!r}>"
@@ -153,7 +164,9 @@ class CheckpointManager:
     ) -> CID | None:
         """Save ``state`` as checkpoint ``step``; return its CID, or None if skipped.
 
-        Skipped (None) when ``save_every`` does not divide ``step`` and not ``force``. Raises
+        Skipped (None) when ``save_every`` does not divide ``step`` and not ``force``. After a
+        preemption signal the save is synchronous whatever ``async_save`` says: it waits for the
+        save in flight, writes, and returns the CID once the checkpoint is durable. Raises
         :class:`CheckpointExists` if ``step`` is already saved (or older than the latest) unless
         ``overwrite``. With ``async_save`` it returns None once the state is copied to host
         memory; :meth:`wait` gives the CID, and a failure is raised (as :class:`SaveFailed`) by
@@ -169,7 +182,7 @@ class CheckpointManager:
         self._check_new(step, overwrite)
         metadata = {"step": step, "metrics": _metrics(metrics)}
         self._check_best_metric(metadata["metrics"])
-        if not self.async_save:
+        if not self.async_save or self._preempted is not None:
             return self._write(step, state, metadata)
         copy = snapshot(state, self._buffers)
         _finish_at_exit(self)
@@ -192,6 +205,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._buffers = None
+            self._restore_handlers()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
@@ -205,6 +219,45 @@ class CheckpointManager:
             return
         with contextlib.suppress(SaveFailed):  # the exception already propagating matters more
             self.close()
+
+    # -- preemption ----------------------------------------------------------------------------
+    def reached_preemption(self, step: int) -> bool:
+        """True once a preemption signal arrived (on any rank): save ``step`` now and exit.
+
+        With ``torch.distributed`` initialized, the flag is all-reduced (MAX) over the default
+        group, so every rank sees the same answer at the same step; every rank must call it at
+        the same steps, as for any collective.
+        """
+        flag = self._preempted is not None
+        if _distributed():
+            flag = _any_rank(flag)
+        if flag and self.preempted_at is None:
+            self.preempted_at = int(step)
+        return flag
+
+    def _install_handlers(self, signals: tuple[int, ...]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RepositoryError(
+                "CheckpointManager(preemption=True) must be made in the main thread: Python runs "
+                "signal handlers there only"
+            )
+        for signum in signals:
+            self._handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._preempted = signum
+        previous = self._handlers.get(signum)
+        # SIG_DFL (not callable) would end the process before the save; SIG_IGN does nothing.
+        if callable(previous):
+            previous(signum, frame)
+
+    def _restore_handlers(self) -> None:
+        if not self._handlers or threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._handlers.items():
+            if signal.getsignal(signum) == self._on_signal:  # a later handler stays in place
+                signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self._handlers = {}
 
     # -- restore -------------------------------------------------------------------------------
     def restore(
@@ -432,6 +485,25 @@ class _FailingFlush:
             self._stream.flush()
         if sys.is_finalizing():
             raise RepositoryError("an async save failed at exit (reported above)")
+
+
+def _distributed() -> bool:
+    """True when torch.distributed is imported, available and initialized (never imports it)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _any_rank(flag: bool) -> bool:
+    """``flag`` all-reduced with MAX over the default process group."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
