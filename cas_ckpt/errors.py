@@ -18,6 +18,7 @@ __all__ = [
     "GraphCycleError",
     "InvalidCID",
     "InvalidRefName",
+    "LeaseHeld",
     "MapLocationError",
     "MediumError",
     "OutOfMemory",
@@ -149,6 +150,18 @@ class RefLocked(RefError):
         )
         self.ref = name
         self.lock_path = lock_path
+
+
+class LeaseHeld(RefError):
+    """Another writer holds the lease on this run's ref; ``holder`` says who (host, pid, since)."""
+
+    def __init__(self, name: str, holder: str) -> None:
+        super().__init__(
+            f"ref {name!r} is being written by {holder}: one writer per run. Close that one first, "
+            "or pass takeover=True if it is hung or gone (it then fails at its next save)"
+        )
+        self.ref = name
+        self.holder = holder
 
 
 class CheckpointExpired(CasCkptError):

@@ -38,6 +38,7 @@ from cas_ckpt.errors import (
     CheckpointExists,
     CheckpointExpired,
     DecodeError,
+    LeaseHeld,
     RefNotFound,
     RepositoryError,
     SaveFailed,
@@ -70,6 +71,10 @@ class CheckpointManager:
     saves and refill it in place, which is faster than fresh memory but holds one copy of the state
     while the manager is open. ``fork_from``: a ref or CID that a new ``ref`` starts
     from (ignored once ``ref`` exists, so a restarted run simply resumes).
+    One writer per run: the manager holds the ref store's lease on ``ref`` until :meth:`close`
+    (or until it is garbage collected, or its process ends); a second manager on ``ref``, in any
+    process, raises :class:`LeaseHeld` naming the holder, unless ``takeover=True`` (then the old
+    one's next save raises it). A manager of a read-only repository takes no lease.
     ``preemption``: install handlers for ``preemption_signals`` that only set a flag, which
     :meth:`reached_preemption` reports; they are restored by :meth:`close`.
     """
@@ -91,6 +96,7 @@ class CheckpointManager:
         fork_from: Target | None = None,
         preemption: bool = False,
         preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
+        takeover: bool = False,
     ) -> None:
         for name, value in (("save_every", save_every), ("keep_last", keep_last),
                             ("keep_every", keep_every), ("keep_best", keep_best)):
@@ -121,6 +127,9 @@ class CheckpointManager:
         self._preempted: int | None = None  # the signal that asked this run to stop
         self._handlers: dict[int, Any] = {}  # signal -> the handler installed before ours
         self.preempted_at: int | None = None  # the step at which reached_preemption said True
+        self._lease = None if repo.read_only else repo.refs_store.lease(self.ref, takeover=takeover)
+        if self._lease is not None:  # an unclosed manager gives its run back when collected
+            self._release_lease = weakref.finalize(self, self._lease.release)
         if fork_from is not None and repo.refs_store.get(self.ref) is None:
             repo.fork(fork_from, self.ref)
         self._reconcile()
@@ -179,6 +188,7 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         if self.save_every and step % self.save_every and not force:
             return None
+        self._check_lease()
         self._check_new(step, overwrite)
         metadata = {"step": step, "metrics": _metrics(metrics)}
         self._check_best_metric(metadata["metrics"])
@@ -206,6 +216,8 @@ class CheckpointManager:
             self._closed = True
             self._buffers = None
             self._restore_handlers()
+            if self._lease is not None:
+                self._release_lease()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
@@ -325,7 +337,12 @@ class CheckpointManager:
         if step is not None and self.repo.refs_store.get(self.step_ref(step)) is None:
             self.repo.refs_store.add_if_new(self.step_ref(step), head, message="step ref")
 
+    def _check_lease(self) -> None:
+        if self._lease is not None and not self._lease.held():
+            raise LeaseHeld(self.ref, "another writer, which took this manager's lease over")
+
     def _write(self, step: int, state: Any, metadata: dict[str, Any]) -> CID:
+        self._check_lease()
         cid = self.repo.save(state, ref=self.ref, step=step, metadata=metadata)
         self.last_report = self.repo.last_save
         self.repo.set_ref(self.step_ref(step), cid)

@@ -62,6 +62,7 @@ def test_state_lives_in_the_repository_not_the_manager(tmp_path: Path) -> None:
         mgr = CheckpointManager(repo, "runs/a", keep_best=1, best_metric="loss")
         for step, loss in [(1, 0.5), (2, 0.2), (3, 0.9)]:
             mgr.save(step, {"step": step}, metrics={"loss": np.float32(loss)})
+        mgr.close()  # a manager holds its run until closed (or its process ends)
     with cas_ckpt.open(tmp_path / "repo") as repo:
         again = CheckpointManager(repo, "runs/a", keep_best=1, best_metric="loss")
         assert again.steps() == [2, 3] and again.latest_step() == 3
@@ -170,6 +171,7 @@ def test_keep_best_on_a_metric_no_save_reported_raises_before_anything_expires(
     plain = CheckpointManager(repo, "run")
     for step, loss in [(1, 0.3), (2, 0.1), (3, 0.2)]:
         plain.save(step, {"step": step}, metrics={"val/loss": loss, "lr": 0.1})
+    plain.close()
     # "val_loss" is misspelt: ranking nothing, keep_best=1 would expire steps 1 and 2, the best.
     mgr = CheckpointManager(repo, "run", keep_best=1, best_metric="val_loss", async_save=async_save)
     with pytest.raises(UnknownMetric, match=r"'val_loss'.*\['lr', 'val/loss'\]") as info:
@@ -191,6 +193,7 @@ def test_keep_best_allows_saves_without_the_metric_once_one_reported_it(
     mgr.save(2, {"step": 2}, metrics={"train_loss": 0.4})  # no evaluation at this step: never ranks
     mgr.save(3, {"step": 3})
     assert mgr.steps() == [1, 3]
+    mgr.close()
     again = CheckpointManager(repo, "run", keep_best=1, best_metric="val_loss")  # a new process
     again.save(4, {"step": 4}, metrics={"train_loss": 0.3})
     assert again.steps() == [1, 4]
@@ -223,7 +226,8 @@ def test_retention_keeps_other_runs_data(repo: cas_ckpt.Repository) -> None:
 
 
 def test_a_crash_between_head_and_step_ref_is_repaired(repo: cas_ckpt.Repository) -> None:
-    CheckpointManager(repo, "run").save(1, {"v": 1})
+    with CheckpointManager(repo, "run") as first:
+        first.save(1, {"v": 1})
     repo.save({"v": 7}, ref="run", step=7)  # the head moved; the step ref was never written
     mgr = CheckpointManager(repo, "run", keep_last=1)
     assert mgr.steps() == [1, 7] and mgr.latest_step() == 7
@@ -411,6 +415,7 @@ def test_fork_starts_a_run_from_another_and_shares_blocks(repo: cas_ckpt.Reposit
     assert [c.step for c in repo.log("runs/b")] == [21, 20, 10]
     a.save(30, {"frozen": a.restore(path="frozen"), "head": state_for(30)["w"]})
     assert b.restore(20)["head"].tolist() == state_for(20)["w"].tolist()  # b still holds 20
+    b.close()
     again = CheckpointManager(repo, "runs/b", fork_from="runs/a")  # resuming b: fork ignored
     assert again.latest_step() == 21
     with pytest.raises(cas_ckpt.errors.RefConflict):

@@ -64,7 +64,8 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_is_bit_identical(tmp_path: Pa
     assert target <= stopped < STEPS, f"signalled at step {target}"
     with cas_ckpt.open(tmp_path / "cut") as repo:
         assert repo.commit("run").step == stopped  # durable before the process exited
-        assert CheckpointManager(repo, "run").latest_step() == stopped
+        with CheckpointManager(repo, "run") as reader:
+            assert reader.latest_step() == stopped
     resumed = finish(train(tmp_path / "cut"))
     assert resumed[0] == str(stopped + 1) and resumed[-1] == done, f"signalled at step {target}"
 
