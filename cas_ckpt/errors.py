@@ -217,12 +217,24 @@ class CheckpointExists(CasCkptError):
 
 
 class StepNotFound(CasCkptError, KeyError):
-    """A checkpoint manager has no checkpoint, retained or expired, for this step."""
+    """A checkpoint manager has no checkpoint, retained or expired, for this step.
 
-    def __init__(self, ref: str, step: int) -> None:
-        super().__init__(f"{ref!r} has no checkpoint for step {step}")
+    ``step`` None: the ref holds no checkpoint at all; the message names the repository and the
+    refs it does hold (a misspelt run name?).
+    """
+
+    def __init__(
+        self, ref: str, step: int | None, *, location: object = None, refs: list[str] | None = None
+    ) -> None:
+        if step is not None:
+            message = f"{ref!r} has no checkpoint for step {step}"
+        else:
+            there = f"the refs there are {refs}" if refs else "it holds no refs"
+            message = f"{ref!r} has no checkpoints in repository {location}; {there}"
+        super().__init__(message)
         self.ref = ref
         self.step = step
+        self.refs = refs or []
 
 
 class SaveFailed(CasCkptError):

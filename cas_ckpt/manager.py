@@ -13,9 +13,9 @@ Layout in the repository (so a new process sees exactly what the old one left):
 The latest checkpoint is always kept (``<ref>`` itself holds it), whatever the policy says: a run
 can always resume. ``keep_best`` alone therefore keeps the best N plus the latest.
 
-"Latest" is the checkpoint saved last. Steps normally increase; a run rewound to an older step
-saves over the steps it reaches again with ``overwrite=True``, and until then the later steps of
-the abandoned trajectory count as retained steps like any other.
+"Latest" is the checkpoint saved last. Steps normally increase; :meth:`CheckpointManager.rewind`
+moves ``<ref>`` back to a retained step and deletes the step refs after it (the reflog keeps
+them). Without a rewind, a step at or before the latest needs ``overwrite=True``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import operator
 import signal
 import sys
 import threading
@@ -34,12 +35,13 @@ from typing import Any
 import numpy as np
 from multiformats import CID
 
+from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import (
     CheckpointExists,
     CheckpointExpired,
     DecodeError,
     LeaseHeld,
-    RefNotFound,
+    RefConflict,
     RepositoryError,
     SaveFailed,
     StateTypeError,
@@ -154,7 +156,7 @@ class CheckpointManager:
     def commit(self, step: int | None = None) -> Commit:
         """The commit record of ``step`` (latest when None): CID, time, metadata with metrics."""
         self._drain()
-        return self._commit(self._target(step))
+        return self._commit(self._target(None if step is None else _as_step(step)))
 
     def metrics(self, step: int | None = None) -> dict[str, Any]:
         """The metrics saved with ``step`` (latest when None)."""
@@ -173,7 +175,8 @@ class CheckpointManager:
     ) -> CID | None:
         """Save ``state`` as checkpoint ``step``; return its CID, or None if skipped.
 
-        Skipped (None) when ``save_every`` does not divide ``step`` and not ``force``. After a
+        ``step``: an int, or a numpy or torch integer scalar. Skipped (None), at once, when
+        ``save_every`` does not divide ``step`` and not ``force``. After a
         preemption signal the save is synchronous whatever ``async_save`` says: it waits for the
         save in flight, writes, and returns the CID once the checkpoint is durable. Raises
         :class:`CheckpointExists` if ``step`` is already saved (or older than the latest) unless
@@ -181,13 +184,12 @@ class CheckpointManager:
         memory; :meth:`wait` gives the CID, and a failure is raised (as :class:`SaveFailed`) by
         the next call.
         """
-        self._drain()
         if self._closed:
             raise RepositoryError(f"checkpoint manager for {self.ref!r} is closed")
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        step = _as_step(step)
         if self.save_every and step % self.save_every and not force:
-            return None
+            return None  # at once: a skipped step never waits for the save in flight
+        self._drain()
         self._check_lease()
         self._check_new(step, overwrite)
         metadata = {"step": step, "metrics": _metrics(metrics)}
@@ -244,7 +246,7 @@ class CheckpointManager:
         if _distributed():
             flag = _any_rank(flag)
         if flag and self.preempted_at is None:
-            self.preempted_at = int(step)
+            self.preempted_at = _as_step(step)
         return flag
 
     def _install_handlers(self, signals: tuple[int, ...]) -> None:
@@ -273,20 +275,50 @@ class CheckpointManager:
 
     # -- restore -------------------------------------------------------------------------------
     def restore(
-        self, step: int | None = None, *, path: str | None = None, map_location: Any = None
+        self,
+        step: int | None = None,
+        *,
+        path: str | None = None,
+        mmap: bool = False,
+        verify: bool | None = None,
+        map_location: Any = None,
     ) -> Any:
         """Load checkpoint ``step`` (the latest when None), or only its sub-tree at ``path``.
 
-        Raises :class:`RefNotFound` when nothing was saved yet, :class:`CheckpointExpired` for a
-        step retention removed, :class:`StepNotFound` for a step never saved.
+        ``mmap``, ``verify`` and ``map_location`` are those of :meth:`Repository.load`. Raises
+        :class:`StepNotFound` for a step never saved, or (``step`` None) when the ref holds no
+        checkpoint yet, and :class:`CheckpointExpired` for a step retention removed.
         """
         self._drain()
-        return self.repo.load(self._target(step), path=path, map_location=map_location)
+        target = self._target(None if step is None else _as_step(step))
+        return self.repo.load(target, path=path, mmap=mmap, verify=verify, map_location=map_location)
+
+    def rewind(self, step: int) -> CID:
+        """Make retained ``step`` the latest again: later steps leave :meth:`steps` (their commits
+        stay in the ref's reflog), and the next save, of any step after ``step``, is its child.
+
+        Raises :class:`CheckpointExpired` or :class:`StepNotFound` as :meth:`restore` does.
+        """
+        self._drain()
+        self._check_lease()
+        step = _as_step(step)
+        target = self._target(step)
+        head = self.repo.refs_store.get(self.ref)
+        moved = head == target or self.repo.refs_store.set_if_equals(
+            self.ref, head, target, message=f"rewind to step {step}"
+        )
+        if not moved:
+            raise RefConflict(self.ref, head, self.repo.refs_store.get(self.ref))
+        for later, cid in self._step_refs().items():
+            if later > step:
+                self.repo.delete_ref(self.step_ref(later), expected=cid)
+        self._last_cid = cidlib.to_cid(target)
+        return self._last_cid
 
     # -- internals -----------------------------------------------------------------------------
     def step_ref(self, step: int) -> str:
         """The ref that holds ``step`` while it is retained."""
-        return f"{self._prefix}{step:0{STEP_DIGITS}d}"
+        return f"{self._prefix}{_as_step(step):0{STEP_DIGITS}d}"
 
     def _step_refs(self) -> dict[int, bytes]:
         found: dict[int, bytes] = {}
@@ -306,7 +338,8 @@ class CheckpointManager:
         if step is None:
             head = self.repo.refs_store.get(self.ref)
             if head is None:
-                raise RefNotFound(self.ref)
+                refs = [n for n in self.repo.refs_store.names() if ".steps/" not in n]
+                raise StepNotFound(self.ref, None, location=self.repo.location or self.repo, refs=refs)
             return head
         cid = self.repo.refs_store.get(self.step_ref(step))
         if cid is not None:
@@ -502,6 +535,19 @@ class _FailingFlush:
             self._stream.flush()
         if sys.is_finalizing():
             raise RepositoryError("an async save failed at exit (reported above)")
+
+
+def _as_step(step: Any) -> int:
+    """``step`` as a non-negative int: ints and numpy or torch integer scalars, not bools."""
+    try:
+        if isinstance(step, bool) or str(getattr(step, "dtype", "")).endswith("bool"):
+            raise TypeError
+        value = operator.index(step)
+    except TypeError:
+        raise ValueError(f"step must be a non-negative integer, not {step!r}") from None
+    if value < 0:
+        raise ValueError(f"step must be a non-negative integer, not {step!r}")
+    return value
 
 
 def _distributed() -> bool:
