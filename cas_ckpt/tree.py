@@ -441,6 +441,7 @@ class TreeReader:
         self._fills: ThreadPoolExecutor | None = None
         self._inflight: list[Future[None]] = []
         self.node_reads = 0
+        self.mapped = self.copied = 0  # arrays an mmap load mapped, and those it had to copy
 
     def node(self, cid: bytes) -> Any:
         self.node_reads += 1
@@ -659,7 +660,7 @@ class TreeReader:
             flat = np.frombuffer(data, dtype=np.uint8).copy()
         else:
             kind = header.get("kind", "numpy")
-            mapping = self.mmap and kind == "numpy"
+            mapping = self.mmap
             # Allocate first: a declared size the process cannot hold fails here, before any
             # chunk link page is read (one chunk repeated can declare terabytes in a small node).
             out = None if mapping else _allocate(nbytes, f"an array of shape {shape}")
@@ -667,11 +668,15 @@ class TreeReader:
             sizes = self._sizes(cids)  # the declared size must be what is really stored
             if sum(sizes) != nbytes:
                 raise DecodeError(f"array chunks hold {sum(sizes)} bytes, shape needs {nbytes}")
-            mapped = self.store.map_blocks(cids) if mapping else None
+            # numpy: a read-only view of the pack. Tensors have no read-only flag, and a write
+            # through a read-only mapping kills the process: they get a copy-on-write one.
+            mapped = self.store.map_blocks(cids, private=kind != "numpy") if mapping else None
             if mapped is not None:
                 self._verify_mapped(cids, sizes, mapped)
-                flat = np.frombuffer(mapped, dtype=np.uint8)  # read-only, backed by the pack
+                flat = np.frombuffer(mapped, dtype=np.uint8)  # backed by the pack
+                self.mapped += 1
             else:
+                self.copied += mapping
                 flat = out if out is not None else _allocate(nbytes, f"an array of shape {shape}")
                 # A tensor moved to map_location is copied at once: its bytes must be there.
                 later = kind == "numpy" or (self.tensor_factory is None and self.map_location is None)
