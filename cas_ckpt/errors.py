@@ -186,12 +186,26 @@ class StateTypeError(CasCkptError, TypeError):
 
 
 class PathNotFound(CasCkptError, KeyError):
-    """A sub-tree path given to load() does not exist in the checkpoint."""
+    """A sub-tree path given to load() does not exist in the checkpoint.
 
-    def __init__(self, path: str, cid: object) -> None:
-        super().__init__(f"path {path!r} not found in checkpoint {cid}")
+    ``path``: the path up to the first part that is missing; ``found``: the deepest prefix that
+    exists ("" for the root); ``suggestions``: close existing paths (misspellings).
+    """
+
+    def __init__(
+        self, path: str, cid: object, *, found: str = "", detail: str = "",
+        suggestions: list[str] | None = None,
+    ) -> None:
+        message = f"path {path!r} not found in checkpoint {cid}"
+        if detail:
+            message += f": {detail}"
+        if suggestions:
+            message += f"; did you mean {' or '.join(map(repr, suggestions))}?"
+        super().__init__(message)
         self.path = path
         self.cid = str(cid)
+        self.found = found
+        self.suggestions = suggestions or []
 
 
 class CarError(CasCkptError, ValueError):

@@ -24,6 +24,7 @@ code  name        payload
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import math
 import re
@@ -511,12 +512,12 @@ class TreeReader:
                 items = value if isinstance(value, list) else _seq(value.value, "tuple")
                 key, used = _index(rest[0]), 1
                 if key is None or not -len(items) <= key < len(items):
-                    raise PathNotFound(".".join(map(str, [*done, rest[0]])), root_cid)
+                    raise _not_found(done, rest, items, root_cid)
                 value = items
             else:
                 key = None
             if key is None or (isinstance(value, dict) and key not in value):
-                raise PathNotFound(".".join(map(str, [*done, *rest[:1]])), root_cid)
+                raise _not_found(done, rest, value, root_cid)
             done.extend(str(r) for r in rest[:used])
             rest = rest[used:]
             value = self.resolve(value[key])
@@ -774,6 +775,30 @@ def _index(segment: Any) -> int | None:
     if isinstance(segment, str) and re.fullmatch(r"-?\d+", segment):
         return int(segment)
     return None
+
+
+def _not_found(done: list[str], rest: list[Any], where: Any, root_cid: str) -> PathNotFound:
+    """The error for ``rest`` missing below ``done``: where the path stops, and close keys.
+
+    The rest of the path is matched whole first (flat state-dict keys hold dots: ``0.weight``),
+    then its first segment alone.
+    """
+    found = ".".join(done)
+    missing = ".".join(map(str, [*done, rest[0]]))
+    at = repr(found) if found else "the root"
+    suggestions: list[str] = []
+    if isinstance(where, dict):
+        keys = [str(k) for k in where]
+        close = difflib.get_close_matches(".".join(map(str, rest)), keys, n=3)
+        close = close or difflib.get_close_matches(str(rest[0]), keys, n=3)
+        suggestions = [".".join([*done, k]) for k in close]
+        joined = ".".join(map(str, rest))
+        detail = f"{at} has no key {rest[0]!r}" + (f" or {joined!r}" if len(rest) > 1 else "")
+    elif isinstance(where, list):
+        detail = f"{at} is a list of {len(where)} items"
+    else:
+        detail = f"{at} holds a value, not a dict or list"
+    return PathNotFound(missing, root_cid, found=found, detail=detail, suggestions=suggestions)
 
 
 def _match_key(mapping: dict[Any, Any], rest: list[Any]) -> tuple[Any, int]:
