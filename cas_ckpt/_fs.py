@@ -267,6 +267,26 @@ def flocked(
         os.close(fd)
 
 
+def try_lock(path: Path) -> int | None:
+    """An exclusive ``flock`` on ``path`` held by the returned descriptor, or None if it is taken.
+
+    For a lock held longer than a ``with`` block (a lease); :func:`unlock` gives it back.
+    """
+    return _lock(path, fcntl.LOCK_EX, False, None)
+
+
+def unlock(fd: int) -> None:
+    """Release a lock from :func:`try_lock` (before closing: see :func:`flocked`)."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def still_names(path: Path, fd: int) -> bool:
+    """True if ``path`` still names the file open as ``fd`` (False once replaced or removed)."""
+    return _names(path, fd)
+
+
 def _lock(path: Path, mode: int, blocking: bool, timeout: float | None) -> int | None:
     """A descriptor of ``path`` holding the lock, or None if it could not be had in time."""
     deadline = None if timeout is None else time.monotonic() + timeout

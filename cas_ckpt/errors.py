@@ -18,6 +18,7 @@ __all__ = [
     "GraphCycleError",
     "InvalidCID",
     "InvalidRefName",
+    "LeaseHeld",
     "MapLocationError",
     "MediumError",
     "OutOfMemory",
@@ -151,6 +152,18 @@ class RefLocked(RefError):
         self.lock_path = lock_path
 
 
+class LeaseHeld(RefError):
+    """Another writer holds the lease on this run's ref; ``holder`` says who (host, pid, since)."""
+
+    def __init__(self, name: str, holder: str) -> None:
+        super().__init__(
+            f"ref {name!r} is being written by {holder}: one writer per run. Close that one first, "
+            "or pass takeover=True if it is hung or gone (it then fails at its next save)"
+        )
+        self.ref = name
+        self.holder = holder
+
+
 class CheckpointExpired(CasCkptError):
     """A commit is still in the history but its data was removed by retention and GC."""
 
@@ -173,12 +186,26 @@ class StateTypeError(CasCkptError, TypeError):
 
 
 class PathNotFound(CasCkptError, KeyError):
-    """A sub-tree path given to load() does not exist in the checkpoint."""
+    """A sub-tree path given to load() does not exist in the checkpoint.
 
-    def __init__(self, path: str, cid: object) -> None:
-        super().__init__(f"path {path!r} not found in checkpoint {cid}")
+    ``path``: the path up to the first part that is missing; ``found``: the deepest prefix that
+    exists ("" for the root); ``suggestions``: close existing paths (misspellings).
+    """
+
+    def __init__(
+        self, path: str, cid: object, *, found: str = "", detail: str = "",
+        suggestions: list[str] | None = None,
+    ) -> None:
+        message = f"path {path!r} not found in checkpoint {cid}"
+        if detail:
+            message += f": {detail}"
+        if suggestions:
+            message += f"; did you mean {' or '.join(map(repr, suggestions))}?"
+        super().__init__(message)
         self.path = path
         self.cid = str(cid)
+        self.found = found
+        self.suggestions = suggestions or []
 
 
 class CarError(CasCkptError, ValueError):
@@ -204,12 +231,24 @@ class CheckpointExists(CasCkptError):
 
 
 class StepNotFound(CasCkptError, KeyError):
-    """A checkpoint manager has no checkpoint, retained or expired, for this step."""
+    """A checkpoint manager has no checkpoint, retained or expired, for this step.
 
-    def __init__(self, ref: str, step: int) -> None:
-        super().__init__(f"{ref!r} has no checkpoint for step {step}")
+    ``step`` None: the ref holds no checkpoint at all; the message names the repository and the
+    refs it does hold (a misspelt run name?).
+    """
+
+    def __init__(
+        self, ref: str, step: int | None, *, location: object = None, refs: list[str] | None = None
+    ) -> None:
+        if step is not None:
+            message = f"{ref!r} has no checkpoint for step {step}"
+        else:
+            there = f"the refs there are {refs}" if refs else "it holds no refs"
+            message = f"{ref!r} has no checkpoints in repository {location}; {there}"
+        super().__init__(message)
         self.ref = ref
         self.step = step
+        self.refs = refs or []
 
 
 class SaveFailed(CasCkptError):

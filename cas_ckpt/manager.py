@@ -13,9 +13,9 @@ Layout in the repository (so a new process sees exactly what the old one left):
 The latest checkpoint is always kept (``<ref>`` itself holds it), whatever the policy says: a run
 can always resume. ``keep_best`` alone therefore keeps the best N plus the latest.
 
-"Latest" is the checkpoint saved last. Steps normally increase; a run rewound to an older step
-saves over the steps it reaches again with ``overwrite=True``, and until then the later steps of
-the abandoned trajectory count as retained steps like any other.
+"Latest" is the checkpoint saved last. Steps normally increase; :meth:`CheckpointManager.rewind`
+moves ``<ref>`` back to a retained step and deletes the step refs after it (the reflog keeps
+them). Without a rewind, a step at or before the latest needs ``overwrite=True``.
 """
 
 from __future__ import annotations
@@ -23,21 +23,25 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import operator
+import signal
 import sys
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from multiformats import CID
 
+from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import (
     CheckpointExists,
     CheckpointExpired,
     DecodeError,
-    RefNotFound,
+    LeaseHeld,
+    RefConflict,
     RepositoryError,
     SaveFailed,
     StateTypeError,
@@ -51,6 +55,7 @@ from cas_ckpt.tree import MAX_DEPTH, dtype_name, is_tensor, join_path
 __all__ = ["CheckpointManager", "snapshot"]
 
 STEP_DIGITS = 12
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 with --signal
 
 
 class CheckpointManager:
@@ -68,6 +73,12 @@ class CheckpointManager:
     saves and refill it in place, which is faster than fresh memory but holds one copy of the state
     while the manager is open. ``fork_from``: a ref or CID that a new ``ref`` starts
     from (ignored once ``ref`` exists, so a restarted run simply resumes).
+    One writer per run: the manager holds the ref store's lease on ``ref`` until :meth:`close`
+    (or until it is garbage collected, or its process ends); a second manager on ``ref``, in any
+    process, raises :class:`LeaseHeld` naming the holder, unless ``takeover=True`` (then the old
+    one's next save raises it). A manager of a read-only repository takes no lease.
+    ``preemption``: install handlers for ``preemption_signals`` that only set a flag, which
+    :meth:`reached_preemption` reports; they are restored by :meth:`close`.
     """
 
     def __init__(
@@ -85,6 +96,9 @@ class CheckpointManager:
         reuse_buffers: bool = True,
         gc_after_retention: bool = True,
         fork_from: Target | None = None,
+        preemption: bool = False,
+        preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
+        takeover: bool = False,
     ) -> None:
         for name, value in (("save_every", save_every), ("keep_last", keep_last),
                             ("keep_every", keep_every), ("keep_best", keep_best)):
@@ -112,9 +126,17 @@ class CheckpointManager:
         self._best_metric_stored = False  # a retained step reported best_metric
         self._closed = False
         self._lock = threading.Lock()
+        self._preempted: int | None = None  # the signal that asked this run to stop
+        self._handlers: dict[int, Any] = {}  # signal -> the handler installed before ours
+        self.preempted_at: int | None = None  # the step at which reached_preemption said True
+        self._lease = None if repo.read_only else repo.refs_store.lease(self.ref, takeover=takeover)
+        if self._lease is not None:  # an unclosed manager gives its run back when collected
+            self._release_lease = weakref.finalize(self, self._lease.release)
         if fork_from is not None and repo.refs_store.get(self.ref) is None:
             repo.fork(fork_from, self.ref)
         self._reconcile()
+        if preemption:
+            self._install_handlers(tuple(preemption_signals))
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.ref!r} in {self.repo!r}>"
@@ -134,7 +156,7 @@ class CheckpointManager:
     def commit(self, step: int | None = None) -> Commit:
         """The commit record of ``step`` (latest when None): CID, time, metadata with metrics."""
         self._drain()
-        return self._commit(self._target(step))
+        return self._commit(self._target(None if step is None else _as_step(step)))
 
     def metrics(self, step: int | None = None) -> dict[str, Any]:
         """The metrics saved with ``step`` (latest when None)."""
@@ -153,23 +175,26 @@ class CheckpointManager:
     ) -> CID | None:
         """Save ``state`` as checkpoint ``step``; return its CID, or None if skipped.
 
-        Skipped (None) when ``save_every`` does not divide ``step`` and not ``force``. Raises
+        ``step``: an int, or a numpy or torch integer scalar. Skipped (None), at once, when
+        ``save_every`` does not divide ``step`` and not ``force``. After a
+        preemption signal the save is synchronous whatever ``async_save`` says: it waits for the
+        save in flight, writes, and returns the CID once the checkpoint is durable. Raises
         :class:`CheckpointExists` if ``step`` is already saved (or older than the latest) unless
         ``overwrite``. With ``async_save`` it returns None once the state is copied to host
         memory; :meth:`wait` gives the CID, and a failure is raised (as :class:`SaveFailed`) by
         the next call.
         """
-        self._drain()
         if self._closed:
             raise RepositoryError(f"checkpoint manager for {self.ref!r} is closed")
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        step = _as_step(step)
         if self.save_every and step % self.save_every and not force:
-            return None
+            return None  # at once: a skipped step never waits for the save in flight
+        self._drain()
+        self._check_lease()
         self._check_new(step, overwrite)
         metadata = {"step": step, "metrics": _metrics(metrics)}
         self._check_best_metric(metadata["metrics"])
-        if not self.async_save:
+        if not self.async_save or self._preempted is not None:
             return self._write(step, state, metadata)
         copy = snapshot(state, self._buffers)
         _finish_at_exit(self)
@@ -192,6 +217,9 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._buffers = None
+            self._restore_handlers()
+            if self._lease is not None:
+                self._release_lease()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
@@ -206,22 +234,91 @@ class CheckpointManager:
         with contextlib.suppress(SaveFailed):  # the exception already propagating matters more
             self.close()
 
+    # -- preemption ----------------------------------------------------------------------------
+    def reached_preemption(self, step: int) -> bool:
+        """True once a preemption signal arrived (on any rank): save ``step`` now and exit.
+
+        With ``torch.distributed`` initialized, the flag is all-reduced (MAX) over the default
+        group, so every rank sees the same answer at the same step; every rank must call it at
+        the same steps, as for any collective.
+        """
+        flag = self._preempted is not None
+        if _distributed():
+            flag = _any_rank(flag)
+        if flag and self.preempted_at is None:
+            self.preempted_at = _as_step(step)
+        return flag
+
+    def _install_handlers(self, signals: tuple[int, ...]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RepositoryError(
+                "CheckpointManager(preemption=True) must be made in the main thread: Python runs "
+                "signal handlers there only"
+            )
+        for signum in signals:
+            self._handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._preempted = signum
+        previous = self._handlers.get(signum)
+        # SIG_DFL (not callable) would end the process before the save; SIG_IGN does nothing.
+        if callable(previous):
+            previous(signum, frame)
+
+    def _restore_handlers(self) -> None:
+        if not self._handlers or threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._handlers.items():
+            if signal.getsignal(signum) == self._on_signal:  # a later handler stays in place
+                signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self._handlers = {}
+
     # -- restore -------------------------------------------------------------------------------
     def restore(
-        self, step: int | None = None, *, path: str | None = None, map_location: Any = None
+        self,
+        step: int | None = None,
+        *,
+        path: str | None = None,
+        mmap: bool = False,
+        verify: bool | None = None,
+        map_location: Any = None,
     ) -> Any:
         """Load checkpoint ``step`` (the latest when None), or only its sub-tree at ``path``.
 
-        Raises :class:`RefNotFound` when nothing was saved yet, :class:`CheckpointExpired` for a
-        step retention removed, :class:`StepNotFound` for a step never saved.
+        ``mmap``, ``verify`` and ``map_location`` are those of :meth:`Repository.load`. Raises
+        :class:`StepNotFound` for a step never saved, or (``step`` None) when the ref holds no
+        checkpoint yet, and :class:`CheckpointExpired` for a step retention removed.
         """
         self._drain()
-        return self.repo.load(self._target(step), path=path, map_location=map_location)
+        target = self._target(None if step is None else _as_step(step))
+        return self.repo.load(target, path=path, mmap=mmap, verify=verify, map_location=map_location)
+
+    def rewind(self, step: int) -> CID:
+        """Make retained ``step`` the latest again: later steps leave :meth:`steps` (their commits
+        stay in the ref's reflog), and the next save, of any step after ``step``, is its child.
+
+        Raises :class:`CheckpointExpired` or :class:`StepNotFound` as :meth:`restore` does.
+        """
+        self._drain()
+        self._check_lease()
+        step = _as_step(step)
+        target = self._target(step)
+        head = self.repo.refs_store.get(self.ref)
+        moved = head == target or self.repo.refs_store.set_if_equals(
+            self.ref, head, target, message=f"rewind to step {step}"
+        )
+        if not moved:
+            raise RefConflict(self.ref, head, self.repo.refs_store.get(self.ref))
+        for later, cid in self._step_refs().items():
+            if later > step:
+                self.repo.delete_ref(self.step_ref(later), expected=cid)
+        self._last_cid = cidlib.to_cid(target)
+        return self._last_cid
 
     # -- internals -----------------------------------------------------------------------------
     def step_ref(self, step: int) -> str:
         """The ref that holds ``step`` while it is retained."""
-        return f"{self._prefix}{step:0{STEP_DIGITS}d}"
+        return f"{self._prefix}{_as_step(step):0{STEP_DIGITS}d}"
 
     def _step_refs(self) -> dict[int, bytes]:
         found: dict[int, bytes] = {}
@@ -241,7 +338,8 @@ class CheckpointManager:
         if step is None:
             head = self.repo.refs_store.get(self.ref)
             if head is None:
-                raise RefNotFound(self.ref)
+                refs = [n for n in self.repo.refs_store.names() if ".steps/" not in n]
+                raise StepNotFound(self.ref, None, location=self.repo.location or self.repo, refs=refs)
             return head
         cid = self.repo.refs_store.get(self.step_ref(step))
         if cid is not None:
@@ -272,7 +370,12 @@ class CheckpointManager:
         if step is not None and self.repo.refs_store.get(self.step_ref(step)) is None:
             self.repo.refs_store.add_if_new(self.step_ref(step), head, message="step ref")
 
+    def _check_lease(self) -> None:
+        if self._lease is not None and not self._lease.held():
+            raise LeaseHeld(self.ref, "another writer, which took this manager's lease over")
+
     def _write(self, step: int, state: Any, metadata: dict[str, Any]) -> CID:
+        self._check_lease()
         cid = self.repo.save(state, ref=self.ref, step=step, metadata=metadata)
         self.last_report = self.repo.last_save
         self.repo.set_ref(self.step_ref(step), cid)
@@ -432,6 +535,38 @@ class _FailingFlush:
             self._stream.flush()
         if sys.is_finalizing():
             raise RepositoryError("an async save failed at exit (reported above)")
+
+
+def _as_step(step: Any) -> int:
+    """``step`` as a non-negative int: ints and numpy or torch integer scalars, not bools."""
+    try:
+        if isinstance(step, bool) or str(getattr(step, "dtype", "")).endswith("bool"):
+            raise TypeError
+        value = operator.index(step)
+    except TypeError:
+        raise ValueError(f"step must be a non-negative integer, not {step!r}") from None
+    if value < 0:
+        raise ValueError(f"step must be a non-negative integer, not {step!r}")
+    return value
+
+
+def _distributed() -> bool:
+    """True when torch.distributed is imported, available and initialized (never imports it)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _any_rank(flag: bool) -> bool:
+    """``flag`` all-reduced with MAX over the default process group."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -53,6 +54,8 @@ from cas_ckpt.maintenance.usage import Usage, usage
 from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore, check_ref_name
 from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter
+
+_log = logging.getLogger("cas_ckpt")
 
 FORMAT = "cas_ckpt"
 FORMAT_VERSION = 1
@@ -304,20 +307,29 @@ class Repository:
         keys and indices.
         Torch tensors come back as torch tensors (on ``map_location`` if given), numpy as numpy.
         ``mmap=True`` returns numpy arrays as read-only views of the pack files where a
-        store can map them (no copy; pages are read on first touch, and hashed first unless
-        ``verify=False``).
+        store can map them, and torch tensors over copy-on-write mappings (writable; a write
+        copies that page, never touches the pack): no copy, pages read on first touch, and
+        hashed first unless ``verify=False``. Arrays that cannot be mapped (another medium,
+        chunks not back to back in one pack) are copied, and a warning is logged.
         """
         root = self._resolve(target)
         reader = self._reader(verify, map_location, mmap)
         tree = self._tree_of(root, reader)
         try:
             if path is None:
-                return reader.load(Link(tree))
-            if isinstance(path, str):
+                value = Link(tree)
+            elif isinstance(path, str):
                 value = reader.select(Link(tree), path.split("."), cidlib.to_str(root))
             else:
                 value = reader.select(Link(tree), list(path), cidlib.to_str(root), exact=True)
-            return reader.load(value)
+            loaded = reader.load(value)
+            if reader.copied:
+                _log.warning(
+                    "mmap=True: %d of %d arrays of %s were copied, not mapped (chunks not back to "
+                    "back in one local pack, or a medium that cannot map)",
+                    reader.copied, reader.copied + reader.mapped, cidlib.to_str(root),
+                )
+            return loaded
         except MapLocationError as exc:  # the reader named the tensor's path below ``path``
             if path:
                 exc.inside(path if isinstance(path, str) else ".".join(map(str, path)))

@@ -24,6 +24,7 @@ code  name        payload
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import math
 import re
@@ -441,6 +442,7 @@ class TreeReader:
         self._fills: ThreadPoolExecutor | None = None
         self._inflight: list[Future[None]] = []
         self.node_reads = 0
+        self.mapped = self.copied = 0  # arrays an mmap load mapped, and those it had to copy
 
     def node(self, cid: bytes) -> Any:
         self.node_reads += 1
@@ -510,12 +512,12 @@ class TreeReader:
                 items = value if isinstance(value, list) else _seq(value.value, "tuple")
                 key, used = _index(rest[0]), 1
                 if key is None or not -len(items) <= key < len(items):
-                    raise PathNotFound(".".join(map(str, [*done, rest[0]])), root_cid)
+                    raise _not_found(done, rest, items, root_cid)
                 value = items
             else:
                 key = None
             if key is None or (isinstance(value, dict) and key not in value):
-                raise PathNotFound(".".join(map(str, [*done, *rest[:1]])), root_cid)
+                raise _not_found(done, rest, value, root_cid)
             done.extend(str(r) for r in rest[:used])
             rest = rest[used:]
             value = self.resolve(value[key])
@@ -659,7 +661,7 @@ class TreeReader:
             flat = np.frombuffer(data, dtype=np.uint8).copy()
         else:
             kind = header.get("kind", "numpy")
-            mapping = self.mmap and kind == "numpy"
+            mapping = self.mmap
             # Allocate first: a declared size the process cannot hold fails here, before any
             # chunk link page is read (one chunk repeated can declare terabytes in a small node).
             out = None if mapping else _allocate(nbytes, f"an array of shape {shape}")
@@ -667,11 +669,15 @@ class TreeReader:
             sizes = self._sizes(cids)  # the declared size must be what is really stored
             if sum(sizes) != nbytes:
                 raise DecodeError(f"array chunks hold {sum(sizes)} bytes, shape needs {nbytes}")
-            mapped = self.store.map_blocks(cids) if mapping else None
+            # numpy: a read-only view of the pack. Tensors have no read-only flag, and a write
+            # through a read-only mapping kills the process: they get a copy-on-write one.
+            mapped = self.store.map_blocks(cids, private=kind != "numpy") if mapping else None
             if mapped is not None:
                 self._verify_mapped(cids, sizes, mapped)
-                flat = np.frombuffer(mapped, dtype=np.uint8)  # read-only, backed by the pack
+                flat = np.frombuffer(mapped, dtype=np.uint8)  # backed by the pack
+                self.mapped += 1
             else:
+                self.copied += mapping
                 flat = out if out is not None else _allocate(nbytes, f"an array of shape {shape}")
                 # A tensor moved to map_location is copied at once: its bytes must be there.
                 later = kind == "numpy" or (self.tensor_factory is None and self.map_location is None)
@@ -769,6 +775,30 @@ def _index(segment: Any) -> int | None:
     if isinstance(segment, str) and re.fullmatch(r"-?\d+", segment):
         return int(segment)
     return None
+
+
+def _not_found(done: list[str], rest: list[Any], where: Any, root_cid: str) -> PathNotFound:
+    """The error for ``rest`` missing below ``done``: where the path stops, and close keys.
+
+    The rest of the path is matched whole first (flat state-dict keys hold dots: ``0.weight``),
+    then its first segment alone.
+    """
+    found = ".".join(done)
+    missing = ".".join(map(str, [*done, rest[0]]))
+    at = repr(found) if found else "the root"
+    suggestions: list[str] = []
+    if isinstance(where, dict):
+        keys = [str(k) for k in where]
+        close = difflib.get_close_matches(".".join(map(str, rest)), keys, n=3)
+        close = close or difflib.get_close_matches(str(rest[0]), keys, n=3)
+        suggestions = [".".join([*done, k]) for k in close]
+        joined = ".".join(map(str, rest))
+        detail = f"{at} has no key {rest[0]!r}" + (f" or {joined!r}" if len(rest) > 1 else "")
+    elif isinstance(where, list):
+        detail = f"{at} is a list of {len(where)} items"
+    else:
+        detail = f"{at} holds a value, not a dict or list"
+    return PathNotFound(missing, root_cid, found=found, detail=detail, suggestions=suggestions)
 
 
 def _match_key(mapping: dict[Any, Any], rest: list[Any]) -> tuple[Any, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,7 @@ def test_state_lives_in_the_repository_not_the_manager(tmp_path: Path) -> None:
         mgr = CheckpointManager(repo, "runs/a", keep_best=1, best_metric="loss")
         for step, loss in [(1, 0.5), (2, 0.2), (3, 0.9)]:
             mgr.save(step, {"step": step}, metrics={"loss": np.float32(loss)})
+        mgr.close()  # a manager holds its run until closed (or its process ends)
     with cas_ckpt.open(tmp_path / "repo") as repo:
         again = CheckpointManager(repo, "runs/a", keep_best=1, best_metric="loss")
         assert again.steps() == [2, 3] and again.latest_step() == 3
@@ -74,9 +76,12 @@ def test_state_lives_in_the_repository_not_the_manager(tmp_path: Path) -> None:
 
 
 def test_restore_errors_and_paths(repo: cas_ckpt.Repository) -> None:
+    repo.save({"x": 1}, ref="other")
     mgr = CheckpointManager(repo, "run", keep_last=1)
-    with pytest.raises(cas_ckpt.errors.RefNotFound):
+    with pytest.raises(cas_ckpt.errors.StepNotFound, match=r"'run' has no checkpoints") as info:
         mgr.restore()
+    assert info.value.refs == ["other"] and "the refs there are ['other']" in str(info.value)
+    assert f"repository {repo.location or repo}" in str(info.value)
     assert mgr.latest_step() is None and mgr.steps() == []
     mgr.save(1, {"model": {"w": np.arange(3)}, "opt": {0: {"m": 1.5}}})
     mgr.save(2, {"model": {"w": np.arange(3) + 1}, "opt": {0: {"m": 2.5}}})
@@ -170,6 +175,7 @@ def test_keep_best_on_a_metric_no_save_reported_raises_before_anything_expires(
     plain = CheckpointManager(repo, "run")
     for step, loss in [(1, 0.3), (2, 0.1), (3, 0.2)]:
         plain.save(step, {"step": step}, metrics={"val/loss": loss, "lr": 0.1})
+    plain.close()
     # "val_loss" is misspelt: ranking nothing, keep_best=1 would expire steps 1 and 2, the best.
     mgr = CheckpointManager(repo, "run", keep_best=1, best_metric="val_loss", async_save=async_save)
     with pytest.raises(UnknownMetric, match=r"'val_loss'.*\['lr', 'val/loss'\]") as info:
@@ -191,6 +197,7 @@ def test_keep_best_allows_saves_without_the_metric_once_one_reported_it(
     mgr.save(2, {"step": 2}, metrics={"train_loss": 0.4})  # no evaluation at this step: never ranks
     mgr.save(3, {"step": 3})
     assert mgr.steps() == [1, 3]
+    mgr.close()
     again = CheckpointManager(repo, "run", keep_best=1, best_metric="val_loss")  # a new process
     again.save(4, {"step": 4}, metrics={"train_loss": 0.3})
     assert again.steps() == [1, 4]
@@ -223,7 +230,8 @@ def test_retention_keeps_other_runs_data(repo: cas_ckpt.Repository) -> None:
 
 
 def test_a_crash_between_head_and_step_ref_is_repaired(repo: cas_ckpt.Repository) -> None:
-    CheckpointManager(repo, "run").save(1, {"v": 1})
+    with CheckpointManager(repo, "run") as first:
+        first.save(1, {"v": 1})
     repo.save({"v": 7}, ref="run", step=7)  # the head moved; the step ref was never written
     mgr = CheckpointManager(repo, "run", keep_last=1)
     assert mgr.steps() == [1, 7] and mgr.latest_step() == 7
@@ -411,6 +419,7 @@ def test_fork_starts_a_run_from_another_and_shares_blocks(repo: cas_ckpt.Reposit
     assert [c.step for c in repo.log("runs/b")] == [21, 20, 10]
     a.save(30, {"frozen": a.restore(path="frozen"), "head": state_for(30)["w"]})
     assert b.restore(20)["head"].tolist() == state_for(20)["w"].tolist()  # b still holds 20
+    b.close()
     again = CheckpointManager(repo, "runs/b", fork_from="runs/a")  # resuming b: fork ignored
     assert again.latest_step() == 21
     with pytest.raises(cas_ckpt.errors.RefConflict):
@@ -428,3 +437,59 @@ def test_async_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
     module.main(["--size-mib", "4", "--saves", "2"])
     out = capsys.readouterr().out
     assert "sync" in out and "async" in out and "blocked" in out
+
+
+# -- the manager's contract --------------------------------------------------------------------
+def test_a_skipped_step_does_not_wait_for_the_save_in_flight(repo: cas_ckpt.Repository) -> None:
+    mgr = CheckpointManager(repo, "run", save_every=5, async_save=True)
+    with repo.refs_store.lock(exclusive=True):  # the background write cannot start meanwhile
+        mgr.save(5, {"step": 5})
+        started = time.monotonic()
+        assert mgr.save(6, {"step": 6}) is None  # would block until the lock is freed
+        assert time.monotonic() - started < 1.0
+    assert mgr.wait() == repo.resolve("run") and mgr.steps() == [5]
+    mgr.close()
+
+
+def test_steps_may_be_numpy_or_torch_integer_scalars(repo: cas_ckpt.Repository) -> None:
+    mgr = CheckpointManager(repo, "run", save_every=5)
+    assert mgr.save(np.int64(5), {"v": 5}) is not None and mgr.save(np.int32(6), {"v": 6}) is None
+    assert mgr.steps() == [5] and type(mgr.latest_step()) is int
+    assert mgr.restore(np.uint16(5)) == {"v": 5} and mgr.metrics(np.int64(5)) == {}
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        assert mgr.save(torch.tensor(10), {"v": 10}) is not None and mgr.steps() == [5, 10]
+        with pytest.raises(ValueError, match="integer"):
+            mgr.save(torch.tensor(15.0), {})
+        with pytest.raises(ValueError, match="integer"):
+            mgr.save(torch.tensor(True), {})
+    for bad in (True, np.bool_(True), 5.0, np.float64(5), "5", -5, np.int64(-5)):
+        with pytest.raises(ValueError, match="non-negative integer"):
+            mgr.save(bad, {}, force=True)  # type: ignore[arg-type]
+
+
+def test_restore_passes_mmap_and_verify(local_repo: cas_ckpt.Repository) -> None:
+    mgr = CheckpointManager(local_repo, "run")
+    mgr.save(1, {"w": np.arange(1 << 16, dtype=np.float64)})
+    mapped = mgr.restore(mmap=True, verify=False)["w"]
+    assert not mapped.flags.writeable and mapped.sum() == np.arange(1 << 16).sum()
+    assert mgr.restore(1, path="w", verify=True).flags.writeable
+    mgr.close()
+
+
+def test_rewind_drops_later_steps_and_the_next_save_is_its_child(repo: cas_ckpt.Repository) -> None:
+    mgr = CheckpointManager(repo, "run")
+    cids = {step: mgr.save(step, {"step": step}) for step in (10, 20, 30, 40)}
+    assert mgr.rewind(np.int64(20)) == cids[20]
+    assert mgr.steps() == [10, 20] and mgr.latest_step() == 20 and mgr.restore() == {"step": 20}
+    with pytest.raises(cas_ckpt.errors.StepNotFound):
+        mgr.restore(40)
+    assert bytes(cids[40]) in {e.new for e in repo.reflog("run")}  # abandoned steps stay in the reflog
+    assert repo.reflog("run")[-1].message == "rewind to step 20"
+    new = mgr.save(30, {"step": 30, "again": True})  # no overwrite=True needed
+    assert repo.commit(new).parents == (cids[20],) and mgr.steps() == [10, 20, 30]
+    assert [c.step for c in repo.log("run")] == [30, 20, 10]
+    with pytest.raises(cas_ckpt.errors.StepNotFound):
+        mgr.rewind(25)
+    mgr.close()

@@ -75,7 +75,8 @@ def run_both(script: str, tmp_path: Path) -> tuple[cas_ckpt.Repository, cas_ckpt
 
 
 def retained_steps(repo: cas_ckpt.Repository) -> list[int]:
-    return cas_ckpt.CheckpointManager(repo, "run").steps()
+    with cas_ckpt.CheckpointManager(repo, "run") as manager:  # one manager per run at a time
+        return manager.steps()
 
 
 def assert_bit_identical(a: Any, b: Any, path: str = "") -> None:
@@ -104,8 +105,9 @@ def assert_bit_identical(a: Any, b: Any, path: str = "") -> None:
 
 def compare_runs(straight: cas_ckpt.Repository, resumed: cas_ckpt.Repository) -> None:
     for step in (15, 20):  # both retained checkpoints, the async ones included
-        a = cas_ckpt.CheckpointManager(straight, "run").restore(step)
-        b = cas_ckpt.CheckpointManager(resumed, "run").restore(step)
+        with cas_ckpt.CheckpointManager(straight, "run") as one, \
+                cas_ckpt.CheckpointManager(resumed, "run") as other:
+            a, b = one.restore(step), other.restore(step)
         assert_bit_identical(a, b, f"step{step}")
     assert straight.commit("run").tree == resumed.commit("run").tree  # the same state, hashed
     assert [c.step for c in resumed.log("run")] == [20, 15, 10, 5]

@@ -269,3 +269,34 @@ def test_counting_store_on_disk_sees_real_files(tmp_path: Any) -> None:
         store.reset()
         repo.load()
         assert store.reads
+
+
+@pytest.mark.parametrize(
+    ("path", "found", "detail", "suggestions"),
+    [
+        ("model.0.weigth", "model", "'model' has no key '0' or '0.weigth'",
+         ["model.0.weight", "model.2.weight"]),
+        ("modle.0.weight", "", "the root has no key 'modle'", ["model"]),
+        ("model.0.weight.x", "model.0.weight", "holds a value, not a dict or list", []),
+        ("steps.7", "steps", "'steps' is a list of 2 items", []),
+        ("optimizer.state.5", "optimizer.state", "has no key '5'", []),
+    ],
+)
+def test_missing_paths_name_the_deepest_prefix_and_close_keys(
+    path: str, found: str, detail: str, suggestions: list[str]
+) -> None:
+    state = {
+        "model": {"0.weight": np.zeros(2), "0.bias": np.zeros(2), "2.weight": np.zeros(2)},
+        "optimizer": {"state": {3: {"step": 1}}},
+        "steps": [1, 2],
+    }
+    with cas_ckpt.open("memory://") as repo:
+        repo.save(state)
+        with pytest.raises(cas_ckpt.errors.PathNotFound) as info:
+            repo.load(path=path)
+    assert info.value.found == found and info.value.suggestions == suggestions
+    assert detail in str(info.value)
+    if suggestions:
+        assert f"did you mean {suggestions[0]!r}" in str(info.value)
+    else:
+        assert "did you mean" not in str(info.value)

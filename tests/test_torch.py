@@ -317,7 +317,45 @@ def test_bfloat16_bits_match_ml_dtypes() -> None:
 def test_mmap_loads_give_writable_tensors(local_repo: cas_ckpt.Repository) -> None:
     state = {"t": random_tensor(torch.float32, (300, 100)), "b": random_tensor(torch.bfloat16, (5000,))}
     local_repo.save(state, ref="m")
-    out = local_repo.load("m", mmap=True)  # numpy gets read-only views; tensors need their own memory
+    out = local_repo.load("m", mmap=True)  # numpy gets read-only views, tensors copy-on-write ones
     for key, value in state.items():
         assert type(out[key]) is torch.Tensor and bits(out[key]) == bits(value)
     out["t"] += 1.0
+
+
+def file_mappings() -> list[tuple[int, int, str]]:
+    """This process's mappings of files: (start, end, path), from /proc/self/maps."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            found.append((start, end, fields[5]))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
+def test_mmap_tensors_are_backed_by_the_pack_and_writes_stay_private(
+    local_repo: cas_ckpt.Repository,
+) -> None:
+    state = {"t": random_tensor(torch.float32, (512, 256)), "b": random_tensor(torch.bfloat16, (9000,))}
+    local_repo.save(state, ref="m")
+    out = local_repo.load("m", mmap=True)
+    packs = str(Path(str(local_repo.location)).resolve())
+    for key in state:
+        ptr = out[key].data_ptr()
+        assert any(s <= ptr < e and path.startswith(packs) for s, e, path in file_mappings()), key
+        assert bits(out[key]) == bits(state[key])
+    out["t"] += 1.0  # copy-on-write: this page becomes private, the pack is untouched
+    again = local_repo.load("m", mmap=True)
+    assert bits(again["t"]) == bits(state["t"]) and local_repo.fsck().ok
+    del out, again  # the mappings go with the tensors
+
+
+def test_mmap_falls_back_to_copies_visibly(caplog: pytest.LogCaptureFixture) -> None:
+    repo = cas_ckpt.open("memory://")  # nothing to map
+    repo.save({"t": random_tensor(torch.float32, (1 << 14,)), "n": np.arange(1 << 14)}, ref="m")
+    with caplog.at_level("WARNING", logger="cas_ckpt"):
+        out = repo.load("m", mmap=True)
+    assert out["t"].shape == (1 << 14,) and out["n"].sum() == np.arange(1 << 14).sum()
+    assert "mmap=True: 2 of 2 arrays of" in caplog.text and "copied, not mapped" in caplog.text

@@ -135,6 +135,14 @@ class Backend(ABC):
         """A read-only view of the whole object, if ``can_mmap``; None where it cannot be mapped."""
         return None
 
+    def map_private(self, name: str, offset: int, length: int) -> memoryview | None:
+        """A writable copy-on-write view of ``length`` bytes at ``offset``, if ``can_mmap``.
+
+        Pages are read on first touch and shared with the page cache until written; writes stay
+        in this process, never reach the object. None where it cannot be mapped.
+        """
+        return None
+
     def free_space(self) -> int | None:
         """Bytes a new object may take before the medium is full; None if unknown or unbounded."""
         return None

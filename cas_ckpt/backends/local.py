@@ -232,6 +232,18 @@ class LocalBackend(Backend):
                     self._maps[name] = mapped
         return memoryview(mapped)
 
+    def map_private(self, name: str, offset: int, length: int) -> memoryview | None:
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets are page-aligned
+        try:
+            with self._reading():
+                mapped = mmap.mmap(
+                    self._fd(name), length + offset - start, access=mmap.ACCESS_COPY, offset=start
+                )
+        except (FileNotFoundError, ValueError):
+            return None
+        # A mapping of its own (not the shared read-only one): writes to it touch no other view.
+        return memoryview(mapped)[offset - start : offset - start + length]
+
     def forget(self, name: str) -> None:
         with self._lock:
             self._maps.pop(name, None)  # arrays still viewing it keep the mapping alive

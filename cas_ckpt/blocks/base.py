@@ -165,9 +165,10 @@ class BlockStore(ABC):
         for future in [pool.submit(read, i) for i in range(len(cids))]:
             future.result()
 
-    def map_blocks(self, cids: list[bytes]) -> memoryview | None:
+    def map_blocks(self, cids: list[bytes], *, private: bool = False) -> memoryview | None:
         """A read-only view of these blocks if they lie back to back in one file, else None.
 
+        ``private``: a writable copy-on-write view instead, whose writes no one else sees.
         Stores that can memory-map (the local pack store) override this; loads then skip the copy.
         """
         return None

@@ -413,7 +413,7 @@ class PackedBlockStore(BlockStore):
         for future in [pool.submit(verify_one, i) for i in range(len(cids))]:
             future.result()
 
-    def map_blocks(self, cids: list[bytes]) -> memoryview | None:
+    def map_blocks(self, cids: list[bytes], *, private: bool = False) -> memoryview | None:
         if not self.backend.can_mmap or not cids:
             return None
         locations = [self._locate(c) for c in cids]
@@ -426,6 +426,8 @@ class PackedBlockStore(BlockStore):
             if loc.pack != first.pack or loc.offset != end:
                 return None
             end += loc.length
+        if private:
+            return self.backend.map_private(first.pack, first.offset, end - first.offset)
         mapped = self.backend.map(first.pack)
         return None if mapped is None else mapped[first.offset : end]
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from cas_ckpt.errors import StateTypeError
+
 __all__ = ["capture_rng", "restore_rng", "restore_training_state", "training_state"]
 
 
@@ -84,9 +86,13 @@ def training_state(
     rng: bool = True,
     generator: np.random.Generator | None = None,
     extra: Any = None,
+    **objects: Any,
 ) -> dict[str, Any]:
     """Everything needed to resume: each given object's ``state_dict()``, the RNGs and ``extra``.
 
+    ``objects``: more stateful things by name, each saved under its name: a ``torch.Generator``,
+    a numpy ``Generator`` or ``RandomState``, a ``random.Random``, or anything with
+    ``state_dict()`` and ``load_state_dict()`` (an EMA, a sampler, a data loader that has them).
     The tensors are the live ones (no copy): save it right away, or use an async
     :class:`~cas_ckpt.CheckpointManager`, which snapshots before returning.
     """
@@ -100,7 +106,45 @@ def training_state(
         state["rng"] = capture_rng(generator)
     if extra is not None:
         state["extra"] = extra
+    for name, obj in objects.items():
+        if obj is not None:
+            state[name] = _state_of(name, obj)
     return state
+
+
+def _state_of(name: str, obj: Any) -> Any:
+    """The savable state of one of ``training_state``'s ``objects``."""
+    torch = _loaded_torch()
+    if torch is not None and isinstance(obj, torch.Generator):
+        return obj.get_state()
+    if isinstance(obj, np.random.Generator):
+        return obj.bit_generator.state
+    if isinstance(obj, np.random.RandomState):
+        return obj.get_state(legacy=False)
+    if isinstance(obj, random.Random):
+        return obj.getstate()
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return obj.state_dict()
+    kind = type(obj)
+    raise StateTypeError(name, f"{kind.__module__}.{kind.__qualname__} is not a generator and has "
+                               "no state_dict()/load_state_dict()")
+
+
+def _load_into(name: str, obj: Any, saved: Any) -> None:
+    """Put the state :func:`_state_of` captured back into ``obj``."""
+    torch = _loaded_torch()
+    if torch is not None and isinstance(obj, torch.Generator):
+        obj.set_state(saved.to("cpu"))  # a generator's state is a CPU byte tensor, any device's
+    elif isinstance(obj, np.random.Generator):
+        obj.bit_generator.state = saved
+    elif isinstance(obj, np.random.RandomState):
+        obj.set_state(saved)
+    elif isinstance(obj, random.Random):
+        version, internal, gauss = saved  # lists come back where tuples went in
+        obj.setstate((version, tuple(internal), gauss))
+    else:
+        _state_of(name, obj)  # the same check (and error) as when saving
+        obj.load_state_dict(saved)
 
 
 def restore_training_state(
@@ -113,11 +157,13 @@ def restore_training_state(
     rng: bool = True,
     generator: np.random.Generator | None = None,
     strict: bool = True,
+    **objects: Any,
 ) -> Any:
     """Load a :func:`training_state` back into the given objects; return its ``extra``.
 
-    Build model, optimizer, scheduler and scaler as for a fresh run, then call this. Each given
-    object must have its part in ``state`` (KeyError otherwise).
+    Build model, optimizer, scheduler and scaler (and the ``objects``, by the names they were
+    saved under) as for a fresh run, then call this. Each given object must have its part in
+    ``state`` (KeyError otherwise).
     """
     for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                       ("scaler", scaler)):
@@ -131,4 +177,10 @@ def restore_training_state(
             obj.load_state_dict(state[name])
     if rng and "rng" in state:
         restore_rng(state["rng"], generator)
+    for name, obj in objects.items():
+        if obj is None:
+            continue
+        if name not in state:
+            raise KeyError(f"the training state holds no {name!r}")
+        _load_into(name, obj, state[name])
     return state.get("extra")

@@ -8,7 +8,11 @@ what every medium shares: the name rules, the above/below rule, :class:`ReflogEn
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
+import os
+import socket
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -107,6 +111,33 @@ class ReflogEntry:
         )
 
 
+class Lease(ABC):
+    """One writer's claim on a ref, from :meth:`RefStore.lease` until :meth:`release`."""
+
+    @abstractmethod
+    def held(self) -> bool:
+        """False once released, or taken over by another writer (``takeover=True``)."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Give the lease up (idempotent)."""
+
+
+def holder_info() -> bytes:
+    """Who holds a lease, as stored with it: host, pid and time, JSON."""
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+
+
+def describe_holder(data: bytes | None) -> str:
+    """A holder as the error names it: "pid 12 on host h since 2026-01-01T10:00:00Z"."""
+    try:
+        info = json.loads(data or b"")
+        since = datetime.datetime.fromtimestamp(float(info["time"]), datetime.timezone.utc)
+        return f"pid {int(info['pid'])} on host {info['host']!s} since {since:%Y-%m-%dT%H:%M:%SZ}"
+    except (ValueError, TypeError, KeyError, OverflowError):
+        return "another writer (its lease does not say who)"
+
+
 class RefStore(ABC):
     """Refs, reflogs, pins, config and the save/GC lock of one repository."""
 
@@ -175,6 +206,16 @@ class RefStore(ABC):
     @abstractmethod
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         """Saves hold this shared, GC exclusive, so GC never sweeps under a save in progress."""
+
+    @abstractmethod
+    def lease(self, name: str, *, takeover: bool = False) -> Lease:
+        """Claim ``name`` for one writer (a checkpoint manager) until the lease is released.
+
+        Raises :class:`LeaseHeld` naming the holder while another lease on ``name`` is held, in
+        any process; ``takeover=True`` takes it anyway, and the old holder's :meth:`Lease.held`
+        turns False. A holder that dies frees it (at once with a kernel lock). Plain ref updates
+        ignore leases: they stay compare-and-swap.
+        """
 
     def check_lease(self) -> None:  # noqa: B027 - a kernel lock cannot be lost: nothing to check
         """Raise :class:`RepositoryError` if a lock this process holds was taken over (a lease

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import stat
@@ -11,12 +12,21 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from cas_ckpt import _fs
 from cas_ckpt import cid as cidlib
-from cas_ckpt.errors import CorruptStore, InvalidRefName, RefLocked
+from cas_ckpt.errors import CorruptStore, InvalidRefName, LeaseHeld, RefLocked
 from cas_ckpt.refs import _files
-from cas_ckpt.refs.base import MAX_SEGMENT_BYTES, ReflogEntry, RefStore, check_ref_name
+from cas_ckpt.refs.base import (
+    MAX_SEGMENT_BYTES,
+    Lease,
+    ReflogEntry,
+    RefStore,
+    check_ref_name,
+    describe_holder,
+    holder_info,
+)
 
 # In refs/ and logs/, under the ref lock, no writer is using a file of these names: they are what
 # a crash leaves (temp files; cas_ckpt 0.1's per-ref lock files), removed when pruning.
@@ -295,6 +305,72 @@ class LocalRefStore(RefStore):
 
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         return _flock_none(_fs.refuse_links(self.root, self.locks_dir) / "gc.lock", exclusive)
+
+    def lease(self, name: str, *, takeover: bool = False) -> Lease:
+        """An exclusive ``flock`` on ``locks/runs/<name, %-quoted>.lease``, which holds the
+        holder's host, pid and time; a takeover renames a new locked file over it."""
+        path = self._lease_path(name)
+        _fs.makedirs(path.parent)
+        fd = _fs.try_lock(path)
+        if fd is None:
+            if not takeover:
+                raise LeaseHeld(name, describe_holder(_read_holder(path)))
+            fd = _replace_lease(path)
+        else:
+            _write_holder(fd)
+        return _FileLease(path, fd)
+
+    def _lease_path(self, name: str) -> Path:
+        # One flat file per ref: "a" and "a/b" can both have a lease, and "%" is quoted too.
+        file = quote(check_ref_name(name), safe="")
+        if len(file) > MAX_SEGMENT_BYTES - len(".lease"):
+            file = hashlib.sha256(name.encode()).hexdigest()
+        return _fs.refuse_links(self.root, self.locks_dir / "runs") / f"{file}.lease"
+
+
+class _FileLease(Lease):
+    """Held while its descriptor locks the file the lease path names."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    def held(self) -> bool:
+        return self._fd is not None and _fs.still_names(self.path, self._fd)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            _fs.unlock(fd)
+
+
+def _write_holder(fd: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder_info(), 0)
+
+
+def _read_holder(path: Path) -> bytes | None:
+    try:
+        return _fs.read_small(path, 4096)
+    except (OSError, CorruptStore):
+        return None
+
+
+def _replace_lease(path: Path) -> int:
+    """Lock a new file and rename it over ``path``: the old holder's lock names nothing now."""
+    temp = _fs.temp_name(path.parent, ".tmp")
+    fd = _fs.try_lock(temp)
+    if fd is None:  # a fresh random name: nobody else can hold it
+        raise CorruptStore(temp, "a new lease file was locked by someone else")
+    try:
+        _write_holder(fd)
+        os.rename(temp, path)
+        _fs.fsync_dir(path.parent)
+    except BaseException:
+        _fs.unlock(fd)
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise
+    return fd
 
 
 def _parse_reflog(fd: int, path: Path) -> list[ReflogEntry]:

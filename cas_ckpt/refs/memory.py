@@ -8,7 +8,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from cas_ckpt.refs.base import ReflogEntry, RefStore, check_clash, check_ref_name
+from cas_ckpt.errors import LeaseHeld
+from cas_ckpt.refs.base import (
+    Lease,
+    ReflogEntry,
+    RefStore,
+    check_clash,
+    check_ref_name,
+    describe_holder,
+    holder_info,
+)
 
 
 class MemoryRefStore(RefStore):
@@ -21,6 +30,7 @@ class MemoryRefStore(RefStore):
         self._config: dict[str, Any] | None = None
         self._mutex = threading.Lock()
         self._rw = _SharedExclusive()
+        self._leases: dict[str, _MemoryLease] = {}
 
     def get(self, name: str) -> bytes | None:
         return self._refs.get(check_ref_name(name))
@@ -71,6 +81,30 @@ class MemoryRefStore(RefStore):
 
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         return self._rw.hold(exclusive)
+
+    def lease(self, name: str, *, takeover: bool = False) -> Lease:
+        check_ref_name(name)
+        with self._mutex:
+            current = self._leases.get(name)
+            if current is not None and current.held() and not takeover:
+                raise LeaseHeld(name, describe_holder(current.info))
+            lease = self._leases[name] = _MemoryLease(self, name)
+            return lease
+
+
+class _MemoryLease(Lease):
+    """Held while it is the store's lease of its ref."""
+
+    def __init__(self, store: MemoryRefStore, name: str) -> None:
+        self.store, self.name, self.info = store, name, holder_info()
+
+    def held(self) -> bool:
+        return self.store._leases.get(self.name) is self
+
+    def release(self) -> None:
+        with self.store._mutex:
+            if self.held():
+                del self.store._leases[self.name]
 
 
 class _SharedExclusive:

@@ -8,6 +8,7 @@ Layout below the repository's prefix (see ``docs/scale-out.md``)::
     pins/<cid>                  empty
     locks/gc                    GC's exclusive lease
     locks/saves/<id>            one lease per save in progress
+    locks/runs/<name>.lease     a checkpoint manager's lease on its ref (name %-quoted)
 
 An update writes its reflog entry first (a new object), then moves the ref with ``If-Match`` on the
 ETag it read (``If-None-Match: *`` to create): a lost race is a failed condition, and the loser
@@ -21,6 +22,7 @@ holder rewrites every ``lease_timeout / 4`` seconds; one not rewritten for ``lea
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import os
@@ -31,11 +33,19 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends.s3 import Meta, S3Bucket, backoff
-from cas_ckpt.errors import CorruptStore, InvalidRefName, RepositoryError
-from cas_ckpt.refs.base import ReflogEntry, RefStore, check_ref_name, is_ref_name
+from cas_ckpt.errors import CorruptStore, InvalidRefName, LeaseHeld, RepositoryError
+from cas_ckpt.refs.base import (
+    Lease,
+    ReflogEntry,
+    RefStore,
+    check_ref_name,
+    describe_holder,
+    is_ref_name,
+)
 
 MAX_KEY = 1024  # S3's limit on a key, in UTF-8 bytes
 _ENTRY_ID = 20 + 1 + 32  # "<seq:020d>-<uuid hex>"
@@ -407,6 +417,31 @@ class S3RefStore(RefStore):
                     "GC; nothing was changed, retry"
                 )
 
+    # -- one writer per run --------------------------------------------------------------------
+    def lease(self, name: str, *, takeover: bool = False) -> Lease:
+        """A heartbeat lease object ``locks/runs/<name>.lease``; one not rewritten for
+        ``lease_timeout`` seconds is stale (its holder died) and is removed; a takeover rewrites
+        it with If-Match, so the old holder's next heartbeat fails."""
+        key = _run_lease_key(check_ref_name(name))
+        body = _holder_body()
+        while True:
+            etag = self.bucket.put(key, body(), create=True)
+            if etag is not None:
+                break
+            meta = self.bucket.head(key)
+            if meta is None:
+                continue  # released meanwhile
+            if meta.age > self.lease_timeout:
+                self.bucket.delete(key, match=meta.etag)
+                continue
+            if not takeover:
+                found = self.bucket.get(key)
+                raise LeaseHeld(name, describe_holder(found[0] if found else None))
+            etag = self.bucket.put(key, body(), match=meta.etag)
+            if etag is not None:
+                break
+        return _RunLease(_Lease(self.bucket, key, etag, body, self.lease_timeout / 4))
+
     def _body(self) -> bytes:
         self._beats += 1
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "beat": self._beats}
@@ -487,6 +522,41 @@ class S3RefStore(RefStore):
             if lease.lost:
                 raise RepositoryError("lost the GC lease while waiting for saves")
             wait()
+
+
+class _RunLease(Lease):
+    """A run's lease: held while its heartbeat object is still this holder's."""
+
+    def __init__(self, lease: _Lease) -> None:
+        self._lease: _Lease | None = lease
+
+    def held(self) -> bool:
+        lease = self._lease
+        if lease is None:
+            return False
+        try:  # a real rewrite, however recent the last: a takeover may have come since
+            return lease.beat()
+        except RepositoryError:
+            return not lease.lost  # S3 unreachable now: the heartbeat thread keeps trying
+
+    def release(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+
+
+def _holder_body() -> Callable[[], bytes]:
+    """The lease's body: who holds it and since when, and a count that changes every beat."""
+    since, beats = time.time(), itertools.count()
+    host, pid = socket.gethostname(), os.getpid()
+    return lambda: json.dumps({"host": host, "pid": pid, "time": since, "beat": next(beats)}).encode()
+
+
+def _run_lease_key(name: str) -> str:
+    quoted = quote(name, safe="")
+    if len(quoted) > MAX_KEY // 2:  # with the prefix, S3 keys are at most 1024 bytes
+        quoted = hashlib.sha256(name.encode()).hexdigest()
+    return f"locks/runs/{quoted}.lease"
 
 
 def _entry_id(key: str) -> str:

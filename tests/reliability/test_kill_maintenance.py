@@ -74,12 +74,13 @@ def _check(op: str, root: Path, log: Path, expected: dict[str, str]) -> None:
             lines = [p for p in map(str.split, log.read_text().splitlines())]
             begun = {int(p[1]) for p in lines if p[0] == "begin"}
             done = [int(p[1]) for p in lines if p[0] == "done"]
-            manager = cas_ckpt.CheckpointManager(repo, "run", keep_last=2)
-            latest = manager.latest_step()
-            # The last step logged done, or a later one whose save returned before the kill.
-            assert latest in begun and latest >= max(done, default=0), (latest, done[-1:])
-            assert digest(manager.restore(latest)) == digest(make_state(5, latest, scale=0.05))
-            assert sorted(manager.steps())[-1] == latest and len(manager.steps()) <= 3
+            # Closed before the next child starts: one manager per run at a time.
+            with cas_ckpt.CheckpointManager(repo, "run", keep_last=2) as manager:
+                latest = manager.latest_step()
+                # The last step logged done, or a later one whose save returned before the kill.
+                assert latest in begun and latest >= max(done, default=0), (latest, done[-1:])
+                assert digest(manager.restore(latest)) == digest(make_state(5, latest, scale=0.05))
+                assert sorted(manager.steps())[-1] == latest and len(manager.steps()) <= 3
         problems = fsck_problems(repo)
         assert not problems, f"{op}: fsck after a kill: {problems}"
 
