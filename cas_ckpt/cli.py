@@ -445,17 +445,8 @@ def _ls_line(row: dict[str, Any]) -> str:
 # Targets
 # --------------------------------------------------------------------------------------------
 def resolve(repo: Repository, target: str) -> bytes:
-    """A ref or CID as a binary CID; names what was wrong when it is neither."""
-    try:
-        return bytes(repo.resolve(target))
-    except RefNotFound:
-        if target[:1] in ("b", "Q") and len(target) > 40:  # meant as a CID: say why it is not one
-            try:
-                cidlib.to_bytes(target)
-            except InvalidCID as exc:
-                raise CommandError(f"{target!r} is neither a ref nor a valid CID: {exc}",
-                                   EXIT_USAGE) from None
-        raise
+    """A target (ref, CID, unique CID prefix, ``REF~N``) as a binary CID."""
+    return bytes(repo.resolve(target))
 
 
 def _node(repo: Repository, cid: bytes) -> Any:

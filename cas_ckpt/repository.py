@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -29,6 +30,8 @@ from cas_ckpt.blocks.packed import LocalStore, MemoryStore, S3Store
 from cas_ckpt.codec import Link
 from cas_ckpt.commit import Commit, encode_commit, is_commit, parse_commit
 from cas_ckpt.errors import (
+    AmbiguousCID,
+    AncestorNotFound,
     BlockNotFound,
     CarError,
     CasCkptError,
@@ -58,6 +61,11 @@ FORMAT = "cas_ckpt"
 FORMAT_VERSION = 1
 
 Target = CID | str | bytes
+# A unique prefix of a node CID's base32 text, as git takes abbreviated hashes (8 characters at least).
+_CID_PREFIX = re.compile(r"b[a-z2-7]{7,}")
+
+# Texts that are meant as CIDs (raw chunks bafk..., nodes bag..., CIDv0 Qm...): say why they are not.
+_CID_START = ("baf", "bag", "Qm")
 
 
 @dataclass
@@ -262,7 +270,12 @@ class Repository:
 
     # -- loading -------------------------------------------------------------------------------
     def resolve(self, target: Target = "main") -> CID:
-        """The root CID a ref (or CID, in any form) stands for."""
+        """The root CID a target stands for: a ref, a CID in any form, ``REF~N``, a CID prefix.
+
+        ``REF~N`` is the N-th first-parent ancestor (``main~0`` is ``main``); a prefix is at least
+        8 characters of a stored node's base32 CID (:class:`AmbiguousCID` if several match). A ref
+        wins over the other readings of the same text.
+        """
         return cidlib.to_cid(self._resolve(target))
 
     def _resolve(self, target: Target) -> bytes:
@@ -274,13 +287,41 @@ class Repository:
             found = self.refs_store.get(target)
         except InvalidRefName:
             found = None
-        if found is not None:
+        if found is not None:  # a ref wins over a CID, a prefix or an ancestor spelt the same
             return found
+        base, tilde, depth = target.rpartition("~")
+        if tilde and base and depth.isdigit():
+            return self._ancestor(target, self._resolve(base), int(depth))
         try:
             return cidlib.to_bytes(target)
-        except InvalidCID:
-            check_ref_name(target)
-            raise RefNotFound(target) from None
+        except InvalidCID as exc:
+            error = exc
+        if _CID_PREFIX.fullmatch(target):
+            stored = self.blocks.keys()  # binary CIDs (iterating the store gives CID objects)
+            matches = sorted({text for key in stored if cidlib.is_node(key)
+                              and (text := cidlib.to_str(key)).startswith(target)})
+            if len(matches) == 1:
+                return cidlib.to_bytes(matches[0])
+            if matches:
+                raise AmbiguousCID(target, matches)
+            if target.startswith(_CID_START):
+                raise BlockNotFound(target, " (no ref, and no stored node CID starts so)")
+        if target.startswith(_CID_START) or (len(target) > 40 and target[:1] == "b"):
+            raise InvalidCID(f"{target!r} is neither a ref nor a valid CID: {error}") from None
+        check_ref_name(target)
+        raise RefNotFound(target) from None
+
+    def _ancestor(self, target: str, cid: bytes, depth: int) -> bytes:
+        """The ``depth``-th first-parent ancestor of commit ``cid`` (``target`` names it)."""
+        for step in range(depth):
+            try:
+                parents = self.commit(cid).parents
+            except BlockNotFound:  # history collected: the ancestor is not stored
+                parents = []
+            if not parents:
+                raise AncestorNotFound(target, step)
+            cid = cidlib.to_bytes(parents[0])
+        return cid
 
     def load(
         self,
