@@ -410,6 +410,23 @@ class Repository:
             count += 1
             cid = cidlib.to_bytes(commit.parents[0]) if commit.parents else None
 
+    def expired(self, commit: Commit) -> bool:
+        """True if GC removed ``commit``'s data (its tree node is gone): loading it would fail."""
+        return not self.blocks.has(commit.tree)
+
+    def forks(self, history: Iterable[Commit]) -> dict[CID, list[str]]:
+        """Fork points in ``history``: for each ref whose head is off it, the newest shared commit."""
+        on_line = {c.cid for c in history}
+        found: dict[CID, list[str]] = {}
+        for name, head in sorted(self.refs().items()):
+            if head in on_line:
+                continue  # on this line (a head or a .steps/N ref), not a fork
+            for commit in self.log(head):
+                if commit.cid in on_line:
+                    found.setdefault(commit.cid, []).append(name)
+                    break
+        return found
+
     def refs(self, prefix: str = "") -> dict[str, CID]:
         """Every ref (optionally only those under ``prefix``) and the root CID it holds."""
         result = {}
@@ -443,6 +460,24 @@ class Repository:
         if not self.refs_store.remove_if_equals(ref, old, message="delete"):
             actual = self.refs_store.get(ref)
             raise RefConflict(ref, cidlib.to_str(old), cidlib.to_str(actual) if actual else None)
+
+    def rename_ref(self, old: str, new: str) -> CID:
+        """Rename ``old`` to ``new`` (RefConflict if ``new`` exists); return the CID it holds.
+
+        Two compare-and-swaps: ``new`` is created at ``old``'s CID, then ``old`` is deleted only if
+        it still holds that CID. A crash (or a concurrent move of ``old``) in between leaves both
+        refs, ``new`` at the CID ``old`` had: nothing is lost, and deleting ``old`` finishes it.
+        """
+        self._check_writable()
+        cid = self.refs_store.get(check_ref_name(old))
+        if cid is None:
+            raise RefNotFound(old)
+        with self.refs_store.lock(exclusive=False):
+            self._move_ref(check_ref_name(new), None, cid, f"rename from {old}")
+        if not self.refs_store.remove_if_equals(old, cid, message=f"rename to {new}"):
+            actual = self.refs_store.get(old)
+            raise RefConflict(old, cidlib.to_str(cid), cidlib.to_str(actual) if actual else None)
+        return cidlib.to_cid(cid)
 
     def fork(self, source: Target, ref: str) -> CID:
         """Start a new ``ref`` at ``source``'s checkpoint (RefConflict if ``ref`` exists).
