@@ -81,6 +81,8 @@ class SaveReport:
     bytes_reused: int
     seconds: float
 
+    __repr__ = cidlib.readable_repr
+
 
 class Transaction:
     """A batch of blocks on its way in (see :meth:`Repository.transaction`).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -76,3 +78,13 @@ def test_a_ref_wins_over_a_prefix_and_a_malformed_cid_says_why() -> None:
     with pytest.raises(InvalidCID, match="CIDv0"):
         repo.resolve("QmYwAPJzv5CZsnA625s3Xf2nemtYgPpHdWEz79ojWnPbdG")
     assert repo.load(str(a)[:13]) == {"x": 1} and [c.step for c in repo.log(str(b)[:13])] == [None]
+
+
+def test_reprs_show_cids_as_text() -> None:
+    repo = cas_ckpt.open("memory://")
+    cid = repo.save({"x": 1}, ref="main")
+    shown = [repr(repo.last_save), repr(repo.commit("main")), repr(repo.stats().refs[0]),
+             repr(repo.export_car("main", io.BytesIO()))]
+    for text in shown:
+        assert f"'{cid}'" in text and "CID(" not in text, text
+    assert repr(repo.commit("main")).startswith(f"Commit(cid='{cid}', tree='b")

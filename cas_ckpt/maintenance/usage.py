@@ -24,6 +24,8 @@ class RefUsage:
     stored_bytes: int
     blocks: int
 
+    __repr__ = cidlib.readable_repr
+
 
 @dataclass
 class Usage:
