@@ -179,6 +179,8 @@ def _register_reading(sub: Any, json_flag: Any) -> None:
     p = _add(sub, "diff", cmd_diff, "compare two checkpoints (exit 1 if they differ)", json_flag)
     p.add_argument("a", metavar="A", help="ref or CID")
     p.add_argument("b", metavar="B", help="ref or CID")
+    p.add_argument("path", nargs="?", metavar="PATH", help="only values below this dotted path")
+    p.add_argument("--stat", action="store_true", help="print only the counts")
 
 
 def _register_maintenance(sub: Any, json_flag: Any) -> None:
@@ -578,8 +580,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if args.path:
             start = reader.select(start, args.path.split("."), cidlib.to_str(root))
         found = leaves(reader, start, args.path or "")
-    # leaves() walks with a stack: reversing its order gives the state's own order.
-    rows = [describe_leaf(path, leaf) for path, leaf in reversed(list(found.items()))]
+    rows = [describe_leaf(path, leaf) for path, leaf in found.items()]
     if args.json:
         _print_json(rows)
     else:
@@ -745,9 +746,12 @@ def cmd_du(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
-        report = repo.diff(resolve_live(repo, args.a), resolve_live(repo, args.b))
+        report = repo.diff(resolve_live(repo, args.a), resolve_live(repo, args.b), path=args.path)
     if args.json:
         _print_json({"identical": report.identical, **jsonable(report)})
+    elif args.stat:
+        _print(f"{len(report.changed)} changed, {len(report.added)} added, "
+               f"{len(report.removed)} removed, {report.unchanged} unchanged")
     else:
         for path in report.removed:
             _print(f"- {path}")

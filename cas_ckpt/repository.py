@@ -565,12 +565,13 @@ class Repository:
         """Logical versus stored bytes, per ref and for the repository (shared bytes once)."""
         return usage(self.blocks, self.refs_store)
 
-    def diff(self, a: Target, b: Target) -> DiffReport:
-        """Values added, removed and changed from checkpoint ``a`` to ``b``, and bytes shared."""
+    def diff(self, a: Target, b: Target, *, path: str | None = None) -> DiffReport:
+        """Values added, removed and changed from checkpoint ``a`` to ``b`` (below the dotted
+        ``path`` only, if given), in the state's order, and the bytes the two share."""
         reader = TreeReader(self.blocks, self.pool, tensor_factory=lambda array, _: array)
         tree_a = self._tree_of(self._resolve(a), reader)
         tree_b = self._tree_of(self._resolve(b), reader)
-        return compare(reader, self.blocks, tree_a, tree_b)
+        return compare(reader, self.blocks, tree_a, tree_b, path)
 
     def export_car(
         self, target: Target, out: car.FileLike, *, progress: car.Progress | None = None

@@ -145,3 +145,20 @@ def test_cat_refuses_a_terminal(repo: Path) -> None:
         os.close(follower)
         os.close(leader)
     assert done.returncode == cli.EXIT_USAGE and "refusing to write binary" in done.stderr
+
+
+def test_diff_in_state_order_with_a_path_and_stat(repo: Path) -> None:
+    done = cas(repo, "diff", "main~1", "main")
+    assert done.returncode == cli.EXIT_CHECK
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[:-1]] == ["~ w", "~ rng"]  # the state's order
+    assert lines[1] == "~ rng: bytes of 2000 -> bytes of 2000"  # an RNG state: one short line
+    only = json.loads(cas(repo, "diff", "main~1", "main", "rng", "--json").stdout)
+    assert [c["path"] for c in only["changed"]] == ["rng"] and only["unchanged"] == 0
+    stat = cas(repo, "diff", "main~1", "main", "--stat")
+    assert stat.stdout == "2 changed, 0 added, 0 removed, 0 unchanged\n"
+    missing = cas(repo, "diff", "main~1", "main", "nothing")
+    assert missing.returncode == cli.EXIT_NOT_FOUND and "'nothing' not found" in missing.stderr
+    with cas_ckpt.open(repo, create=False) as r:
+        report = r.diff("main", "exp")
+    assert report.removed == ["rng"] and [c.path for c in report.changed] == ["w"]
