@@ -175,7 +175,8 @@ def _register_reading(sub: Any, json_flag: Any) -> None:
     p.add_argument("prefix", nargs="?", default="", help="only refs starting with this")
     p = _add(sub, "reflog", cmd_reflog, "a ref's updates, newest first", json_flag)
     p.add_argument("name", metavar="NAME")
-    _add(sub, "du", cmd_du, "logical versus stored bytes per ref and in total", json_flag)
+    p = _add(sub, "du", cmd_du, "logical versus stored bytes, and what gc would free", json_flag)
+    p.add_argument("--by-ref", action="store_true", help="also one line per ref")
     p = _add(sub, "diff", cmd_diff, "compare two checkpoints (exit 1 if they differ)", json_flag)
     p.add_argument("a", metavar="A", help="ref or CID")
     p.add_argument("b", metavar="B", help="ref or CID")
@@ -730,17 +731,21 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 def cmd_du(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
         usage = repo.stats()
+        freeable = repo.gc(dry_run=True).unreachable_bytes  # what gc with its defaults removes
     if args.json:
         _print_json({**jsonable(usage), "unreachable_bytes": usage.unreachable_bytes,
-                     "dedup_ratio": usage.dedup_ratio})
+                     "dedup_ratio": usage.dedup_ratio, "gc_would_free_bytes": freeable})
         return EXIT_OK
-    width = max([len("REF"), *(len(r.ref) for r in usage.refs)])
-    _print(f"{'REF':<{width}}  {'LOGICAL':>10}  {'STORED':>10}  {'BLOCKS':>7}")
-    for r in sorted(usage.refs, key=lambda r: r.ref):
-        _print(f"{r.ref:<{width}}  {human(r.logical_bytes):>10}  {human(r.stored_bytes):>10}  {r.blocks:>7}")
+    if args.by_ref:
+        width = max([len("REF"), *(len(r.ref) for r in usage.refs)])
+        _print(f"{'REF':<{width}}  {'LOGICAL':>10}  {'STORED':>10}  {'BLOCKS':>7}")
+        for r in sorted(usage.refs, key=lambda r: r.ref):
+            _print(f"{r.ref:<{width}}  {human(r.logical_bytes):>10}  {human(r.stored_bytes):>10}  "
+                   f"{r.blocks:>7}")
     _print(f"total: logical {human(usage.logical_bytes)}, stored {human(usage.stored_bytes)} "
            f"(dedup {usage.dedup_ratio:.2f}x); all blocks {human(usage.total_bytes)} in "
-           f"{usage.total_blocks} blocks, unreachable {human(usage.unreachable_bytes)}")
+           f"{usage.total_blocks} blocks, unreachable {human(usage.unreachable_bytes)}, "
+           f"gc would free {human(freeable)}")
     return EXIT_OK
 
 
