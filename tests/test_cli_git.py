@@ -162,3 +162,22 @@ def test_diff_in_state_order_with_a_path_and_stat(repo: Path) -> None:
     with cas_ckpt.open(repo, create=False) as r:
         report = r.diff("main", "exp")
     assert report.removed == ["rng"] and [c.path for c in report.changed] == ["w"]
+
+
+def test_ctrl_c_during_start_up_prints_no_traceback(repo: Path, tmp_path: Path) -> None:
+    # A Ctrl-C that lands while the script imports its dependencies: raised by a meta-path hook, as
+    # the SIGINT handler would raise it there.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'multiformats':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(hook)}
+    done = cas(repo, "log", env=env)
+    assert done.returncode == cli.EXIT_INTERRUPTED
+    assert done.stderr == "cas-ckpt: error: interrupted\n" and done.stdout == ""
