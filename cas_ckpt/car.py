@@ -55,6 +55,8 @@ class CarReport:
     ref: str | None = None
     seconds: float = 0.0
 
+    __repr__ = cidlib.readable_repr
+
 
 # --------------------------------------------------------------------------------------------
 # Varints and the header

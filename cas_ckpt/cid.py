@@ -12,8 +12,10 @@ Only the CIDs cas_ckpt writes are accepted: version 1, codec ``raw`` (0x55) or `
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 from collections.abc import Callable
+from typing import Any
 
 import blake3 as _blake3_module
 from multiformats import CID
@@ -153,3 +155,18 @@ def to_str(cid: bytes) -> str:
 def to_cid(cid: CIDLike) -> CID:
     """A ``multiformats.CID`` (base32) for any accepted CID form."""
     return CID.decode(to_bytes(cid)).set(base="base32")
+
+
+def readable_repr(obj: Any) -> str:
+    """A dataclass's repr with its CIDs as their base32 text (``bagaq...``), not ``CID(...)``."""
+    fields = ", ".join(f"{f.name}={_readable(getattr(obj, f.name))!r}"
+                       for f in dataclasses.fields(obj) if f.repr)
+    return f"{type(obj).__name__}({fields})"
+
+
+def _readable(value: Any) -> Any:
+    if isinstance(value, CID):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_readable(v) for v in value)
+    return value

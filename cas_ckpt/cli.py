@@ -162,7 +162,7 @@ def _register_init(sub: Any, json_flag: Any) -> None:
 
 def _register_reading(sub: Any, json_flag: Any) -> None:
     p = _add(sub, "log", cmd_log, "list commits newest first, following first parents", json_flag)
-    p.add_argument("target", nargs="?", default="main", metavar="REF", help="ref or CID (default main)")
+    p.add_argument("target", nargs="?", metavar="REF", help="ref or CID (default main)")
     p.add_argument("-n", "--limit", type=_positive_int, metavar="N", help="show at most N commits")
     p = _add(sub, "show", cmd_show, "print one block as JSON (tensors summarised)", json_flag)
     p.add_argument("target", metavar="TARGET", help="ref or CID")
@@ -171,12 +171,17 @@ def _register_reading(sub: Any, json_flag: Any) -> None:
     p.add_argument("path", nargs="?", metavar="PATH", help="only below this dotted path")
     p = _add(sub, "cat", cmd_cat, "write a block's raw bytes to stdout")
     p.add_argument("target", metavar="CID", help="CID (or ref: its commit block)")
-    p = _add(sub, "refs", cmd_refs, "list refs and the CIDs they hold", json_flag)
+    p = _add(sub, "refs", cmd_refs, "list refs and the CIDs they hold (as ref list)", json_flag)
     p.add_argument("prefix", nargs="?", default="", help="only refs starting with this")
-    _add(sub, "du", cmd_du, "logical versus stored bytes per ref and in total", json_flag)
+    p = _add(sub, "reflog", cmd_reflog, "a ref's updates, newest first", json_flag)
+    p.add_argument("name", metavar="NAME")
+    p = _add(sub, "du", cmd_du, "logical versus stored bytes, and what gc would free", json_flag)
+    p.add_argument("--by-ref", action="store_true", help="also one line per ref")
     p = _add(sub, "diff", cmd_diff, "compare two checkpoints (exit 1 if they differ)", json_flag)
     p.add_argument("a", metavar="A", help="ref or CID")
     p.add_argument("b", metavar="B", help="ref or CID")
+    p.add_argument("path", nargs="?", metavar="PATH", help="only values below this dotted path")
+    p.add_argument("--stat", action="store_true", help="print only the counts")
 
 
 def _register_maintenance(sub: Any, json_flag: Any) -> None:
@@ -208,7 +213,32 @@ def _register_car(sub: Any, json_flag: Any) -> None:
     p.add_argument("--ref", metavar="NAME", help="point this ref at the CAR's root")
 
 
-_COMMANDS = (_register_init, _register_reading, _register_maintenance, _register_car)
+def _register_ref(sub: Any, json_flag: Any) -> None:
+    ref = _add(sub, "ref", lambda args: args.ref_run(args), "create, move, delete, rename and list refs")
+    verbs = ref.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    def verb(name: str, run: Callable[[argparse.Namespace], int], help: str,
+             *parents: Any) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = verbs.add_parser(name, help=help, description=help,
+                                                      parents=[_REPO_AFTER_COMMAND, *parents])
+        p.set_defaults(ref_run=run)
+        return p
+
+    p = verb("set", cmd_ref_set, "point NAME at TARGET (create or move)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("target", metavar="TARGET")
+    p.add_argument("--expect", metavar="CID", help="move only if NAME still holds this")
+    p = verb("delete", cmd_ref_delete, "delete NAME")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--expect", metavar="CID", help="delete only if NAME still holds this")
+    p = verb("rename", cmd_ref_rename, "rename OLD to NEW (NEW must not exist)")
+    p.add_argument("old", metavar="OLD")
+    p.add_argument("new", metavar="NEW")
+    p = verb("list", cmd_refs, "list refs and the CIDs they hold", json_flag)
+    p.add_argument("prefix", nargs="?", default="", help="only refs starting with this")
+
+
+_COMMANDS = (_register_init, _register_reading, _register_ref, _register_maintenance, _register_car)
 
 
 def _positive_int(text: str) -> int:
@@ -445,17 +475,18 @@ def _ls_line(row: dict[str, Any]) -> str:
 # Targets
 # --------------------------------------------------------------------------------------------
 def resolve(repo: Repository, target: str) -> bytes:
-    """A ref or CID as a binary CID; names what was wrong when it is neither."""
-    try:
-        return bytes(repo.resolve(target))
-    except RefNotFound:
-        if target[:1] in ("b", "Q") and len(target) > 40:  # meant as a CID: say why it is not one
-            try:
-                cidlib.to_bytes(target)
-            except InvalidCID as exc:
-                raise CommandError(f"{target!r} is neither a ref nor a valid CID: {exc}",
-                                   EXIT_USAGE) from None
-        raise
+    """A target (ref, CID, unique CID prefix, ``REF~N``) as a binary CID."""
+    return bytes(repo.resolve(target))
+
+
+def resolve_live(repo: Repository, target: str) -> bytes:
+    """Like :func:`resolve`, but a commit whose data GC removed is CheckpointExpired, not damage."""
+    cid = resolve(repo, target)
+    if cidlib.is_node(cid) and repo.blocks.has(cid) and is_commit(_node(repo, cid)):
+        commit = repo.commit(cid)
+        if repo.expired(commit):
+            raise CheckpointExpired(cidlib.to_str(cid), commit.tree)
+    return cid
 
 
 def _node(repo: Repository, cid: bytes) -> Any:
@@ -491,18 +522,43 @@ def _commit_json(commit: cas_ckpt.Commit) -> dict[str, Any]:
 
 def cmd_log(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
-        root = resolve(repo, args.target)
+        root = _log_root(repo, args.target)
         if not is_commit(_node(repo, root)):
             raise CommandError(f"{cidlib.to_str(root)} is not a commit", EXIT_USAGE)
         commits = list(repo.log(root, limit=args.limit))
+        expired = {c.cid for c in commits if repo.expired(c)}
+        forks = repo.forks(commits)
     if args.json:
-        _print_json([_commit_json(c) for c in commits])
+        _print_json([{**_commit_json(c), "expired": c.cid in expired,
+                      "forks": forks.get(c.cid, [])} for c in commits])
         return EXIT_OK
     for c in commits:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time))
         step = f"step {c.step}" if c.step is not None else "step -"
-        _print(f"{c.cid}  {stamp}  {step}" + (f"  {c.message}" if c.message else ""))
+        parts = [str(c.cid), _stamp(c.time), step]
+        parts += ["[expired]"] if c.cid in expired else []
+        parts += [f"[fork: {', '.join(forks[c.cid])}]"] if c.cid in forks else []
+        parts += [text for text in (_metrics_text(c.metadata), c.message) if text]
+        _print("  ".join(parts))
     return EXIT_OK
+
+
+def _log_root(repo: Repository, target: str | None) -> bytes:
+    """The commit to start at; a missing default ref names the refs there are."""
+    try:
+        return resolve(repo, target or "main")
+    except RefNotFound:
+        if target is not None:
+            raise
+        names = sorted(repo.refs())
+        there = f"refs here: {', '.join(names)}" if names else "the repository has no refs"
+        raise CommandError(f"ref 'main' not found; give a REF ({there})", EXIT_NOT_FOUND) from None
+
+
+def _metrics_text(metadata: dict[str, Any]) -> str:
+    """A commit's metrics (``{"metrics": {...}}`` from the manager) or other metadata, as k=v."""
+    values = metadata.get("metrics") if isinstance(metadata.get("metrics"), dict) else metadata
+    return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={json.dumps(jsonable(v))}"
+                    for k, v in values.items())
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -519,14 +575,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
-        root = resolve(repo, args.target)
+        root = resolve_live(repo, args.target)
         reader = TreeReader(repo.blocks, repo.pool)
         start: Any = Link(bytes(repo.tree(root)))
         if args.path:
             start = reader.select(start, args.path.split("."), cidlib.to_str(root))
         found = leaves(reader, start, args.path or "")
-    # leaves() walks with a stack: reversing its order gives the state's own order.
-    rows = [describe_leaf(path, leaf) for path, leaf in reversed(list(found.items()))]
+    rows = [describe_leaf(path, leaf) for path, leaf in found.items()]
     if args.json:
         _print_json(rows)
     else:
@@ -536,6 +591,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_cat(args: argparse.Namespace) -> int:
+    if sys.stdout.isatty():
+        raise CommandError("refusing to write binary to a terminal; redirect or pipe stdout", EXIT_USAGE)
     with open_repo(args) as repo:
         data = repo.blocks.get(resolve(repo, args.target))
     sys.stdout.flush()
@@ -553,6 +610,46 @@ def cmd_refs(args: argparse.Namespace) -> int:
         for name, cid in sorted(refs.items()):
             _print(f"{cid}  {name}")
     return EXIT_OK
+
+
+def cmd_reflog(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        entries = list(reversed(repo.reflog(args.name)))
+    rows = [{"old": cidlib.to_str(e.old) if e.old else None,
+             "new": cidlib.to_str(e.new) if e.new else None,
+             "time": e.time, "message": e.message} for e in entries]
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    for row in rows:
+        _print(f"{row['new'] or '(deleted)'}  {_stamp(row['time'])}  {row['message']}"
+               f"  (was {row['old'] or 'absent'})")
+    return EXIT_OK
+
+
+def cmd_ref_set(args: argparse.Namespace) -> int:
+    with open_repo(args, write=True) as repo:
+        cid = repo.set_ref(args.name, args.target, expected=args.expect)
+    _print(f"{args.name} -> {cid}")
+    return EXIT_OK
+
+
+def cmd_ref_delete(args: argparse.Namespace) -> int:
+    with open_repo(args, write=True) as repo:
+        repo.delete_ref(args.name, expected=args.expect)
+    _print(f"deleted {args.name}")
+    return EXIT_OK
+
+
+def cmd_ref_rename(args: argparse.Namespace) -> int:
+    with open_repo(args, write=True) as repo:
+        cid = repo.rename_ref(args.old, args.new)
+    _print(f"renamed {args.old} to {args.new} ({cid})")
+    return EXIT_OK
+
+
+def _stamp(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
@@ -623,33 +720,43 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         for text in report.store_problems:
             _print(f"store: {text}")
         status = "ok" if report.ok else f"{len(report.problems) + len(report.store_problems)} problem(s)"
-        _print(f"checked {report.blocks_checked} of {report.blocks_total} blocks, "
-               f"{report.reachable_blocks} reachable from {report.refs_checked} refs: {status}")
+        # Reachable counts what the refs need, stored or not: say how many of those are missing.
+        missing = sum(1 for p in report.problems if p.kind == "missing")
+        _print(f"checked {report.blocks_checked} of {report.blocks_total} stored blocks; "
+               f"{report.reachable_blocks} blocks reachable from {report.refs_checked} refs, "
+               f"{missing} of them missing: {status}")
     return EXIT_OK if report.ok else EXIT_CHECK
 
 
 def cmd_du(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
         usage = repo.stats()
+        freeable = repo.gc(dry_run=True).unreachable_bytes  # what gc with its defaults removes
     if args.json:
         _print_json({**jsonable(usage), "unreachable_bytes": usage.unreachable_bytes,
-                     "dedup_ratio": usage.dedup_ratio})
+                     "dedup_ratio": usage.dedup_ratio, "gc_would_free_bytes": freeable})
         return EXIT_OK
-    width = max([len("REF"), *(len(r.ref) for r in usage.refs)])
-    _print(f"{'REF':<{width}}  {'LOGICAL':>10}  {'STORED':>10}  {'BLOCKS':>7}")
-    for r in sorted(usage.refs, key=lambda r: r.ref):
-        _print(f"{r.ref:<{width}}  {human(r.logical_bytes):>10}  {human(r.stored_bytes):>10}  {r.blocks:>7}")
+    if args.by_ref:
+        width = max([len("REF"), *(len(r.ref) for r in usage.refs)])
+        _print(f"{'REF':<{width}}  {'LOGICAL':>10}  {'STORED':>10}  {'BLOCKS':>7}")
+        for r in sorted(usage.refs, key=lambda r: r.ref):
+            _print(f"{r.ref:<{width}}  {human(r.logical_bytes):>10}  {human(r.stored_bytes):>10}  "
+                   f"{r.blocks:>7}")
     _print(f"total: logical {human(usage.logical_bytes)}, stored {human(usage.stored_bytes)} "
            f"(dedup {usage.dedup_ratio:.2f}x); all blocks {human(usage.total_bytes)} in "
-           f"{usage.total_blocks} blocks, unreachable {human(usage.unreachable_bytes)}")
+           f"{usage.total_blocks} blocks, unreachable {human(usage.unreachable_bytes)}, "
+           f"gc would free {human(freeable)}")
     return EXIT_OK
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
-        report = repo.diff(resolve(repo, args.a), resolve(repo, args.b))
+        report = repo.diff(resolve_live(repo, args.a), resolve_live(repo, args.b), path=args.path)
     if args.json:
         _print_json({"identical": report.identical, **jsonable(report)})
+    elif args.stat:
+        _print(f"{len(report.changed)} changed, {len(report.added)} added, "
+               f"{len(report.removed)} removed, {report.unchanged} unchanged")
     else:
         for path in report.removed:
             _print(f"- {path}")
@@ -686,7 +793,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CommandError("refusing to write a binary CAR to a terminal; use -o FILE.car", EXIT_USAGE)
     with open_repo(args) as repo, Progress("export") as bar:
         out: BinaryIO | str = sys.stdout.buffer if to_stdout else args.output
-        report = repo.export_car(resolve(repo, args.target), out, progress=_car_progress(bar, None))
+        report = repo.export_car(resolve_live(repo, args.target), out, progress=_car_progress(bar, None))
     if to_stdout:
         sys.stdout.buffer.flush()
     if args.json:

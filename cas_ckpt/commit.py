@@ -37,6 +37,8 @@ class Commit:
     metadata: dict[str, Any]
     message: str | None
 
+    __repr__ = cidlib.readable_repr
+
 
 def is_commit(node: Any) -> bool:
     """True if a decoded node is a commit record."""

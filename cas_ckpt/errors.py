@@ -7,6 +7,8 @@ Lookup failures also subclass KeyError and parse failures ValueError, so generic
 from __future__ import annotations
 
 __all__ = [
+    "AmbiguousCID",
+    "AncestorNotFound",
     "BlockNotFound",
     "CarError",
     "CasCkptError",
@@ -45,6 +47,16 @@ class CasCkptError(Exception):
 
 class InvalidCID(CasCkptError, ValueError):
     """A CID failed strict parsing (wrong version, codec, hash, digest length, trailing bytes)."""
+
+
+class AmbiguousCID(InvalidCID):
+    """A CID prefix matches more than one stored node; the message lists the candidates."""
+
+    def __init__(self, prefix: str, candidates: list[str]) -> None:
+        shown = ", ".join(candidates[:10]) + (", ..." if len(candidates) > 10 else "")
+        super().__init__(f"CID prefix {prefix!r} is ambiguous: {len(candidates)} candidates: {shown}")
+        self.prefix = prefix
+        self.candidates = candidates
 
 
 class DecodeError(CasCkptError, ValueError):
@@ -125,6 +137,15 @@ class RefNotFound(RefError, KeyError):
     def __init__(self, name: str) -> None:
         super().__init__(f"ref {name!r} not found")
         self.ref = name
+
+
+class AncestorNotFound(RefNotFound):
+    """``REF~N`` names an ancestor older than the first-parent history that is stored."""
+
+    def __init__(self, target: str, depth: int) -> None:
+        RefError.__init__(self, f"{target!r} not found: its first-parent history stops after "
+                                f"{depth} ancestor(s)")
+        self.ref = target
 
 
 class RefConflict(RefError):

@@ -11,6 +11,7 @@ import builtins
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -30,6 +31,8 @@ from cas_ckpt.blocks.packed import LocalStore, MemoryStore, S3Store
 from cas_ckpt.codec import Link
 from cas_ckpt.commit import Commit, encode_commit, is_commit, parse_commit
 from cas_ckpt.errors import (
+    AmbiguousCID,
+    AncestorNotFound,
     BlockNotFound,
     CarError,
     CasCkptError,
@@ -61,6 +64,11 @@ FORMAT = "cas_ckpt"
 FORMAT_VERSION = 1
 
 Target = CID | str | bytes
+# A unique prefix of a node CID's base32 text, as git takes abbreviated hashes (8 characters at least).
+_CID_PREFIX = re.compile(r"b[a-z2-7]{7,}")
+
+# Texts that are meant as CIDs (raw chunks bafk..., nodes bag..., CIDv0 Qm...): say why they are not.
+_CID_START = ("baf", "bag", "Qm")
 
 
 @dataclass
@@ -75,6 +83,8 @@ class SaveReport:
     blocks_reused: int
     bytes_reused: int
     seconds: float
+
+    __repr__ = cidlib.readable_repr
 
 
 class Transaction:
@@ -271,7 +281,12 @@ class Repository:
 
     # -- loading -------------------------------------------------------------------------------
     def resolve(self, target: Target = "main") -> CID:
-        """The root CID a ref (or CID, in any form) stands for."""
+        """The root CID a target stands for: a ref, a CID in any form, ``REF~N``, a CID prefix.
+
+        ``REF~N`` is the N-th first-parent ancestor (``main~0`` is ``main``); a prefix is at least
+        8 characters of a stored node's base32 CID (:class:`AmbiguousCID` if several match). A ref
+        wins over the other readings of the same text.
+        """
         return cidlib.to_cid(self._resolve(target))
 
     def _resolve(self, target: Target) -> bytes:
@@ -283,13 +298,41 @@ class Repository:
             found = self.refs_store.get(target)
         except InvalidRefName:
             found = None
-        if found is not None:
+        if found is not None:  # a ref wins over a CID, a prefix or an ancestor spelt the same
             return found
+        base, tilde, depth = target.rpartition("~")
+        if tilde and base and depth.isdigit():
+            return self._ancestor(target, self._resolve(base), int(depth))
         try:
             return cidlib.to_bytes(target)
-        except InvalidCID:
-            check_ref_name(target)
-            raise RefNotFound(target) from None
+        except InvalidCID as exc:
+            error = exc
+        if _CID_PREFIX.fullmatch(target):
+            stored = self.blocks.keys()  # binary CIDs (iterating the store gives CID objects)
+            matches = sorted({text for key in stored if cidlib.is_node(key)
+                              and (text := cidlib.to_str(key)).startswith(target)})
+            if len(matches) == 1:
+                return cidlib.to_bytes(matches[0])
+            if matches:
+                raise AmbiguousCID(target, matches)
+            if target.startswith(_CID_START):
+                raise BlockNotFound(target, " (no ref, and no stored node CID starts so)")
+        if target.startswith(_CID_START) or (len(target) > 40 and target[:1] == "b"):
+            raise InvalidCID(f"{target!r} is neither a ref nor a valid CID: {error}") from None
+        check_ref_name(target)
+        raise RefNotFound(target) from None
+
+    def _ancestor(self, target: str, cid: bytes, depth: int) -> bytes:
+        """The ``depth``-th first-parent ancestor of commit ``cid`` (``target`` names it)."""
+        for step in range(depth):
+            try:
+                parents = self.commit(cid).parents
+            except BlockNotFound:  # history collected: the ancestor is not stored
+                parents = []
+            if not parents:
+                raise AncestorNotFound(target, step)
+            cid = cidlib.to_bytes(parents[0])
+        return cid
 
     def load(
         self,
@@ -387,6 +430,23 @@ class Repository:
             count += 1
             cid = cidlib.to_bytes(commit.parents[0]) if commit.parents else None
 
+    def expired(self, commit: Commit) -> bool:
+        """True if GC removed ``commit``'s data (its tree node is gone): loading it would fail."""
+        return not self.blocks.has(commit.tree)
+
+    def forks(self, history: Iterable[Commit]) -> dict[CID, list[str]]:
+        """Fork points in ``history``: for each ref whose head is off it, the newest shared commit."""
+        on_line = {c.cid for c in history}
+        found: dict[CID, list[str]] = {}
+        for name, head in sorted(self.refs().items()):
+            if head in on_line:
+                continue  # on this line (a head or a .steps/N ref), not a fork
+            for commit in self.log(head):
+                if commit.cid in on_line:
+                    found.setdefault(commit.cid, []).append(name)
+                    break
+        return found
+
     def refs(self, prefix: str = "") -> dict[str, CID]:
         """Every ref (optionally only those under ``prefix``) and the root CID it holds."""
         result = {}
@@ -420,6 +480,24 @@ class Repository:
         if not removed:
             actual = self.refs_store.get(ref)
             raise RefConflict(ref, cidlib.to_str(old), cidlib.to_str(actual) if actual else None)
+
+    def rename_ref(self, old: str, new: str) -> CID:
+        """Rename ``old`` to ``new`` (RefConflict if ``new`` exists); return the CID it holds.
+
+        Two compare-and-swaps: ``new`` is created at ``old``'s CID, then ``old`` is deleted only if
+        it still holds that CID. A crash (or a concurrent move of ``old``) in between leaves both
+        refs, ``new`` at the CID ``old`` had: nothing is lost, and deleting ``old`` finishes it.
+        """
+        self._check_writable()
+        cid = self.refs_store.get(check_ref_name(old))
+        if cid is None:
+            raise RefNotFound(old)
+        with self.refs_store.lock(exclusive=False):
+            self._move_ref(check_ref_name(new), None, cid, f"rename from {old}")
+        if not self.refs_store.remove_if_equals(old, cid, message=f"rename to {new}"):
+            actual = self.refs_store.get(old)
+            raise RefConflict(old, cidlib.to_str(cid), cidlib.to_str(actual) if actual else None)
+        return cidlib.to_cid(cid)
 
     def fork(self, source: Target, ref: str) -> CID:
         """Start a new ``ref`` at ``source``'s checkpoint (RefConflict if ``ref`` exists).
@@ -502,12 +580,13 @@ class Repository:
         """Logical versus stored bytes, per ref and for the repository (shared bytes once)."""
         return usage(self.blocks, self.refs_store)
 
-    def diff(self, a: Target, b: Target) -> DiffReport:
-        """Values added, removed and changed from checkpoint ``a`` to ``b``, and bytes shared."""
+    def diff(self, a: Target, b: Target, *, path: str | None = None) -> DiffReport:
+        """Values added, removed and changed from checkpoint ``a`` to ``b`` (below the dotted
+        ``path`` only, if given), in the state's order, and the bytes the two share."""
         reader = TreeReader(self.blocks, self.pool, tensor_factory=lambda array, _: array)
         tree_a = self._tree_of(self._resolve(a), reader)
         tree_b = self._tree_of(self._resolve(b), reader)
-        return compare(reader, self.blocks, tree_a, tree_b)
+        return compare(reader, self.blocks, tree_a, tree_b, path)
 
     def export_car(
         self, target: Target, out: car.FileLike, *, progress: car.Progress | None = None

@@ -176,8 +176,14 @@ def test_du(run: Any, repo_dir: Path) -> None:
     assert usage["logical_bytes"] == stats.logical_bytes and usage["stored_bytes"] == stats.stored_bytes
     assert usage["total_blocks"] == stats.total_blocks
     assert {r["ref"]: r["blocks"] for r in usage["refs"]} == {r.ref: r.blocks for r in stats.refs}
-    text = run("du").out
+    assert usage["gc_would_free_bytes"] == 0  # main's reflog keeps step 1
+    text = run("du", "--by-ref").out
     assert text.startswith("REF") and "\nmain " in text and "dedup" in text
+    assert run("du").out.startswith("total: ")
+    with api(repo_dir) as repo:
+        repo.delete_ref("other")
+        freeable = repo.gc(dry_run=True).unreachable_bytes
+    assert freeable > 0 and run("du", "--json").json()["gc_would_free_bytes"] == freeable
 
 
 def test_diff(run: Any, repo_dir: Path) -> None:
@@ -297,7 +303,9 @@ def test_init(run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         (("cat", "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"), cli.EXIT_NOT_FOUND,
          "block bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku not found"),
         (("ls", "main", "model.nothing"), cli.EXIT_NOT_FOUND, "path 'model.nothing' not found"),
-        (("diff", "main", "main~1"), cli.EXIT_USAGE, "invalid ref name"),
+        (("diff", "main", "main~9"), cli.EXIT_NOT_FOUND, "'main~9' not found"),
+        (("show", "bafyxx..."), cli.EXIT_USAGE, "neither a ref nor a valid CID: invalid base32"),
+        (("show", "bagaqier"), cli.EXIT_USAGE, "is ambiguous"),
         (("import", "missing.car"), cli.EXIT_ERROR, "No such file or directory: missing.car"),
         (("import", "x.car", "--ref", "bad ref"), cli.EXIT_USAGE, "invalid ref name"),
         (("pin", "nope"), cli.EXIT_NOT_FOUND, "not found"),

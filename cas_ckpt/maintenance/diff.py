@@ -7,8 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import Link, Tagged
+from cas_ckpt.errors import PathNotFound
 from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.tree import NDARRAY, TUPLE, TreeReader, join_path
 
@@ -39,40 +41,57 @@ class DiffReport:
 
 
 def leaves(reader: TreeReader, value: Any, path: str = "") -> dict[str, Any]:
-    """Flatten a tree into ``{path: leaf}``, leaves left undecoded (arrays stay descriptors)."""
+    """Flatten a tree into ``{path: leaf}`` in the state's order, leaves left undecoded."""
     out: dict[str, Any] = {}
     stack = [(value, path)]
     while stack:
         item, where = stack.pop()
         item = reader.resolve(item)
+        if isinstance(item, Tagged) and item.code == TUPLE and isinstance(item.value, list):
+            item = item.value
         if isinstance(item, dict):
-            stack.extend((v, join_path(where, k)) for k, v in item.items())
+            children = [(v, join_path(where, k)) for k, v in item.items()]
         elif isinstance(item, list):
-            stack.extend((v, join_path(where, i)) for i, v in enumerate(item))
-        elif isinstance(item, Tagged) and item.code == TUPLE and isinstance(item.value, list):
-            stack.extend((v, join_path(where, i)) for i, v in enumerate(item.value))
+            children = [(v, join_path(where, i)) for i, v in enumerate(item)]
         else:
             out[where] = item
+            continue
+        stack.extend(reversed(children))  # a stack: reversed, the first child comes out first
     return out
 
 
-def compare(reader: TreeReader, store: BlockStore, tree_a: bytes, tree_b: bytes) -> DiffReport:
+def compare(
+    reader: TreeReader, store: BlockStore, tree_a: bytes, tree_b: bytes, path: str | None = None
+) -> DiffReport:
+    """Values of ``tree_b`` against ``tree_a`` (below the dotted ``path`` only, if given)."""
     report = DiffReport()
-    a = leaves(reader, Link(tree_a))
-    b = leaves(reader, Link(tree_b))
-    report.removed = sorted(set(a) - set(b))
-    report.added = sorted(set(b) - set(a))
-    for path in [p for p in a if p in b]:
-        if a[path] == b[path]:
+    a = _leaves_below(reader, tree_a, path)
+    b = _leaves_below(reader, tree_b, path)
+    if path and not a and not b:
+        raise PathNotFound(path, cidlib.to_str(tree_a))
+    report.removed = [p for p in a if p not in b]
+    report.added = [p for p in b if p not in a]
+    for where in [p for p in a if p in b]:
+        if a[where] == b[where]:
             report.unchanged += 1
         else:
-            report.changed.append(_change(reader, path, a[path], b[path]))
+            report.changed.append(_change(reader, where, a[where], b[where]))
     reach_a = walk(store, {tree_a: "a"}).data
     reach_b = walk(store, {tree_b: "b"}).data
     report.a_bytes = sum(store.size(c) for c in reach_a)
     report.b_bytes = sum(store.size(c) for c in reach_b)
     report.shared_bytes = sum(store.size(c) for c in reach_a & reach_b)
     return report
+
+
+def _leaves_below(reader: TreeReader, tree: bytes, path: str | None) -> dict[str, Any]:
+    if not path:
+        return leaves(reader, Link(tree))
+    try:
+        start = reader.select(Link(tree), path.split("."), cidlib.to_str(tree))
+    except PathNotFound:  # present on one side only: all added, or all removed
+        return {}
+    return leaves(reader, start, path)
 
 
 def _change(reader: TreeReader, path: str, old: Any, new: Any) -> Change:
@@ -102,5 +121,7 @@ def _is_array(value: Any) -> bool:
 def _short(reader: TreeReader, value: Any) -> str:
     if isinstance(value, Tagged):
         value = reader.load(value)
+    if isinstance(value, (bytes, str)) and len(value) > 60:  # an RNG state, a blob: its size only
+        return f"{type(value).__name__} of {len(value)}"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -24,10 +24,13 @@ class RefUsage:
     stored_bytes: int
     blocks: int
 
+    __repr__ = cidlib.readable_repr
+
 
 @dataclass
 class Usage:
-    """The whole repository; blocks shared between refs are counted once in ``stored_bytes``."""
+    """The whole repository; blocks shared between refs count once in ``stored_bytes``, and each
+    distinct checkpoint once in ``logical_bytes``."""
 
     refs: list[RefUsage] = field(default_factory=list)
     logical_bytes: int = 0
@@ -76,7 +79,8 @@ def usage(blocks: BlockStore, refs: RefStore) -> Usage:
                      len(reach.data))
         )
         everything |= reach.data
-    result.logical_bytes = sum(r.logical_bytes for r in result.refs)
+    # A checkpoint two refs hold (a manager's head and its .steps/N ref) is one checkpoint.
+    result.logical_bytes = sum({bytes(r.cid): r.logical_bytes for r in result.refs}.values())
     result.stored_bytes = sum(blocks.size(c) for c in everything if blocks.has(c))
     keys = list(blocks.keys())
     result.total_blocks = len(keys)
