@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,37 @@ def test_cat_refuses_a_terminal(repo: Path) -> None:
         os.close(follower)
         os.close(leader)
     assert done.returncode == cli.EXIT_USAGE and "refusing to write binary" in done.stderr
+
+
+def test_progress_lines_are_wiped_before_messages(repo: Path) -> None:
+    """On a terminal, fsck shows a progress line on stderr; it is wiped (``\\r``, blanks, ``\\r``)
+    before anything else is written to the terminal, so no message ends up glued to it."""
+    leader, follower = pty.openpty()
+    try:
+        done = subprocess.run([str(SCRIPT), "--repo", str(repo), "fsck"], stdout=follower,
+                              stderr=follower, timeout=60)
+        os.close(follower)
+        follower = -1
+        screen = b""
+        while True:
+            try:
+                piece = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed its side
+                break
+            if not piece:
+                break
+            screen += piece
+    finally:
+        if follower >= 0:
+            os.close(follower)
+        os.close(leader)
+    text = screen.decode()
+    assert done.returncode == 0 and "\rfsck: " in text, text  # a progress line was shown
+    before, summary = text.rsplit("checked ", 1)
+    last_progress = before.rindex("\rfsck: ")
+    wipe = re.search(r"\r +\r", before[last_progress:])
+    assert wipe is not None and before[last_progress:].endswith(wipe.group()), repr(before[-200:])
+    assert summary.endswith(": ok\r\n") or summary.endswith(": ok\n"), summary
 
 
 def test_diff_in_state_order_with_a_path_and_stat(repo: Path) -> None:
