@@ -282,16 +282,18 @@ class CheckpointManager:
         mmap: bool = False,
         verify: bool | None = None,
         map_location: Any = None,
+        dtype: Any = None,
     ) -> Any:
         """Load checkpoint ``step`` (the latest when None), or only its sub-tree at ``path``.
 
-        ``mmap``, ``verify`` and ``map_location`` are those of :meth:`Repository.load`. Raises
+        ``mmap``, ``verify``, ``map_location`` and ``dtype`` are those of :meth:`Repository.load`. Raises
         :class:`StepNotFound` for a step never saved, or (``step`` None) when the ref holds no
         checkpoint yet, and :class:`CheckpointExpired` for a step retention removed.
         """
         self._drain()
         target = self._target(None if step is None else _as_step(step))
-        return self.repo.load(target, path=path, mmap=mmap, verify=verify, map_location=map_location)
+        return self.repo.load(target, path=path, mmap=mmap, verify=verify, map_location=map_location,
+                              dtype=dtype)
 
     def rewind(self, step: int) -> CID:
         """Make retained ``step`` the latest again: later steps leave :meth:`steps` (their commits

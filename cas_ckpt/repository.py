@@ -56,7 +56,7 @@ from cas_ckpt.maintenance.gc import collect as gc_collect
 from cas_ckpt.maintenance.usage import Usage, usage
 from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore, check_ref_name
-from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter
+from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter, cast_floats
 
 _log = logging.getLogger("cas_ckpt")
 
@@ -342,6 +342,7 @@ class Repository:
         verify: bool | None = None,
         map_location: Any = None,
         mmap: bool = False,
+        dtype: Any = None,
     ) -> Any:
         """Load a checkpoint (or the sub-tree at ``path``, e.g. ``"optimizer.state.3"``).
 
@@ -354,6 +355,8 @@ class Repository:
         copies that page, never touches the pack): no copy, pages read on first touch, and
         hashed first unless ``verify=False``. Arrays that cannot be mapped (another medium,
         chunks not back to back in one pack) are copied, and a warning is logged.
+        ``dtype`` (a numpy or torch dtype) casts every floating-point array and tensor, copying
+        it; integer and bool values stay as they are. ``map_location`` only places tensors.
         """
         root = self._resolve(target)
         reader = self._reader(verify, map_location, mmap)
@@ -372,7 +375,7 @@ class Repository:
                     "back in one local pack, or a medium that cannot map)",
                     reader.copied, reader.copied + reader.mapped, cidlib.to_str(root),
                 )
-            return loaded
+            return loaded if dtype is None else cast_floats(loaded, dtype)
         except MapLocationError as exc:  # the reader named the tensor's path below ``path``
             if path:
                 exc.inside(path if isinstance(path, str) else ".".join(map(str, path)))

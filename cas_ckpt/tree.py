@@ -390,6 +390,10 @@ class TensorAdapter:
     to_numpy: Callable[[Any, str], np.ndarray[Any, Any]]  # (tensor, path): a host array, no copy
     # (array, header, map_location): the library's tensor, on map_location when one is given
     from_numpy: Callable[[np.ndarray[Any, Any], dict[str, Any], Any], Any]
+    # (tensor, dtype): the tensor cast to ``dtype`` if it holds floating-point numbers, else itself
+    cast_floats: Callable[[Any, Any], Any] | None = None
+    # the numpy dtype for one of the library's dtype objects (torch.bfloat16...), or None
+    numpy_dtype: Callable[[Any], np.dtype[Any] | None] | None = None
 
 
 _ADAPTERS: dict[str, TensorAdapter] = {}
@@ -407,6 +411,42 @@ def adapter_for(value: object) -> TensorAdapter | None:
         if adapter.module == module and adapter.is_tensor(value):
             return adapter
     return None
+
+
+def cast_floats(value: Any, dtype: Any) -> Any:
+    """``value`` with every floating-point array and tensor in it cast to ``dtype`` (a numpy or a
+    registered library's dtype); integers, bools and everything else stay as they are."""
+    return _cast(value, dtype, _numpy_dtype(dtype))  # an unknown dtype fails before any copy
+
+
+def _cast(value: Any, dtype: Any, target: np.dtype[Any]) -> Any:
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype, target) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_cast(v, dtype, target) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, np.ndarray):
+        return value.astype(target) if _is_float(value.dtype) else value
+    adapter = adapter_for(value)
+    if adapter is not None and adapter.cast_floats is not None:
+        return adapter.cast_floats(value, dtype)
+    return value
+
+
+def _is_float(dtype: np.dtype[Any]) -> bool:
+    name = _ML_BY_DTYPE.get(dtype, "")
+    return dtype.kind == "f" or name.startswith(("float", "bfloat"))
+
+
+def _numpy_dtype(dtype: Any) -> np.dtype[Any]:
+    for adapter in _ADAPTERS.values():
+        found = adapter.numpy_dtype(dtype) if adapter.numpy_dtype is not None else None
+        if found is not None:
+            return found
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise StateTypeError("dtype", f"{dtype!r} is not a dtype numpy or a tensor library knows") from None
 
 
 def is_tensor(value: object) -> bool:

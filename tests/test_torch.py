@@ -359,3 +359,27 @@ def test_mmap_falls_back_to_copies_visibly(caplog: pytest.LogCaptureFixture) -> 
         out = repo.load("m", mmap=True)
     assert out["t"].shape == (1 << 14,) and out["n"].sum() == np.arange(1 << 14).sum()
     assert "mmap=True: 2 of 2 arrays of" in caplog.text and "copied, not mapped" in caplog.text
+
+
+def test_dtype_casts_floating_point_tensors_only() -> None:
+    """``dtype=`` is the cast (``map_location`` only places): floats change, ints stay exact."""
+    torch = pytest.importorskip("torch")
+    state = {"w": torch.randn(4, 3), "steps": torch.arange(5), "mask": torch.tensor([True, False]),
+             "np": np.linspace(0, 1, 7), "n": np.arange(3), "lr": 0.5}
+    with cas_ckpt.open("memory://") as repo:
+        repo.save(state)
+        half = repo.load(dtype=torch.bfloat16)
+        assert half["w"].dtype == torch.bfloat16 and torch.equal(half["w"], state["w"].to(torch.bfloat16))
+        assert half["steps"].dtype == torch.int64 and torch.equal(half["steps"], state["steps"])
+        assert half["mask"].dtype == torch.bool and half["lr"] == 0.5
+        assert half["np"].dtype.name == "bfloat16" and half["n"].dtype == np.int64
+        numpy_cast = repo.load(dtype=np.float16)
+        assert numpy_cast["w"].dtype == torch.float16 and numpy_cast["np"].dtype == np.float16
+        with pytest.raises(cas_ckpt.errors.MapLocationError, match="pass dtype="):
+            repo.load(map_location=torch.float16)
+        with pytest.raises(cas_ckpt.errors.StateTypeError, match="dtype"):
+            repo.load(dtype="not-a-dtype")
+        manager = cas_ckpt.CheckpointManager(repo, "run")
+        manager.save(1, state)
+        assert manager.restore(dtype=torch.float64)["w"].dtype == torch.float64
+        manager.close()

@@ -197,9 +197,11 @@ def _place(tensor: Any, map_location: Any) -> Any:
         except (RuntimeError, AssertionError, ValueError, TypeError) as exc:  # no CUDA, say
             raise MapLocationError(f"the map_location callable failed: {exc!r}") from exc
         return _with_storage(tensor, storage)
+    is_dtype = isinstance(map_location, torch.dtype)
+    hint = "; to cast floating-point tensors, pass dtype= instead" if is_dtype else ""
     raise MapLocationError(
         "map_location must be a str, torch.device, dict or callable, "
-        f"not {type(map_location).__name__}"
+        f"not {type(map_location).__name__}{hint}"
     )
 
 
@@ -250,5 +252,28 @@ def _from_numpy(array: np.ndarray[Any, Any], header: dict[str, Any], map_locatio
     return numpy_to_tensor(array, header, map_location=map_location)
 
 
+def _cast_floats(tensor: Any, dtype: Any) -> Any:
+    if not tensor.is_floating_point():
+        return tensor
+    torch = _torch()
+    if not isinstance(dtype, torch.dtype):
+        reverse = {v: k for k, v in dtype_table().items()}
+        found = reverse.get(np.dtype(dtype))
+        if found is None:
+            raise StateTypeError("dtype", f"{dtype!r} has no torch equivalent")
+        dtype = found
+    return tensor.to(dtype)
+
+
+def _numpy_dtype(dtype: Any) -> np.dtype[Any] | None:
+    if type(dtype).__module__.partition(".")[0] != "torch":
+        return None
+    found = dtype_table().get(dtype)
+    if found is None:
+        raise StateTypeError("dtype", f"{dtype} has no numpy equivalent")
+    return found
+
+
 # The data model reaches torch only through this adapter (``import cas_ckpt`` registers it).
-register_tensor_adapter(TensorAdapter("torch", "torch", _is_tensor, _to_numpy, _from_numpy))
+register_tensor_adapter(TensorAdapter("torch", "torch", _is_tensor, _to_numpy, _from_numpy,
+                                      _cast_floats, _numpy_dtype))
