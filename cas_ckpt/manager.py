@@ -129,7 +129,9 @@ class CheckpointManager:
         self._preempted: int | None = None  # the signal that asked this run to stop
         self._handlers: dict[int, Any] = {}  # signal -> the handler installed before ours
         self.preempted_at: int | None = None  # the step at which reached_preemption said True
-        self._lease = None if repo.read_only else repo.refs_store.lease(self.ref, takeover=takeover)
+        # The ranks of one torch.distributed job are one writer: rank 0 holds the run's lease.
+        writer = not repo.read_only and _rank() == 0
+        self._lease = repo.refs_store.lease(self.ref, takeover=takeover) if writer else None
         if self._lease is not None:  # an unclosed manager gives its run back when collected
             self._release_lease = weakref.finalize(self, self._lease.release)
         if fork_from is not None and repo.refs_store.get(self.ref) is None:
@@ -273,6 +275,53 @@ class CheckpointManager:
                 signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         self._handlers = {}
 
+    # -- torch.distributed.checkpoint ------------------------------------------------------------
+    def save_dcp(
+        self, step: int, state_dict: dict[str, Any], *, metrics: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> CID | None:
+        """Save checkpoint ``step`` of a multi-rank job through ``torch.distributed.checkpoint``.
+
+        Every rank calls it with its own ``state_dict`` (DTensors, sharded tensors...), as it
+        would call ``dcp.save``; each rank writes its shards, the coordinator commits, and rank 0
+        records the step and applies retention. Returns the commit's CID on every rank (None if
+        ``save_every`` skips the step). The checkpoint is an ordinary one: ``steps()``, retention,
+        ``fork_from`` and :meth:`restore_dcp` (or ``restore`` of a rank's view) work on it.
+        """
+        import torch.distributed.checkpoint as dcp  # torch only for this call
+
+        from cas_ckpt.integrations.dcp import Writer
+
+        if self._closed:
+            raise RepositoryError(f"checkpoint manager for {self.ref!r} is closed")
+        step = _as_step(step)
+        if self.save_every and step % self.save_every and not force:
+            return None
+        self._drain()
+        self._check_lease()
+        self._check_new(step, overwrite=False)
+        metadata = {"step": step, "metrics": _metrics(metrics)}
+        self._check_best_metric(metadata["metrics"])
+        writer = Writer(self.repo, self.ref, step=step, metadata=metadata)
+        cid = CID.decode(dcp.save(state_dict, storage_writer=writer).storage_meta.checkpoint_id)
+        if _rank() == 0:
+            self.repo.set_ref(self.step_ref(step), cid)
+            self._last_cid = cid
+            self._retain()
+        if _distributed():
+            _barrier()  # every rank sees the step ref, and retention done, once this returns
+        return cid
+
+    def restore_dcp(self, state_dict: dict[str, Any], step: int | None = None) -> dict[str, Any]:
+        """Load checkpoint ``step`` (the latest when None) into ``state_dict`` in place, through
+        ``torch.distributed.checkpoint`` (each rank reads only its shards); returns it."""
+        import torch.distributed.checkpoint as dcp
+
+        from cas_ckpt.integrations.dcp import Reader
+
+        dcp.load(state_dict, storage_reader=Reader(self.repo, cidlib.to_cid(self._target(step))))
+        return state_dict
+
     # -- restore -------------------------------------------------------------------------------
     def restore(
         self,
@@ -363,7 +412,7 @@ class CheckpointManager:
     def _reconcile(self) -> None:
         """Give the latest checkpoint its step ref if a crash (or a fork) left it without one."""
         head = self.repo.refs_store.get(self.ref)
-        if head is None or self.repo.read_only:  # a read-only manager restores, never writes
+        if head is None or self.repo.read_only or _rank() != 0:  # only the run's writer writes
             return
         try:
             step = self._commit(head).step
@@ -556,6 +605,17 @@ def _distributed() -> bool:
     """True when torch.distributed is imported, available and initialized (never imports it)."""
     dist = sys.modules.get("torch.distributed")
     return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    """This process's rank in the default process group (0 without torch.distributed)."""
+    return int(sys.modules["torch.distributed"].get_rank()) if _distributed() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def _any_rank(flag: bool) -> bool:

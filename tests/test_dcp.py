@@ -484,3 +484,24 @@ def test_a_state_may_link_subtrees_already_stored(tmp_path: Path) -> None:
     raw = cid_bytes(repo.hasher.raw(b"chunk"))
     with pytest.raises(cas_ckpt.errors.StateTypeError, match="not a node"):
         repo.save({"a": Link(raw)})
+
+
+def test_the_manager_saves_and_restores_through_dcp_on_two_ranks(tmp_path: Path) -> None:
+    """``CheckpointManager.save_dcp`` / ``restore_dcp`` on 2 gloo ranks: one commit per step,
+    retention (keep_last=2) and step refs by rank 0, the latest and a fork restored shard by shard.
+    Rank 1's manager takes no lease (the job is one writer), so both construct without LeaseHeld."""
+    repo = tmp_path / "repo"
+    cas_ckpt.open(repo).close()
+    assert run_ranks("manager", 2, repo, tmp_path) == [0, 0]
+    ranks = results(tmp_path, "manager", 2)
+    assert ranks[0]["cids"] == ranks[1]["cids"] and len(set(ranks[0]["cids"])) == 3
+    for rank in ranks:
+        assert rank["steps"] == [2, 3] and rank["fork_steps"] == [2]
+        assert rank["latest"] == rank["expected_latest"] and rank["fork"] == rank["expected_fork"]
+        assert rank["metrics"] == {"loss": 1.0 / 3}
+    with cas_ckpt.open(repo) as r:
+        commits = list(r.log("run"))
+        assert [c.step for c in commits] == [3, 2, 1]
+        r.load(commits[1].cid)  # step 2 is retained
+        with pytest.raises(cas_ckpt.errors.CheckpointExpired):
+            r.load(commits[2].cid)  # step 1 was expired by retention and its data collected

@@ -9,7 +9,9 @@ Scenarios (run by tests/test_dcp.py):
   tensor differs across ranks;
 * ``load``: 3 ranks load ``main`` into DTensors sharded 3 ways; first with the ref moved between
   the ranks' Readers (must fail on every rank, loading nothing), then pinned to one CID;
-* ``kill``: 2 ranks save; the rank given in ``CAS_CKPT_KILL_RANK`` SIGKILLs itself while writing.
+* ``kill``: 2 ranks save; the rank given in ``CAS_CKPT_KILL_RANK`` SIGKILLs itself while writing;
+* ``manager``: 2 ranks save steps 1-3 through ``CheckpointManager.save_dcp`` (keep_last=2), restore
+  the latest and a fork of step 2 with ``restore_dcp``.
 
 Each rank writes what it saw to ``OUT/<scenario>-<rank>.json``.
 """
@@ -167,6 +169,38 @@ def scenario_kill(repo: cas_ckpt.Repository, mesh: Any, rank: int, world: int) -
         return {"raised": None}
     except BaseException as exc:  # CheckpointException, or gloo's error when the peer vanished
         return {"raised": failure(exc)}
+
+
+def scenario_manager(repo: cas_ckpt.Repository, mesh: Any, rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.tensor import zeros
+
+    def target() -> dict[str, Any]:
+        full = full_state()
+        model: dict[str, Any] = {"r": torch.zeros_like(full["r"])}
+        for name in SHARDED:
+            model[name] = zeros(full[name].shape, dtype=full[name].dtype, device_mesh=mesh,
+                                placements=[Shard(0)])
+        return {"model": model, "step": 0, "opt": {"lr": None, "betas": None, "name": None}}
+
+    def w_of(loaded: dict[str, Any]) -> list[float]:
+        local = loaded["model"]["w"].to_local()
+        return [float(local.sum()), float(local[0, 0])]
+
+    out: dict[str, Any] = {}
+    manager = cas_ckpt.CheckpointManager(repo, "run", keep_last=2)
+    out["cids"] = [str(manager.save_dcp(step, state(mesh, rank, world, bump=float(step)),
+                                        metrics={"loss": 1.0 / step})) for step in (1, 2, 3)]
+    out["steps"] = manager.steps()
+    out["latest"] = w_of(manager.restore_dcp(target()))
+    out["expected_latest"] = w_of(state(mesh, rank, world, bump=3.0))
+    out["metrics"] = manager.metrics(3)
+    fork = cas_ckpt.CheckpointManager(repo, "fork", fork_from=manager.step_ref(2))
+    out["fork"] = w_of(fork.restore_dcp(target()))
+    out["expected_fork"] = w_of(state(mesh, rank, world, bump=2.0))
+    out["fork_steps"] = fork.steps()
+    fork.close()
+    manager.close()
+    return out
 
 
 def main() -> None:
