@@ -135,7 +135,7 @@ class CheckpointManager:
         if self._lease is not None:  # an unclosed manager gives its run back when collected
             self._release_lease = weakref.finalize(self, self._lease.release)
         if fork_from is not None and repo.refs_store.get(self.ref) is None:
-            repo.fork(fork_from, self.ref)
+            self._fork(fork_from)
         self._reconcile()
         if preemption:
             self._install_handlers(tuple(preemption_signals))
@@ -274,6 +274,15 @@ class CheckpointManager:
             if signal.getsignal(signum) == self._on_signal:  # a later handler stays in place
                 signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         self._handlers = {}
+
+    def _fork(self, source: Target) -> None:
+        """Start the ref at ``source``; another process (a rank of the same job) forking it to the
+        same checkpoint at the same moment is no conflict."""
+        try:
+            self.repo.fork(source, self.ref)
+        except RefConflict:
+            if self.repo.refs_store.get(self.ref) != bytes(self.repo.resolve(source)):
+                raise
 
     # -- torch.distributed.checkpoint ------------------------------------------------------------
     def save_dcp(
