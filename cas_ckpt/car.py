@@ -30,7 +30,7 @@ from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore, BlockWriter
 from cas_ckpt.codec import Link
 from cas_ckpt.errors import CarError, CasCkptError, InvalidCID
-from cas_ckpt.maintenance.walk import child_links, data_blocks
+from cas_ckpt.maintenance.walk import child_links, data_blocks, float_chunks
 
 MAX_SECTION = 8 * 1024 * 1024  # our blocks are at most 1 MiB; anything far larger is hostile
 MAX_HEADER = 1024 * 1024
@@ -379,16 +379,22 @@ def _stage(stream: BinaryIO, writer: BlockWriter, progress: Progress | None) -> 
     roots, src = _read_header(stream)
     report = CarReport(roots=[cidlib.to_cid(r) for r in roots])
     children: dict[bytes, list[bytes]] = {}
+    floats: dict[bytes, int] = {}  # chunks of float arrays (parents come first in our CARs)
     for cid, data, offset in _iter_blocks(src):
+        stored = None
         if cidlib.is_node(cid):
             try:
                 node = codec.decode(data, cid=cid)
             except CasCkptError as exc:
                 raise CarError(str(exc), offset=offset) from None
             children[cid] = [link.cid for link, _ in child_links(node) if type(link) is Link]
+            if writer.compresses:
+                floats.update(float_chunks(node))
         else:
             children[cid] = []
-        writer.put(cid, data)
+            if writer.compresses:
+                stored = writer.encode(cid, data, floats.pop(cid, 0))
+        writer.put(cid, data, stored=stored)
         report.blocks += 1
         report.data_bytes += len(data)
         if progress is not None:

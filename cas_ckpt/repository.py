@@ -27,6 +27,7 @@ from cas_ckpt import car, codec
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends.s3 import S3Bucket
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, WriteStats
+from cas_ckpt.blocks.compression import SETTINGS, check_setting
 from cas_ckpt.blocks.packed import LocalStore, MemoryStore, S3Store
 from cas_ckpt.codec import Link
 from cas_ckpt.commit import Commit, encode_commit, is_commit, parse_commit
@@ -61,7 +62,8 @@ from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter, cast_floats
 _log = logging.getLogger("cas_ckpt")
 
 FORMAT = "cas_ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: packs may hold compressed blocks (pack format version 2)
+DEFAULT_COMPRESSION = "none"
 
 Target = CID | str | bytes
 # A unique prefix of a node CID's base32 text, as git takes abbreviated hashes (8 characters at least).
@@ -83,6 +85,7 @@ class SaveReport:
     blocks_reused: int
     bytes_reused: int
     seconds: float
+    bytes_stored: int = 0  # what the new blocks take on the medium, after compression
 
     __repr__ = cidlib.readable_repr
 
@@ -124,6 +127,8 @@ class Transaction:
 class _Config:
     hash: str
     chunk_size: int
+    compression: str = "none"
+    version: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -141,6 +146,7 @@ class Repository:
         *,
         hash: str = "sha2-256",
         chunk_size: int = MAX_CHUNK,
+        compression: str | None = None,
         create: bool = True,
         location: str = "",
     ) -> None:
@@ -149,7 +155,7 @@ class Repository:
         self.location = location
         self.config = _ensure_config(
             refs, location or "this store", create=create and not blocks.read_only, hash=hash,
-            chunk_size=chunk_size,
+            chunk_size=chunk_size, compression=compression, read_only=blocks.read_only,
         )
         self.hasher = cidlib.Hasher(self.config.hash)
         self._pool: ThreadPoolExecutor | None = None
@@ -201,6 +207,7 @@ class Repository:
         metadata: Mapping[str, Any] | None = None,
         message: str | None = None,
         expected: Target | None = None,
+        compression: str | None = None,
     ) -> CID:
         """Store ``state`` as a new checkpoint and move ``ref`` to it; return its root CID.
 
@@ -208,7 +215,8 @@ class Repository:
         save starts; pass the CID you loaded to make a read-modify-write safe). Raises
         :class:`RefConflict` if it holds something else by then (the blocks stay stored; load the
         new head and save again), :class:`StateTypeError` naming the path of a value that cannot
-        be saved.
+        be saved. ``compression`` (``"none"``, ``"zstd"``) overrides the repository's for the
+        blocks this save writes; CIDs never depend on it.
         """
         check_ref_name(ref)
         step = _step(step)
@@ -216,7 +224,7 @@ class Repository:
         if message is not None and not isinstance(message, str):
             raise StateTypeError("message", "message must be a str")
         started = time.perf_counter()
-        with self.transaction() as txn:
+        with self.transaction(compression=compression) as txn:
             old = self.refs_store.get(ref) if expected is None else self._resolve(expected)
             tree = txn.tree.write(state)
             commit = txn.put_commit(tree, [old] if old else [], step=step, metadata=meta, message=message)
@@ -225,7 +233,7 @@ class Repository:
         stats = txn.stats
         self._local.last_save = SaveReport(
             cid, ref, txn.tree.logical_bytes, stats.blocks_written, stats.bytes_written,
-            stats.blocks_reused, stats.bytes_reused, time.perf_counter() - started,
+            stats.blocks_reused, stats.bytes_reused, time.perf_counter() - started, stats.bytes_stored,
         )
         return cid
 
@@ -235,7 +243,9 @@ class Repository:
         return getattr(self._local, "last_save", None)
 
     @contextlib.contextmanager
-    def transaction(self, *, verify_existing: bool = False) -> Iterator[Transaction]:
+    def transaction(
+        self, *, verify_existing: bool = False, compression: str | None = None
+    ) -> Iterator[Transaction]:
         """The one write path: blocks first, durable, then refs, all under the shared save lock.
 
         Yields a :class:`Transaction`; everything written into it becomes durable and visible
@@ -244,15 +254,41 @@ class Repository:
         nothing. GC (which takes the lock exclusively) cannot sweep a block the transaction
         deduplicated against. ``verify_existing`` re-reads and checks every stored block the
         transaction would reuse, storing a good copy over a damaged one (imports do: a re-import
-        repairs). A failure of the medium raises :class:`MediumError` (an OSError too).
+        repairs). ``compression`` overrides the repository's setting for this batch. A failure of
+        the medium raises :class:`MediumError` (an OSError too).
         """
+        codec = self.config.compression if compression is None else check_setting(compression)
         with self._writing(), self.refs_store.lock(exclusive=False):
+            if codec != "none" and self.config.version < 2:
+                self._update_config(version=2)  # before any version 2 pack exists
             self.blocks.refresh()
-            with self.blocks.writer(verify_existing=verify_existing) as writer:
+            with self.blocks.writer(verify_existing=verify_existing, compression=codec) as writer:
                 txn = Transaction(self, writer)
                 yield txn
             for ref, old, new, message in txn.moves:
                 self._move_ref(ref, old, new, message)
+
+    def set_compression(self, compression: str) -> None:
+        """Make ``compression`` the repository's setting (recorded in its config) for later saves.
+
+        Blocks already stored keep their encoding; ``"none"`` stops compressing new ones.
+        """
+        check_setting(compression)
+        if compression != self.config.compression:
+            with self._writing():
+                self._update_config(compression=compression, version=2 if compression != "none" else 1)
+
+    def _update_config(self, *, compression: str | None = None, version: int = 1) -> None:
+        """Record settings in the config by compare-and-swap (a racing change is re-read)."""
+        for _ in range(8):
+            old = self.refs_store.read_config() or {}
+            new = {**old, "version": max(version, old.get("version", 1))}
+            if compression is not None:
+                new["compression"] = compression
+            if old == new or self.refs_store.update_config(old, new) == new:
+                self.config = _check_config(new, self.location or "this store")
+                return
+        raise RepositoryError(f"the config of {self.location or 'the repository'} keeps changing")
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -664,10 +700,14 @@ def _step(step: Any) -> int | None:
 
 def _ensure_config(
     refs: RefStore, location: str, *, create: bool, hash: str, chunk_size: int,
+    compression: str | None = None, read_only: bool = False,
     occupied: Callable[[], str | None] = lambda: None,
 ) -> _Config:
     """The repository's config; created first if missing, ``create`` allows it and ``occupied()``
-    finds nothing else at ``location`` (else it says what). The one place a repository is created."""
+    finds nothing else at ``location`` (else it says what). The one place a repository is created.
+
+    ``compression`` given for an existing repository that records another is recorded instead.
+    """
     found = refs.read_config()
     if found is None:
         if not create:
@@ -675,10 +715,23 @@ def _ensure_config(
         clash = occupied()
         if clash:
             raise RepositoryError(f"{location} {clash} and is not a cas_ckpt repository")
-        found = refs.init_config(
-            {"format": FORMAT, "version": FORMAT_VERSION, "hash": hash, "chunk_size": chunk_size}
-        )
-    return _check_config(found, location)
+        found = refs.init_config(_new_config(hash, chunk_size, compression or DEFAULT_COMPRESSION))
+    config = _check_config(found, location)
+    if compression is not None and compression != config.compression:
+        if read_only:
+            raise RepositoryError(f"repository {location} is opened read-only: its compression "
+                                  f"({config.compression}) cannot become {compression}")
+        new = {**found, "compression": compression,
+               "version": max(config.version, 2 if compression != "none" else 1)}
+        config = _check_config(refs.update_config(found, new), location)
+    return config
+
+
+def _new_config(hash: str, chunk_size: int, compression: str) -> dict[str, Any]:
+    config: dict[str, Any] = {"format": FORMAT, "version": 1, "hash": hash, "chunk_size": chunk_size}
+    if compression != "none":  # an uncompressed repository stays readable by cas_ckpt 0.2
+        config.update(version=2, compression=compression)
+    return config
 
 
 def _check_config(config: dict[str, Any], location: str) -> _Config:
@@ -695,8 +748,12 @@ def _check_config(config: dict[str, Any], location: str) -> _Config:
         raise RepositoryError(f"repository {location} uses unknown hash {hash_name!r}")
     if type(chunk_size) is not int or not 4096 <= chunk_size <= MAX_CHUNK:
         raise RepositoryError(f"repository {location} has invalid chunk_size {chunk_size!r}")
-    extra = {k: v for k, v in config.items() if k not in ("format", "version", "hash", "chunk_size")}
-    return _Config(hash_name, chunk_size, extra)
+    compression = config.get("compression", "none")
+    if compression not in SETTINGS or (compression != "none" and version < 2):
+        raise RepositoryError(f"repository {location} has invalid compression {compression!r}")
+    known = ("format", "version", "hash", "chunk_size", "compression")
+    extra = {k: v for k, v in config.items() if k not in known}
+    return _Config(hash_name, chunk_size, compression, version, extra)
 
 
 MEMORY = "memory://"
@@ -733,6 +790,7 @@ def open(
     create: bool = True,
     hash: str = "sha2-256",
     chunk_size: int = MAX_CHUNK,
+    compression: str | None = None,
     verify: bool = True,
     read_only: bool = False,
     storage_options: Mapping[str, Any] | None = None,
@@ -743,9 +801,14 @@ def open(
     S3-compatible server (the AWS environment variables apply; ``storage_options`` such as
     ``cache_dir`` are described in ``docs/scale-out.md``), or ``"memory://"`` for a throwaway
     in-memory repository. ``hash`` (``"sha2-256"`` or ``"blake3"``) and ``chunk_size`` apply when
-    creating; an existing repository keeps its own. ``verify=False`` skips re-hashing blocks on
-    reads. ``read_only=True`` refuses every write.
+    creating; an existing repository keeps its own. ``compression`` (``"none"`` or ``"zstd"``,
+    ``docs/guide.md``) is how new blocks are stored: given, it is recorded in the config (an
+    existing repository switches to it); omitted, the repository keeps its own (new ones:
+    ``"none"``). ``verify=False`` skips re-hashing blocks on reads. ``read_only=True`` refuses
+    every write.
     """
+    if compression is not None:
+        check_setting(compression)
     if hash not in cidlib.HASH_CODES:
         raise ValueError(f"unsupported hash {hash!r}; choose one of {sorted(cidlib.HASH_CODES)}")
     if not 4096 <= chunk_size <= MAX_CHUNK:
@@ -753,7 +816,8 @@ def open(
     location = os.fspath(path)
     if not location.startswith(S3) and storage_options:
         raise ValueError("storage_options apply to s3:// repositories only")
-    settings = {"create": create and not read_only, "hash": hash, "chunk_size": chunk_size}
+    settings = {"create": create and not read_only, "hash": hash, "chunk_size": chunk_size,
+                "compression": compression, "read_only": read_only}
     if location.startswith(S3):
         blocks, refs = _s3_stores(location, verify=verify, read_only=read_only, **(storage_options or {}))
         return _assemble(blocks, refs, location, settings, lambda: _s3_occupied(refs))

@@ -21,16 +21,21 @@ damage one stored block in place. Every test then runs against your store::
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pytest
 from multiformats import CID
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends.base import Backend, Read
 from cas_ckpt.blocks.base import BlockStore
+from cas_ckpt.blocks.compression import CODEC_GROUPED, CODEC_NONE, CODEC_ZSTD
+from cas_ckpt.blocks.pack import PACK_MAGIC, PACK_MAGIC_V2
 from cas_ckpt.blocks.packed import PackedBlockStore
 from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, RepositoryError
 from cas_ckpt.refs import MemoryRefStore
@@ -45,6 +50,13 @@ def raw_block(i: int, size: int = 100, *, hasher: cidlib.Hasher = _SHA) -> tuple
     seed = i.to_bytes(8, "little")
     data = (seed * (size // 8 + 1))[:size]
     return hasher.raw(data), data
+
+
+def float_block(i: int, n: int = 4096) -> tuple[bytes, bytes]:
+    """A raw block of ``n`` float32 values shaped like trained weights (it compresses grouped)."""
+    values = np.random.default_rng(i).normal(0, 0.05, n).astype(np.float32)
+    data = values.tobytes()
+    return _SHA.raw(data), data
 
 
 class BlockStoreTests:
@@ -479,6 +491,69 @@ class PackedStoreTests(BlockStoreTests):
         with store.writer(verify_existing=True) as checking:
             assert checking.put(cid, data) is True
         assert self._second(store).get(cid) == data
+
+    # -- compression (pack format 2) -------------------------------------------------------------
+    def _compressed(self, store: PackedBlockStore) -> dict[bytes, bytes]:
+        """Blocks of every codec, written by a compressing writer: grouped floats, zstd'd
+        repeats, and random bytes that stay raw."""
+        blocks = dict([float_block(1), float_block(2, 3001), raw_block(3, 5000),
+                       (lambda d: (_SHA.raw(d), d))(os.urandom(3000))])
+        with store.writer(compression="zstd") as writer:
+            for i, (c, d) in enumerate(blocks.items()):
+                writer.put(c, d, stored=writer.encode(c, d, 4) if i < 2 else None)
+        return blocks
+
+    def test_compressed_blocks_read_back_raw_through_every_path(self, store: PackedBlockStore) -> None:
+        blocks = self._compressed(store)
+        (name, entries), = store.packs().items()
+        assert [e.codec for e in entries] == [CODEC_GROUPED, CODEC_GROUPED, CODEC_ZSTD, CODEC_NONE]
+        assert store.backend.read(name, 0, len(PACK_MAGIC_V2)) == PACK_MAGIC_V2
+        second = self._second(store)
+        cids, datas = list(blocks), list(blocks.values())
+        for c, d in blocks.items():
+            assert second.get(c) == d and second.size(c) == len(d)
+            out = bytearray(len(d))
+            second.get_into(c, memoryview(out))
+            assert out == d
+        assert sum(second.stored_size(c) for c in cids) < 0.9 * sum(map(len, datas))
+        out = bytearray(sum(map(len, datas)))
+        with ThreadPoolExecutor(2) as pool:
+            second.get_many_into(cids, [len(d) for d in datas], memoryview(out), pool)
+        assert bytes(out) == b"".join(datas)
+        assert second.map_blocks(cids[:1]) is None  # mapped loads apply to raw blocks only
+
+    def test_a_writer_that_does_not_compress_writes_version_1_packs(self, store: PackedBlockStore) -> None:
+        cid, data = float_block(5)
+        store.put(cid, data)
+        (name, entries), = store.packs().items()
+        assert store.backend.read(name, 0, len(PACK_MAGIC)) == PACK_MAGIC
+        assert entries[0].codec == CODEC_NONE and entries[0].length == len(data)
+
+    def test_damage_inside_a_compressed_block_is_detected(self, store: PackedBlockStore) -> None:
+        blocks = self._compressed(store)
+        victims = list(blocks)[:3]  # grouped, grouped, zstd
+        for cid in victims:
+            self.corrupt(store, cid)
+        second = self._second(store)
+        for cid in victims:
+            with pytest.raises(CorruptBlock):
+                second.get(cid)
+        assert set(second.check_copies(list(blocks))) == set(victims)
+        out = memoryview(bytearray(sum(map(len, blocks.values()))))
+        with ThreadPoolExecutor(2) as pool, pytest.raises(CorruptBlock):
+            second.get_many_into(list(blocks), [len(d) for d in blocks.values()], out, pool)
+
+    def test_gc_moves_compressed_copies_as_they_are(self, store: PackedBlockStore) -> None:
+        blocks = self._compressed(store)
+        before = {e.cid: e for entries in store.packs().values() for e in entries}
+        dead = list(blocks)[1]
+        store.delete({dead})
+        ((name, entries),) = store.packs().items()
+        assert store.backend.read(name, 0, len(PACK_MAGIC_V2)) == PACK_MAGIC_V2
+        assert {e.cid: (e.codec, e.length, e.size) for e in entries} == {
+            c: (e.codec, e.length, e.size) for c, e in before.items() if c != dead}
+        second = self._second(store)
+        assert all(second.get(c) == d for c, d in blocks.items() if c != dead)
 
 
 class BackendTests:

@@ -41,7 +41,7 @@ from multiformats import CID
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
-from cas_ckpt.blocks.base import BlockStore, BlockWriter
+from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import (
     CorruptBlock,
@@ -105,6 +105,14 @@ def dtype_name(dtype: np.dtype[Any]) -> str | None:
     return name if _NUMPY_DTYPE.match(name) else None
 
 
+def float_size(name: str) -> int:
+    """The element size by which a little-endian float dtype's bytes group for compression
+    (a complex number's parts), or 0 for every other dtype."""
+    if name in ("bfloat16", "<f2", "<f4", "<f8"):
+        return 2 if name == "bfloat16" else int(name[2:])
+    return {"<c8": 4, "<c16": 8}.get(name, 0)
+
+
 def parse_dtype(name: object) -> np.dtype[Any]:
     """The dtype for a stored name; never evaluates anything but the allow-listed names."""
     if isinstance(name, str):
@@ -124,11 +132,11 @@ def join_path(path: str, key: object) -> str:
 # --------------------------------------------------------------------------------------------
 @dataclass
 class _Chunked:
-    """A value cut into chunks whose hashes are being computed."""
+    """A value cut into chunks being hashed (and, for a compressing writer, encoded)."""
 
     header: dict[str, Any]
     chunks: list[memoryview]
-    hashes: list[Future[bytes]]
+    hashes: list[Future[tuple[bytes, Stored | None]]]
     owner: Any = None  # keeps the array (or a contiguous copy) alive until written
 
 
@@ -258,7 +266,7 @@ class TreeWriter:
         size = self.chunk_size
         chunks = [data[i : i + size] for i in range(0, data.nbytes, size)]
         header["chunk_size"] = size
-        return self._submit(header, chunks, flat)
+        return self._submit(header, chunks, flat, float_size=float_size(name))
 
     def _chunk_blob(self, data: bytes, header: dict[str, Any]) -> _Chunked:
         self.logical_bytes += len(data)
@@ -268,9 +276,10 @@ class TreeWriter:
         return self._submit({**header, "size": len(data)}, chunks, data, blob=True)
 
     def _submit(
-        self, header: dict[str, Any], chunks: list[memoryview], owner: Any, *, blob: bool = False
+        self, header: dict[str, Any], chunks: list[memoryview], owner: Any, *, blob: bool = False,
+        float_size: int = 0,
     ) -> _Chunked:
-        hashes = [self.pool.submit(self.hasher.raw, chunk) for chunk in chunks]
+        hashes = [self.pool.submit(self._digest, chunk, float_size) for chunk in chunks]
         header["_blob"] = blob
         return _Chunked(header, chunks, hashes, owner)
 
@@ -326,11 +335,16 @@ class TreeWriter:
         body = b"".join([self._packer.pack_array_header(len(items)), *items])
         return codec.ext(TUPLE, body) if kind == "tuple" else body
 
+    def _digest(self, chunk: memoryview, float_size: int) -> tuple[bytes, Stored | None]:
+        """A chunk's CID and, for a compressing writer, its encoding (both on the pool)."""
+        cid = self.hasher.raw(chunk)
+        return cid, self.writer.encode(cid, chunk, float_size) if self.writer.compresses else None
+
     def _write_chunked(self, plan: _Chunked) -> bytes:
         cids = []
         for chunk, future in zip(plan.chunks, plan.hashes, strict=True):
-            cid = future.result()
-            self.writer.put(cid, chunk)
+            cid, stored = future.result()
+            self.writer.put(cid, chunk, stored=stored)
             cids.append(cid)
         header = dict(plan.header)
         blob = header.pop("_blob")

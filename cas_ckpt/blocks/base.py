@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
+from typing import NamedTuple
 
 from multiformats import CID
 
@@ -27,22 +28,32 @@ class WriteStats:
     """What one writer did: the figures every save reports."""
 
     blocks_written: int = 0
-    bytes_written: int = 0
+    bytes_written: int = 0  # raw bytes of the new blocks
     blocks_reused: int = 0
     bytes_reused: int = 0
+    bytes_stored: int = 0  # what the new blocks take on the medium (after compression)
 
     def add(self, other: WriteStats) -> None:
         self.blocks_written += other.blocks_written
         self.bytes_written += other.bytes_written
         self.blocks_reused += other.blocks_reused
         self.bytes_reused += other.bytes_reused
+        self.bytes_stored += other.bytes_stored
+
+
+class Stored(NamedTuple):
+    """A block as it goes onto the medium: its codec (``blocks.compression``) and bytes."""
+
+    codec: int
+    data: bytes | memoryview
 
 
 class BlockWriter(ABC):
     """A batch of new blocks, made visible together by :meth:`commit`.
 
     ``put`` skips blocks the store already has or this batch already holds, and counts them as
-    reused. Thread-safe: several threads may ``put`` into one writer.
+    reused. Thread-safe: several threads may ``put`` into one writer. A writer that compresses
+    encodes each new block in ``put``, or ahead of it on any thread with ``encode``.
     """
 
     def __init__(self, store: BlockStore) -> None:
@@ -52,9 +63,23 @@ class BlockWriter(ABC):
         self.stats = WriteStats()
         self.closed = False
 
-    def put(self, cid: bytes, data: bytes | memoryview) -> bool:
-        """Add a block; return False (and write nothing) if it is already stored."""
+    compresses = False
+
+    def encode(self, cid: bytes, data: bytes | memoryview, float_size: int = 0) -> Stored | None:
+        """The block as it would be stored, or None if it is already stored or nothing would be
+        gained (then ``put`` writes it raw). ``float_size``: the element size of a float array's
+        bytes. Runs on the caller's thread, outside the writer's lock."""
+        return None
+
+    def put(self, cid: bytes, data: bytes | memoryview, *, stored: Stored | None = None) -> bool:
+        """Add a block; return False (and write nothing) if it is already stored.
+
+        ``stored``: its encoding from :meth:`encode`; without one a compressing writer encodes
+        it here.
+        """
         size = memoryview(data).nbytes
+        if stored is None and self.compresses:
+            stored = self.encode(cid, data)
         with self._lock:
             if self.closed:
                 raise RepositoryError("block writer is already closed")
@@ -63,7 +88,7 @@ class BlockWriter(ABC):
                 self.stats.bytes_reused += size
                 return False
             self._pending.add(cid)
-            self._append(cid, data)
+            self._append(cid, stored or Stored(0, data), size)
             self.stats.blocks_written += 1
             self.stats.bytes_written += size
             return True
@@ -78,8 +103,8 @@ class BlockWriter(ABC):
         return self._store._has(cid)
 
     @abstractmethod
-    def _append(self, cid: bytes, data: bytes | memoryview) -> None:
-        """Write one new block into the batch (called with the writer's lock held)."""
+    def _append(self, cid: bytes, stored: Stored, size: int) -> None:
+        """Write one new block of raw ``size`` bytes into the batch (with the writer's lock held)."""
 
     @abstractmethod
     def commit(self) -> None:
@@ -185,6 +210,10 @@ class BlockStore(ABC):
         """Stored size of the block; :class:`BlockNotFound` if absent."""
         return self._size(cidlib.to_bytes(cid))
 
+    def stored_size(self, cid: cidlib.CIDLike) -> int:
+        """Bytes the block takes on the medium (less than :meth:`size` when compressed)."""
+        return self.size(cid)
+
     @abstractmethod
     def _has(self, cid: bytes) -> bool:
         """``has`` for a binary CID (the per-block hot path skips parsing)."""
@@ -208,11 +237,13 @@ class BlockStore(ABC):
 
     # -- writes --------------------------------------------------------------------------------
     @abstractmethod
-    def writer(self, *, verify_existing: bool = False) -> BlockWriter:
+    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> BlockWriter:
         """Start a batch of writes.
 
         ``verify_existing``: before reusing a stored copy of a block, read it back and check its
         hash; a damaged copy is then replaced by the one being written (an import that repairs).
+        ``compression``: ``"none"`` or ``"zstd"`` (``blocks.compression``); what a block is
+        named by never depends on it.
         """
 
     def put(self, cid: cidlib.CIDLike, data: bytes) -> bool:

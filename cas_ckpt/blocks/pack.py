@@ -2,10 +2,15 @@
 
 ::
 
-    offset 0   "CASPACK1"
-    offset 8   block bytes, back to back, no framing
-    ...        index: msgpack array of [cid: bin, offset: uint, length: uint], in write order
+    offset 0   "CASPACK1" (version 1) or "CASPACK2" (version 2)
+    offset 8   stored block bytes, back to back, no framing
+    ...        index: msgpack array of entries, in write order:
+                 version 1: [cid: bin, offset: uint, length: uint]
+                 version 2: [cid: bin, offset: uint, stored length: uint, codec: uint, raw length: uint]
     end-48     footer: index length (uint64 LE) | sha256(index) (32 bytes) | "CASPKEND"
+
+Version 2 adds the codec of each stored block (:mod:`cas_ckpt.blocks.compression`); writers
+that do not compress keep writing version 1, byte for byte as before.
 
 A pack is named ``<hex sha256 of its index and footer>.pack``: two packs of one name hold the same
 blocks at the same offsets. The header is at the end (as in restic), so blocks stream out as they are made.
@@ -20,9 +25,13 @@ from typing import NamedTuple
 import msgpack
 
 from cas_ckpt import cid as cidlib
+from cas_ckpt.blocks.compression import CODEC_NONE, CODECS
 from cas_ckpt.errors import CorruptStore
 
 PACK_MAGIC = b"CASPACK1"
+PACK_MAGIC_V2 = b"CASPACK2"
+VERSIONS = {PACK_MAGIC: 1, PACK_MAGIC_V2: 2}
+MAGICS = {version: magic for magic, version in VERSIONS.items()}
 FOOTER_MAGIC = b"CASPKEND"
 FOOTER = struct.Struct("<Q32s8s")  # index length, sha256(index), magic
 SUFFIX = ".pack"
@@ -32,20 +41,47 @@ MAX_INDEX = 128 * 1024 * 1024
 INDEX_READ = 64 * 1024  # first guess at the index size: one read from the end usually suffices
 SMALL_PACK = 32 * 1024 * 1024  # GC merges packs smaller than this
 
-Entry = tuple[bytes, int, int]  # binary CID, offset, length
+
+
+class Entry(NamedTuple):
+    """One stored block of a pack: ``length`` bytes at ``offset``, decoding to ``size`` bytes."""
+
+    cid: bytes
+    offset: int
+    length: int
+    codec: int
+    size: int
 
 
 class Location(NamedTuple):
-    """Where one copy of a block lies."""
+    """Where one copy of a block lies, and how it is stored."""
 
     pack: str
     offset: int
     length: int
+    codec: int
+    size: int
+
+    @classmethod
+    def of(cls, pack: str, e: Entry) -> Location:
+        return cls(pack, e.offset, e.length, e.codec, e.size)
 
 
-def encode_index(entries: list[Entry]) -> tuple[bytes, str]:
+def pack_version(entries: list[Entry]) -> int:
+    """The lowest format version that can hold these entries."""
+    return 2 if any(e.codec != CODEC_NONE for e in entries) else 1
+
+
+def encode_index(entries: list[Entry], version: int = 1) -> tuple[bytes, str]:
     """The index and footer bytes that end a pack of ``entries``, and the pack's name."""
-    index = msgpack.packb(entries, use_bin_type=True)
+    if version == 1:
+        if pack_version(entries) != 1:
+            raise ValueError("a version 1 pack holds raw blocks only")
+        rows: list[tuple[bytes, int, int] | tuple[bytes, int, int, int, int]] = [
+            (e.cid, e.offset, e.length) for e in entries]
+    else:
+        rows = [(e.cid, e.offset, e.length, e.codec, e.size) for e in entries]
+    index = msgpack.packb(rows, use_bin_type=True)
     tail = index + FOOTER.pack(len(index), hashlib.sha256(index).digest(), FOOTER_MAGIC)
     return tail, hashlib.sha256(tail).hexdigest() + SUFFIX
 
@@ -62,8 +98,9 @@ def index_length(footer: bytes, size: int, where: object) -> int:
     return length + FOOTER.size
 
 
-def parse_index(tail: bytes, size: int, where: object) -> list[Entry]:
-    """Check and decode the index of a pack of ``size`` bytes from its last bytes (``tail``).
+def parse_index(tail: bytes, size: int, where: object, version: int = 1) -> list[Entry]:
+    """Check and decode the index of a version ``version`` pack of ``size`` bytes from its last
+    bytes (``tail``).
 
     ``tail`` holds at least the index and footer; :class:`CorruptStore` naming ``where`` if damaged.
     """
@@ -76,22 +113,27 @@ def parse_index(tail: bytes, size: int, where: object) -> list[Entry]:
     if hashlib.sha256(index).digest() != digest:
         raise CorruptStore(where, "pack index checksum mismatch")
     try:
-        entries = [_entry(e) for e in msgpack.unpackb(index, raw=False, use_list=False)]
+        entries = [_entry(e, version) for e in msgpack.unpackb(index, raw=False, use_list=False)]
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise CorruptStore(where, f"unreadable pack index: {exc}") from None
-    for _, offset, n in entries:
-        if offset < len(PACK_MAGIC) or n < 0 or offset + n > start:
+    for e in entries:
+        if e.offset < len(PACK_MAGIC) or e.length < 0 or e.offset + e.length > start:
             raise CorruptStore(where, "pack index points outside the pack")
     return entries
 
 
-def _entry(entry: object) -> Entry:
-    if not (isinstance(entry, tuple) and len(entry) == 3):
-        raise ValueError("index entry is not a (cid, offset, length) triple")
-    cid, offset, length = entry
-    if not (isinstance(cid, bytes) and type(offset) is int and type(length) is int):
+def _entry(row: object, version: int) -> Entry:
+    arity = 3 if version == 1 else 5
+    if not (isinstance(row, tuple) and len(row) == arity):
+        raise ValueError(f"index entry is not a {arity}-item array")
+    if not (isinstance(row[0], bytes) and all(type(n) is int for n in row[1:])):
         raise ValueError("index entry has the wrong types")
-    return cidlib.check_binary(cid), offset, length
+    if version == 1:
+        return Entry(cidlib.check_binary(row[0]), row[1], row[2], CODEC_NONE, row[2])
+    cid, offset, length, codec, size = row
+    if codec not in CODECS or size < 0 or (codec == CODEC_NONE and size != length):
+        raise ValueError(f"index entry has codec {codec} and raw length {size}")
+    return Entry(cidlib.check_binary(cid), offset, length, codec, size)
 
 
 def plan_sweep(
@@ -109,7 +151,7 @@ def plan_sweep(
     for name, (entries, size, age) in packs.items():
         if age < min_age:
             continue
-        live = [e for e in entries if e[0] not in cids]
+        live = [e for e in entries if e.cid not in cids]
         if len(live) < len(entries):
             doomed[name] = live
         elif size < SMALL_PACK:

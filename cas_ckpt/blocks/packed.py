@@ -29,16 +29,20 @@ from cas_ckpt.backends.base import Backend, ObjectInfo, Read, Sink
 from cas_ckpt.backends.local import LocalBackend
 from cas_ckpt.backends.memory import MemoryBackend
 from cas_ckpt.backends.s3 import DEFAULT_GRACE, PART_SIZE, READ_SIZE, S3Backend, S3Bucket
-from cas_ckpt.blocks.base import BlockStore, BlockWriter
+from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
+from cas_ckpt.blocks.compression import CODEC_NONE, Compressor, decode, decode_into
 from cas_ckpt.blocks.pack import (
     FOOTER,
     INDEX_READ,
+    MAGICS,
     PACK_MAGIC,
     SUFFIX,
+    VERSIONS,
     Entry,
     Location,
     encode_index,
     index_length,
+    pack_version,
     parse_index,
     plan_sweep,
 )
@@ -53,13 +57,20 @@ class PackWriter(BlockWriter):
     """Appends blocks to a pack in a backend sink; seals and publishes it past the pack size.
 
     A sealed pack becomes visible in this store when the writer commits, once every pack of the
-    batch is durable on the medium.
+    batch is durable on the medium. A writer that compresses (``compression`` other than
+    ``"none"``) writes version 2 packs; one that does not writes version 1 (``version`` forces 2,
+    for GC moving compressed copies).
     """
 
-    def __init__(self, store: PackedBlockStore, *, verify_existing: bool = False) -> None:
+    def __init__(
+        self, store: PackedBlockStore, *, verify_existing: bool = False, compression: str = "none",
+        version: int = 1,
+    ) -> None:
         super().__init__(store)
         self._packed = store
         self.verify_existing = verify_existing
+        self._compressor = Compressor(compression)
+        self.version = 2 if self._compressor.enabled else version
         self._sink: Sink | None = None
         self._entries: list[Entry] = []
         self._offset = 0
@@ -71,41 +82,54 @@ class PackWriter(BlockWriter):
             return False
         return not self.verify_existing or self._packed._intact(cid)
 
-    def _append(self, cid: bytes, data: bytes | memoryview) -> None:
-        size = memoryview(data).nbytes
-        if self._sink is not None and self._offset + size > self._packed.pack_size and self._entries:
+    @property
+    def compresses(self) -> bool:
+        return self._compressor.enabled
+
+    def encode(self, cid: bytes, data: bytes | memoryview, float_size: int = 0) -> Stored | None:
+        if not self._compressor.enabled or cid in self._pending or self._packed._has(cid):
+            return None  # a block already stored is not compressed again (an index look-up only)
+        encoded = self._compressor.encode(data, float_size)
+        return Stored(*encoded) if encoded else Stored(CODEC_NONE, data)
+
+    def _append(self, cid: bytes, stored: Stored, size: int) -> None:
+        length = memoryview(stored.data).nbytes
+        if self._sink is not None and self._offset + length > self._packed.pack_size and self._entries:
             self._seal()
         if self._sink is None:
             self._sink = self._packed.backend.create()
-            self._sink.write(PACK_MAGIC)
+            self._sink.write(MAGICS[self.version])
             self._offset = len(PACK_MAGIC)
-        self._sink.write(data)
-        self._entries.append((cid, self._offset, size))
-        self._offset += size
+        self._sink.write(stored.data)
+        self._entries.append(Entry(cid, self._offset, length, stored.codec, size))
+        self._offset += length
+        self.stats.bytes_stored += length
 
-    def add_copy(self, cid: bytes, data: bytes | memoryview) -> None:
-        """Write a block again even though the store has it (GC moving live blocks)."""
+    def add_copy(self, cid: bytes, data: bytes | memoryview, *, stored: Stored | None = None) -> None:
+        """Write a block again even though the store has it (GC moving live blocks), as
+        ``stored`` if given (a copy keeps its encoding)."""
         with self._lock:
             if cid not in self._pending:
                 self._pending.add(cid)
-                self._append(cid, data)
+                self._append(cid, stored or Stored(CODEC_NONE, data), memoryview(data).nbytes)
 
     def _seal(self) -> None:
         sink, entries = self._sink, self._entries
         assert sink is not None
         self._sink, self._entries = None, []
-        tail, name = encode_index(entries)
+        tail, name = encode_index(entries, self.version)
         try:
             sink.write(tail)
         except BaseException:
             sink.abort()
             raise
         info = ObjectInfo(name, self._offset + len(tail), 0.0)
+        publish = self._packed._publish
         if self._packed.backend.publish_in_background:
-            self._sealed.append(self._packed._publisher.submit(self._packed._publish, sink, info, entries))
+            self._sealed.append(self._packed._publisher.submit(publish, sink, info, entries, self.version))
         else:
             done: Future[tuple[ObjectInfo, list[Entry]]] = Future()
-            done.set_result(self._packed._publish(sink, info, entries))
+            done.set_result(publish(sink, info, entries, self.version))
             self._sealed.append(done)
 
     def commit(self) -> None:
@@ -201,16 +225,14 @@ class PackedBlockStore(BlockStore):
         for info, tail, head, ok in zip(infos, tails, heads, tail_found, strict=True):
             head_ok = next(found) if head else ok
             try:
-                entries = self._parse_tail(info, tail, ok if ok is not True else head_ok)
-                if entries is not None and bytes(head or tail[: len(PACK_MAGIC)]) != PACK_MAGIC:
-                    raise CorruptStore(self.backend.where(info.name), "not a cas_ckpt pack (bad header)")
-                results.append(entries)
+                magic = bytes(head or tail[: len(PACK_MAGIC)])
+                results.append(self._parse_tail(info, tail, ok if ok is not True else head_ok, magic))
             except CorruptStore as exc:
                 results.append(str(exc))
         return results
 
     def _parse_tail(
-        self, info: ObjectInfo, tail: bytearray, found: bool | CorruptStore
+        self, info: ObjectInfo, tail: bytearray, found: bool | CorruptStore, magic: bytes
     ) -> list[Entry] | None:
         where = self.backend.where(info.name)
         if isinstance(found, CorruptStore):
@@ -218,12 +240,15 @@ class PackedBlockStore(BlockStore):
         if not found:
             return None
         need = index_length(bytes(tail[-FOOTER.size :]), info.size, where)
+        version = VERSIONS.get(magic)
+        if version is None:
+            raise CorruptStore(where, "not a cas_ckpt pack (bad header)")
         if need > len(tail):
             longer = self.backend.read(info.name, info.size - need, need)
             if longer is None:
                 return None
-            return parse_index(longer, info.size, where)
-        return parse_index(bytes(tail), info.size, where)
+            return parse_index(longer, info.size, where, version)
+        return parse_index(bytes(tail), info.size, where, version)
 
     def _add_pack(self, info: ObjectInfo, entries: list[Entry]) -> None:
         with self._lock:
@@ -231,10 +256,10 @@ class PackedBlockStore(BlockStore):
                 return
             self._packs[info.name] = entries
             self._info[info.name] = info
-            for cid, offset, length in entries:
-                loc = Location(info.name, offset, length)
-                if self._index.setdefault(cid, loc) is not loc:
-                    self._extra.setdefault(cid, []).append(loc)
+            for e in entries:
+                loc = Location.of(info.name, e)
+                if self._index.setdefault(e.cid, loc) is not loc:
+                    self._extra.setdefault(e.cid, []).append(loc)
 
     def _add_packs(self, packs: list[tuple[ObjectInfo, list[Entry]]]) -> None:
         for info, entries in packs:
@@ -245,8 +270,8 @@ class PackedBlockStore(BlockStore):
         with self._lock:
             entries = self._packs.pop(name, None) or []
             self._info.pop(name, None)
-            for cid, offset, length in entries:
-                loc = Location(name, offset, length)
+            for e in entries:
+                cid, loc = e.cid, Location.of(name, e)
                 self._bad.discard(loc)
                 others = self._extra.get(cid)
                 if self._index.get(cid) == loc:
@@ -303,13 +328,13 @@ class PackedBlockStore(BlockStore):
         return f" (the repository has {len(self.corrupt_packs)} damaged pack(s) that may hold it: {names})"
 
     def packs(self) -> dict[str, list[Entry]]:
-        """Each pack's entries (binary CID, offset, length)."""
+        """Each pack's entries (binary CID, offset, stored length, codec, raw length)."""
         self.refresh()
         with self._lock:
             return {name: list(entries) for name, entries in self._packs.items()}
 
     def locate(self, cid: bytes) -> tuple[str, int, int]:
-        """Where the copy reads use lies: the pack (its path or URL), offset and length."""
+        """Where the copy reads use lies: the pack (its path or URL), offset and stored length."""
         copies = self._locate(cid)
         if not copies:
             raise BlockNotFound(cidlib.to_str(cid), self._missing_hint())
@@ -351,25 +376,39 @@ class PackedBlockStore(BlockStore):
             self.refresh()
         raise BlockNotFound(cidlib.to_str(cid), self._missing_hint())
 
+    def _fetch(self, loc: Location) -> bytes | None:
+        """The raw bytes of the copy at ``loc`` (None: its pack is gone); CorruptStore if they
+        do not decode."""
+        data = self.backend.read(loc.pack, loc.offset, loc.length)
+        if data is None or loc.codec == CODEC_NONE:
+            return data
+        return decode(loc.codec, data, loc.size, self.backend.where(loc.pack))
+
     def _read(self, cid: bytes) -> bytes | None:
         try:
-            return self._read_good(cid, False, lambda loc: self.backend.read(*loc))
+            return self._read_good(cid, False, self._fetch)
         except BlockNotFound:
             return None
 
     def get(self, cid: cidlib.CIDLike, *, verify: bool | None = None) -> bytes:
         key = cidlib.to_bytes(cid)
         check = self.verify if verify is None else verify
-        data: bytes = self._read_good(key, check, lambda loc: self.backend.read(*loc))
+        data: bytes = self._read_good(key, check, self._fetch)
         return data
 
     def get_into(self, cid: bytes, out: memoryview, *, verify: bool | None = None) -> None:
         check = self.verify if verify is None else verify
 
         def read(loc: Location) -> memoryview | None:
-            if loc.length != out.nbytes:
-                raise CorruptBlock(cidlib.to_str(cid), f"stored size {loc.length} != expected {out.nbytes}")
-            return out if self.backend.read_into(loc.pack, loc.offset, out) else None
+            if loc.size != out.nbytes:
+                raise CorruptBlock(cidlib.to_str(cid), f"stored size {loc.size} != expected {out.nbytes}")
+            if loc.codec == CODEC_NONE:
+                return out if self.backend.read_into(loc.pack, loc.offset, out) else None
+            stored = self.backend.read(loc.pack, loc.offset, loc.length)
+            if stored is None:
+                return None
+            decode_into(loc.codec, stored, out, self.backend.where(loc.pack))
+            return out
 
         self._read_good(cid, check, read)
 
@@ -378,7 +417,8 @@ class PackedBlockStore(BlockStore):
         verify: bool | None = None,
     ) -> None:
         """Read blocks into consecutive slices of ``out``; blocks lying back to back in one pack
-        travel as one ranged read on a medium that coalesces (``backend.read_coalesce``)."""
+        travel as one ranged read on a medium that coalesces (``backend.read_coalesce``), raw
+        ones straight into ``out``, compressed ones into a scratch buffer decoded on ``pool``."""
         if not self.backend.read_coalesce or len(cids) == 1:
             super().get_many_into(cids, sizes, out, pool, verify=verify)
             return
@@ -389,28 +429,42 @@ class PackedBlockStore(BlockStore):
             copies = self._locate(cid)
             if not copies:
                 raise BlockNotFound(cidlib.to_str(cid), self._missing_hint())
-            if copies[0].length != size:
-                raise CorruptBlock(cidlib.to_str(cid), f"stored size {copies[0].length} != expected {size}")
+            if copies[0].size != size:
+                raise CorruptBlock(cidlib.to_str(cid), f"stored size {copies[0].size} != expected {size}")
             locs.append(copies[0])
-        runs = list(_runs(locs, self.backend.read_coalesce))
-        reads = [
-            Read(locs[run[0]].pack, locs[run[0]].offset, out[offsets[run[0]] : offsets[run[-1] + 1]],
-                 [locs[i].offset for i in run])
-            for run in runs
-        ]
-        redo = [i for run, ok in zip(runs, self.backend.read_many(reads), strict=True) if ok is not True
-                for i in run]  # gone or damaged: each block on its own finds a good copy or says why
-        for i in redo:
-            self.get_into(cids[i], out[offsets[i] : offsets[i + 1]], verify=check)
-        if not check:
-            return
-        done = set(redo)
+        raw = [i for i, loc in enumerate(locs) if loc.codec == CODEC_NONE]
+        packed = [i for i, loc in enumerate(locs) if loc.codec != CODEC_NONE]
+        scratch_at = dict(zip(packed, itertools.accumulate((locs[i].length for i in packed), initial=0),
+                              strict=False))
+        scratch = memoryview(bytearray(sum(locs[i].length for i in packed)))
 
-        def verify_one(i: int) -> None:
-            if i not in done and not cidlib.matches(cids[i], out[offsets[i] : offsets[i + 1]]):
-                self.get_into(cids[i], out[offsets[i] : offsets[i + 1]], verify=True)
+        def target(i: int, last: int) -> memoryview:
+            if i in scratch_at:
+                return scratch[scratch_at[i] : scratch_at[last] + locs[last].length]
+            return out[offsets[i] : offsets[last + 1]]
 
-        for future in [pool.submit(verify_one, i) for i in range(len(cids))]:
+        runs = [[group[j] for j in run] for group in (raw, packed)
+                for run in _runs([locs[i] for i in group], self.backend.read_coalesce)]
+        reads = [Read(locs[run[0]].pack, locs[run[0]].offset, target(run[0], run[-1]),
+                      [locs[i].offset for i in run]) for run in runs]
+        redo = {i for run, ok in zip(runs, self.backend.read_many(reads), strict=True) if ok is not True
+                for i in run}  # gone or damaged: each block on its own finds a good copy or says why
+
+        def finish(i: int) -> None:
+            dest = out[offsets[i] : offsets[i + 1]]
+            if i not in redo:
+                try:
+                    if i in scratch_at:
+                        loc = locs[i]
+                        decode_into(loc.codec, target(i, i), dest, self.backend.where(loc.pack))
+                    if not check or cidlib.matches(cids[i], dest):
+                        return
+                except CorruptStore:
+                    pass
+            self.get_into(cids[i], dest, verify=check)
+
+        for future in [pool.submit(finish, i) for i in range(len(cids)) if check or i in redo
+                       or i in scratch_at]:
             future.result()
 
     def map_blocks(self, cids: list[bytes], *, private: bool = False) -> memoryview | None:
@@ -423,8 +477,8 @@ class PackedBlockStore(BlockStore):
         end = first.offset
         for copies in locations:
             loc = copies[0]
-            if loc.pack != first.pack or loc.offset != end:
-                return None
+            if loc.pack != first.pack or loc.offset != end or loc.codec != CODEC_NONE:
+                return None  # mapped loads apply to raw blocks only
             end += loc.length
         if private:
             return self.backend.map_private(first.pack, first.offset, end - first.offset)
@@ -440,13 +494,19 @@ class PackedBlockStore(BlockStore):
     def _intact(self, cid: bytes) -> bool:
         """Read every copy of ``cid``: True if one passes its hash (the others are marked)."""
         try:
-            self._read_good(cid, True, lambda loc: self.backend.read(*loc))
+            self._read_good(cid, True, self._fetch)
         except (CorruptBlock, BlockNotFound):
             return False
         return True
 
+    def stored_size(self, cid: cidlib.CIDLike) -> int:
+        return self.locate(cidlib.to_bytes(cid))[2]
+
     def _size(self, cid: bytes) -> int:
-        return self.locate(cid)[2]
+        copies = self._locate(cid)
+        if not copies:
+            raise BlockNotFound(cidlib.to_str(cid), self._missing_hint())
+        return copies[0].size
 
     def keys(self) -> Iterator[bytes]:
         self.refresh()
@@ -463,7 +523,7 @@ class PackedBlockStore(BlockStore):
                 progress(i, len(cids))
             for loc in self._copies(cid):
                 try:
-                    data = self.backend.read(*loc)
+                    data = self._fetch(loc)
                     if data is None or cidlib.matches(cid, data):
                         continue  # gone (a concurrent GC), or sound
                     why = f"the copy in pack {loc.pack} at offset {loc.offset} does not match its hash"
@@ -474,9 +534,9 @@ class PackedBlockStore(BlockStore):
         return damaged
 
     # -- writes --------------------------------------------------------------------------------
-    def writer(self, *, verify_existing: bool = False) -> PackWriter:
+    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> PackWriter:
         self._check_writable()
-        return PackWriter(self, verify_existing=verify_existing)
+        return PackWriter(self, verify_existing=verify_existing, compression=compression)
 
     @property
     def _publisher(self) -> ThreadPoolExecutor:
@@ -487,13 +547,13 @@ class PackedBlockStore(BlockStore):
             return self._publisher_pool
 
     def _publish(
-        self, sink: Sink, info: ObjectInfo, entries: list[Entry]
+        self, sink: Sink, info: ObjectInfo, entries: list[Entry], version: int
     ) -> tuple[ObjectInfo, list[Entry]]:
         """Publish a sealed pack; an existing object of its name is trusted only once verified."""
         name = info.name
         try:
             if not sink.publish(name):
-                if self._pack_intact(name, entries):
+                if self._pack_intact(name, entries, version):
                     sink.abort()
                 else:
                     sink.replace(name)  # the existing copy was damaged: ours takes its place
@@ -505,24 +565,37 @@ class PackedBlockStore(BlockStore):
             raise
         return info, entries
 
-    def _pack_intact(self, name: str, entries: list[Entry]) -> bool:
-        """True if the object ``name`` holds ``entries``, each passing its hash."""
+    def _pack_intact(self, name: str, entries: list[Entry], version: int) -> bool:
+        """True if the object ``name`` is the version ``version`` pack of ``entries``, each block
+        passing its hash."""
         try:
-            for run in _runs([Location(name, o, n) for _, o, n in entries], REPACK_READ):
-                first, last = entries[run[0]], entries[run[-1]]
-                data = self.backend.read(name, first[1], last[1] + last[2] - first[1])
-                if data is None:
+            if self.backend.read(name, 0, len(PACK_MAGIC)) != MAGICS[version]:
+                return False
+            for stored, e in self._stored_blocks(name, entries):
+                if not cidlib.matches(e.cid, self._decoded(name, e, stored)):
                     return False
-                view = memoryview(data)
-                for i in run:
-                    cid, offset, length = entries[i]
-                    if not cidlib.matches(cid, view[offset - first[1] : offset - first[1] + length]):
-                        return False
-            expected = encode_index(entries)[0]
-            end = entries[-1][1] + entries[-1][2] if entries else len(PACK_MAGIC)
+            expected = encode_index(entries, version)[0]
+            end = entries[-1].offset + entries[-1].length if entries else len(PACK_MAGIC)
             return self.backend.read(name, end, len(expected)) == expected
-        except CorruptStore:
+        except (CorruptStore, RepositoryError):
             return False
+
+    def _stored_blocks(self, name: str, entries: list[Entry]) -> Iterator[tuple[memoryview, Entry]]:
+        """The stored bytes of each entry of pack ``name``, read in runs of at most REPACK_READ."""
+        for run in _runs([Location.of(name, e) for e in entries], REPACK_READ):
+            first, last = entries[run[0]], entries[run[-1]]
+            data = self.backend.read(name, first.offset, last.offset + last.length - first.offset)
+            if data is None:
+                raise RepositoryError(f"pack {self.backend.where(name)} vanished while it was being read")
+            view = memoryview(data)
+            for i in run:
+                e = entries[i]
+                yield view[e.offset - first.offset : e.offset - first.offset + e.length], e
+
+    def _decoded(self, name: str, e: Entry, stored: memoryview) -> bytes | memoryview:
+        if e.codec == CODEC_NONE:
+            return stored
+        return decode(e.codec, stored, e.size, self.backend.where(name))
 
     def delete(
         self, cids: set[bytes], *, min_age: float = 0.0, before_unlink: Callable[[], None] | None = None
@@ -574,13 +647,13 @@ class PackedBlockStore(BlockStore):
         Packs with the fewest live bytes come first: on a full disk each group is rewritten and
         its old packs deleted before the next is written, so the room grows as GC goes.
         """
-        order = sorted(merge, key=lambda name: sum(n for _, _, n in merge[name]))
+        order = sorted(merge, key=lambda name: sum(e.length for e in merge[name]))
         while order:
             free = self.backend.free_space()
             batch: dict[str, list[Entry]] = {}
             need = 0
             for name in order:
-                live = sum(n for _, _, n in merge[name])
+                live = sum(e.length for e in merge[name])
                 if free is not None and batch and need + live + SPACE_MARGIN > free:
                     break
                 batch[name], need = merge[name], need + live
@@ -597,7 +670,8 @@ class PackedBlockStore(BlockStore):
         Returns the new packs' names and the packs to keep. A full medium stops the rewrite:
         nothing is deleted then, and the old packs stay.
         """
-        writer = self.writer()
+        # Copies keep their codec: a version 2 pack is rewritten as one.
+        writer = PackWriter(self, version=pack_version([e for live in merge.values() for e in live]))
         kept: set[str] = set()
         try:
             for name, live in merge.items():
@@ -617,23 +691,19 @@ class PackedBlockStore(BlockStore):
     def _copy_live(self, writer: PackWriter, name: str, live: list[Entry]) -> bool:
         """Append the verified live blocks of pack ``name`` to ``writer``; False if one has no good copy."""
         complete = True
-        for run in _runs([Location(name, o, n) for _, o, n in live], REPACK_READ):
-            first, last = live[run[0]], live[run[-1]]
-            data = self.backend.read(name, first[1], last[1] + last[2] - first[1])
-            if data is None:
-                raise RepositoryError(f"pack {self.backend.where(name)} vanished while GC was rewriting it")
-            view = memoryview(data)
-            for i in run:
-                cid, offset, length = live[i]
-                block = view[offset - first[1] : offset - first[1] + length]
-                if not cidlib.matches(cid, block):
-                    self._mark_bad(cid, Location(name, offset, length))
-                    try:
-                        block = memoryview(self._read_good(cid, True, lambda loc: self.backend.read(*loc)))
-                    except (CorruptBlock, BlockNotFound):
-                        complete = False
-                        continue
-                writer.add_copy(cid, block)
+        for stored, e in self._stored_blocks(name, live):
+            try:
+                raw = self._decoded(name, e, stored)
+                if cidlib.matches(e.cid, raw):
+                    writer.add_copy(e.cid, raw, stored=Stored(e.codec, stored))
+                    continue
+            except CorruptStore:
+                pass
+            self._mark_bad(e.cid, Location.of(name, e))
+            try:
+                writer.add_copy(e.cid, self._read_good(e.cid, True, self._fetch))
+            except (CorruptBlock, BlockNotFound):
+                complete = False
         return complete
 
     def clean_temp(self) -> int:

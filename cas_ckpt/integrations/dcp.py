@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from cas_ckpt import cid as cidlib
-from cas_ckpt.blocks.base import BlockWriter, WriteStats
+from cas_ckpt.blocks.base import BlockWriter, Stored, WriteStats
 from cas_ckpt.codec import Link
 from cas_ckpt.errors import DecodeError, RepositoryError, StateTypeError
 from cas_ckpt.integrations.torch import dtype_table
@@ -241,7 +241,7 @@ class Writer(StorageWriter):
 class _DryWriter(BlockWriter):
     """A batch that keeps nothing: hashing a value to its node CID without storing it."""
 
-    def _append(self, cid: bytes, data: bytes | memoryview) -> None:
+    def _append(self, cid: bytes, stored: Stored, size: int) -> None:
         pass
 
     def commit(self) -> None:

@@ -73,7 +73,7 @@ def usage(blocks: BlockStore, refs: RefStore) -> Usage:
         if root is None:
             continue
         reach = walk(blocks, {root: name})
-        stored = sum(blocks.size(c) for c in reach.data if blocks.has(c))
+        stored = sum(blocks.stored_size(c) for c in reach.data if blocks.has(c))
         result.refs.append(
             RefUsage(name, cidlib.to_cid(root), logical_size(blocks, root, memo), stored,
                      len(reach.data))
@@ -81,8 +81,8 @@ def usage(blocks: BlockStore, refs: RefStore) -> Usage:
         everything |= reach.data
     # A checkpoint two refs hold (a manager's head and its .steps/N ref) is one checkpoint.
     result.logical_bytes = sum({bytes(r.cid): r.logical_bytes for r in result.refs}.values())
-    result.stored_bytes = sum(blocks.size(c) for c in everything if blocks.has(c))
+    result.stored_bytes = sum(blocks.stored_size(c) for c in everything if blocks.has(c))
     keys = list(blocks.keys())
     result.total_blocks = len(keys)
-    result.total_bytes = sum(blocks.size(c) for c in keys)
+    result.total_bytes = sum(blocks.stored_size(c) for c in keys)
     return result

@@ -25,7 +25,7 @@ from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import HistoryLink, Link, Tagged
 from cas_ckpt.commit import is_commit
 from cas_ckpt.errors import BlockNotFound, CasCkptError, CorruptBlock
-from cas_ckpt.tree import BLOB, NDARRAY, PAGES, join_path
+from cas_ckpt.tree import BLOB, NDARRAY, PAGES, float_size, join_path
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,29 @@ def child_links(value: Any, path: str = "") -> Iterator[tuple[Link, str]]:
                 yield from _sequence_links(item.value, where)
             else:
                 stack.append((item.value, where))
+
+
+def float_chunks(value: Any) -> dict[bytes, int]:
+    """The chunks of float arrays a decoded node lists, with their element size (compression
+    groups their bytes by it)."""
+    found: dict[bytes, int] = {}
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, Tagged):
+            header = item.value
+            if item.code == NDARRAY and isinstance(header, dict) and isinstance(header.get("dtype"), str):
+                size = float_size(header["dtype"])
+                chunks = header.get("chunks")
+                if size and isinstance(chunks, list):
+                    found.update((link.cid, size) for link in chunks if isinstance(link, Link))
+            else:
+                stack.append(header)
+    return found
 
 
 def _sequence_links(header: dict[Any, Any], where: str) -> Iterator[tuple[Link, str]]:

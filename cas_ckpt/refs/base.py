@@ -204,6 +204,11 @@ class RefStore(ABC):
         """Store ``config`` unless one exists; return the one in force."""
 
     @abstractmethod
+    def update_config(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        """Replace the config by ``new`` if it still equals ``old`` (compare-and-swap, durable);
+        return the one in force."""
+
+    @abstractmethod
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         """Saves hold this shared, GC exclusive, so GC never sweeps under a save in progress."""
 

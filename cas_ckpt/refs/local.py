@@ -303,6 +303,15 @@ class LocalRefStore(RefStore):
         _fs.create_exclusive(self.config_path, data, tmp_dir=self.root)
         return self.read_config() or config
 
+    def update_config(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        with self._ref_lock("config.json"):  # every writer of config.json holds the ref lock
+            current = self.read_config()
+            if current == old:
+                data = (json.dumps(new, indent=2, sort_keys=True) + "\n").encode()
+                _fs.atomic_write(self.config_path, data, tmp_dir=self.root)
+                current = new
+            return dict(current or {})
+
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         return _flock_none(_fs.refuse_links(self.root, self.locks_dir) / "gc.lock", exclusive)
 

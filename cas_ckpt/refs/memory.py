@@ -79,6 +79,12 @@ class MemoryRefStore(RefStore):
                 self._config = dict(config)
             return dict(self._config)
 
+    def update_config(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        with self._mutex:
+            if self._config == old:
+                self._config = dict(new)
+            return dict(self._config or {})
+
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         return self._rw.hold(exclusive)
 

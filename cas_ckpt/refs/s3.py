@@ -359,6 +359,13 @@ class S3RefStore(RefStore):
         self.bucket.put("config.json", data, create=True)
         return self.read_config() or config
 
+    def update_config(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        got = self.bucket.get("config.json")
+        if got is not None and json.loads(got[0].decode("utf-8")) == old:
+            data = (json.dumps(new, indent=2, sort_keys=True) + "\n").encode()
+            self.bucket.put("config.json", data, match=got[1])  # If-Match: a racing update wins alone
+        return self.read_config() or {}
+
     # -- the save/GC lock: leases --------------------------------------------------------------
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         return self._hold(exclusive)

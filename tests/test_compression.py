@@ -1,0 +1,307 @@
+"""Compression inside packs: codecs, pack format 2, and compressed repositories end to end.
+
+CIDs name the raw bytes, so every test that compresses also checks that nothing a user sees
+(CIDs, loaded values, CAR exports) depends on the codec.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import assert_state_equal
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import states
+
+import cas_ckpt
+from cas_ckpt.blocks.compression import (
+    CODEC_GROUPED,
+    CODEC_NONE,
+    CODEC_ZSTD,
+    CODECS,
+    Compressor,
+    decode,
+    decode_into,
+)
+from cas_ckpt.blocks.pack import PACK_MAGIC, PACK_MAGIC_V2, Entry, encode_index, parse_index
+from cas_ckpt.errors import CorruptStore, RepositoryError
+
+ROOT = Path(__file__).resolve().parent.parent
+FEWER = settings(max_examples=max(10, settings().max_examples // 3))
+ZSTD = Compressor("zstd")
+
+
+def weights(seed: int, n: int, dtype: Any) -> np.ndarray[Any, Any]:
+    """Values distributed like trained weights (compressible exponents, noisy mantissas)."""
+    values = np.random.default_rng(seed).normal(0, 0.02, n)
+    if np.dtype(dtype).kind == "c":
+        return (values + 1j * values[::-1]).astype(dtype)
+    if np.dtype(dtype).kind in "iu":
+        return (values * 1000).astype(dtype)
+    return values.astype(dtype)
+
+
+WEIGHT_DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.complex64, np.int64,
+                 np.uint8, ml_dtypes.float8_e4m3fn]
+
+
+@st.composite
+def weight_arrays(draw: st.DrawFn) -> np.ndarray[Any, Any]:
+    dtype = draw(st.sampled_from(WEIGHT_DTYPES))
+    n = draw(st.integers(0, 12_000))
+    array = weights(draw(st.integers(0, 2**32 - 1)), n, dtype)
+    return array.reshape(-1, 3) if n % 3 == 0 and n else array
+
+
+# -- codecs ----------------------------------------------------------------------------------------
+@given(data=st.binary(max_size=9000), float_size=st.sampled_from([0, 2, 4, 8]))
+def test_any_bytes_round_trip_through_the_codecs(data: bytes, float_size: int) -> None:
+    encoded = ZSTD.encode(data, float_size)
+    if encoded is None:
+        return  # stored raw
+    codec, stored = encoded
+    assert len(stored) <= 0.95 * len(data)
+    assert decode(codec, stored, len(data), "block") == data
+
+
+@given(array=weight_arrays())
+def test_float_arrays_round_trip_grouped(array: np.ndarray[Any, Any]) -> None:
+    data = array.tobytes()
+    size = array.itemsize // 2 if array.dtype.kind == "c" else array.itemsize
+    encoded = ZSTD.encode(data, size if array.dtype.kind in "fc" or array.dtype == ml_dtypes.bfloat16 else 0)
+    if encoded is not None:
+        out = bytearray(len(data))
+        decode_into(encoded[0], encoded[1], memoryview(out), "block")
+        assert out == data
+
+
+def test_trained_like_weights_use_the_grouped_codec_and_shrink() -> None:
+    for dtype, size, most in ((np.float32, 4, 0.85), (ml_dtypes.bfloat16, 2, 0.72)):
+        data = weights(1, 100_000, dtype).tobytes()
+        codec, stored = ZSTD.encode(data, size)  # type: ignore[misc]
+        assert codec == CODEC_GROUPED and len(stored) < most * len(data)
+
+
+def test_incompressible_and_tiny_blocks_stay_raw() -> None:
+    assert ZSTD.encode(np.random.default_rng(0).bytes(100_000), 4) is None
+    assert ZSTD.encode(b"\0" * 100) is None  # under MIN_BLOCK: a frame would eat the saving
+    assert Compressor("none").encode(b"\0" * 100_000) is None
+    assert ZSTD.encode(b"\0" * 100_000)[0] == CODEC_ZSTD  # type: ignore[index]
+
+
+@given(stored=st.binary(max_size=300), codec=st.sampled_from(CODECS), size=st.integers(0, 4000))
+def test_garbage_never_decodes_to_anything_but_its_size(stored: bytes, codec: int, size: int) -> None:
+    out = bytearray(size)
+    try:
+        decode_into(codec, stored, memoryview(out), "pack p")
+    except CorruptStore as exc:
+        assert "pack p" in str(exc)
+
+
+def test_a_damaged_stream_or_frame_is_corrupt_store() -> None:
+    data = weights(2, 50_000, np.float32).tobytes()
+    codec, stored = ZSTD.encode(data, 4)  # type: ignore[misc]
+    for cut in (stored[:-1], stored[:20], b"\x03" + stored[1:], stored + b"x"):
+        with pytest.raises(CorruptStore):
+            decode(codec, cut, len(data), "pack p")
+    with pytest.raises(CorruptStore, match="unknown codec"):
+        decode(9, stored, len(data), "pack p")
+
+
+# -- the pack index, versions 1 and 2 -------------------------------------------------------------
+cids = st.builds(lambda b: cas_ckpt.cid.Hasher("sha2-256").raw(b), st.binary(max_size=8))
+
+
+@st.composite
+def indexes(draw: st.DrawFn, version: int) -> list[Entry]:
+    entries, offset = [], len(PACK_MAGIC)
+    for cid in draw(st.lists(cids, max_size=20)):
+        length = draw(st.integers(0, 5000))
+        codec = CODEC_NONE if version == 1 else draw(st.sampled_from(CODECS))
+        size = length if codec == CODEC_NONE else draw(st.integers(0, 10**9))
+        entries.append(Entry(cid, offset, length, codec, size))
+        offset += length
+    return entries
+
+
+@given(data=st.data(), version=st.sampled_from([1, 2]))
+def test_pack_indexes_round_trip(data: st.DataObject, version: int) -> None:
+    entries = data.draw(indexes(version))
+    tail, _ = encode_index(entries, version)
+    end = entries[-1].offset + entries[-1].length if entries else len(PACK_MAGIC)
+    assert parse_index(tail, end + len(tail), "p", version) == entries
+    if entries:
+        with pytest.raises(CorruptStore, match="index entry"):
+            parse_index(tail, end + len(tail), "p", 3 - version)  # the other version's arity
+
+
+def test_a_version_1_index_cannot_hold_compressed_blocks() -> None:
+    with pytest.raises(ValueError):
+        encode_index([Entry(b"\x01" * 36, 8, 10, CODEC_ZSTD, 100)], 1)
+
+
+# -- repositories ---------------------------------------------------------------------------------
+@given(state=states(), chunk_size=st.sampled_from([4099, 1024 * 1024]))
+def test_compressed_round_trip_is_bit_exact_and_names_the_same_cids(state: Any, chunk_size: int) -> None:
+    with cas_ckpt.open("memory://", compression="zstd", chunk_size=chunk_size) as packed, \
+            cas_ckpt.open("memory://", chunk_size=chunk_size) as plain:
+        commits = packed.save(state), plain.save(state)
+        assert packed.commit(commits[0]).tree == plain.commit(commits[1]).tree
+        assert_state_equal(state, packed.load("main"))
+
+
+@FEWER
+@given(arrays=st.lists(weight_arrays(), min_size=1, max_size=6))
+def test_compressible_arrays_round_trip_on_disk_with_a_chunk_that_splits_elements(
+    arrays: list[np.ndarray[Any, Any]],
+) -> None:
+    state = {f"w{i}": a for i, a in enumerate(arrays)}
+    with tempfile.TemporaryDirectory() as tmp:
+        with cas_ckpt.open(tmp, compression="zstd", chunk_size=4099) as repo:
+            cid = repo.save(state)
+        with cas_ckpt.open(tmp) as again:
+            assert_state_equal(state, again.load(cid))
+            assert_state_equal(state, again.load(cid, mmap=True))  # mapped loads fall back to copies
+
+
+def test_real_weights_meet_the_size_targets(tmp_path: Path) -> None:
+    real_model = pytest.importorskip("real_model", reason="benchmarks/ on the path")
+    try:
+        state = real_model.model_weights()
+    except real_model.ModelUnavailable:
+        pytest.skip("the models extra is not installed")
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) if v.dtype == np.float32 else v for k, v in state.items()}
+    for weights_, most in ((state, 0.85), (bf16, 0.70)):
+        with cas_ckpt.open(tmp_path / str(most), compression="zstd") as repo:
+            repo.save(weights_)
+            report = repo.last_save
+            assert report is not None and report.bytes_stored <= most * report.bytes_written
+            usage = repo.stats()
+            assert usage.stored_bytes == pytest.approx(report.bytes_stored, rel=0.01)
+
+
+def test_compression_is_recorded_and_switches(tmp_path: Path) -> None:
+    path = tmp_path / "repo"
+    with cas_ckpt.open(path) as repo:
+        assert repo.config.compression == "none" and repo.config.version == 1
+    with cas_ckpt.open(path, compression="zstd") as repo:  # an existing repository switches
+        assert repo.config.compression == "zstd" and repo.config.version == 2
+    config = json.loads((path / "config.json").read_text())
+    assert config["compression"] == "zstd" and config["version"] == 2
+    with cas_ckpt.open(path) as repo:
+        assert repo.config.compression == "zstd"  # kept when not given
+        repo.set_compression("none")
+    with cas_ckpt.open(path, read_only=True) as repo:
+        assert repo.config.compression == "none" and repo.config.version == 2  # v2 packs may exist
+        with pytest.raises(RepositoryError, match="read-only"):
+            cas_ckpt.open(path, read_only=True, compression="zstd")
+    with pytest.raises(ValueError, match="unknown compression"):
+        cas_ckpt.open(path, compression="lz4")
+
+
+def test_a_per_save_override_compresses_and_raises_the_format_version(tmp_path: Path) -> None:
+    state = {"w": weights(3, 300_000, np.float32)}
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        plain = repo.save(state)
+        assert (repo.last_save.bytes_stored == repo.last_save.bytes_written)  # type: ignore[union-attr]
+        state["w"] = state["w"] * 2
+        repo.save(state, compression="zstd")
+        assert repo.last_save.bytes_stored < 0.9 * repo.last_save.bytes_written  # type: ignore[union-attr]
+        assert repo.config.version == 2 and repo.config.compression == "none"
+        magics = {p.read_bytes()[:8] for p in (tmp_path / "r" / "packs").rglob("*.pack")}
+        assert magics == {PACK_MAGIC, PACK_MAGIC_V2}
+        assert repo.load(plain)["w"].tobytes() == weights(3, 300_000, np.float32).tobytes()
+
+
+@pytest.mark.parametrize("version", [3, "2"])
+def test_a_newer_or_malformed_format_version_is_refused_clearly(tmp_path: Path, version: Any) -> None:
+    path = tmp_path / "repo"
+    cas_ckpt.open(path, compression="zstd").close()
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "version": version}))
+    with pytest.raises(RepositoryError, match=r"format version.*upgrade cas_ckpt"):
+        cas_ckpt.open(path)
+
+
+def test_a_version_1_config_naming_compression_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "repo"
+    cas_ckpt.open(path).close()
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "compression": "zstd"}))
+    with pytest.raises(RepositoryError, match="invalid compression"):
+        cas_ckpt.open(path)
+
+
+def _state() -> dict[str, Any]:
+    return {"model": {f"layer{i}": weights(i, 200_000, np.float32) for i in range(3)},
+            "meta": {"step": 7, "note": "x" * 40_000}}
+
+
+def test_fsck_finds_damage_inside_a_compressed_block(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "r", compression="zstd") as repo:
+        repo.save(_state())
+        assert repo.fsck().ok
+        chunk = next(c for c in list(repo.blocks.keys()) if not cas_ckpt.cid.is_node(c))
+        pack, offset, length = repo.blocks.locate(chunk)
+        with open(pack, "r+b") as f:
+            f.seek(offset + length // 2)
+            byte = f.read(1)
+            f.seek(offset + length // 2)
+            f.write(bytes([byte[0] ^ 0x10]))
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        report = repo.fsck()
+        assert not report.ok and str(cas_ckpt.cid.to_cid(chunk)) in str(report)
+
+
+def test_gc_of_a_compressed_repository_keeps_the_rest_compressed(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "r", compression="zstd") as repo:
+        keep = repo.save(_state(), ref="keep")
+        other = _state()
+        other["model"]["layer0"] = other["model"]["layer0"] + 1
+        repo.save(other, ref="drop")
+        stored = repo.stats().total_bytes
+        repo.delete_ref("drop")
+        result = repo.gc(grace=0, reflog_expiry=0)
+        assert result.blocks_freed > 0
+        assert repo.stats().total_bytes < stored
+        packs = repo.blocks.packs()
+        assert any(e.codec != CODEC_NONE for entries in packs.values() for e in entries)
+        assert_state_equal(_state(), repo.load(keep))
+        assert repo.fsck().ok
+
+
+def test_car_export_is_the_same_compressed_or_not_and_imports_compressed(tmp_path: Path) -> None:
+    cars = []
+    for compression in ("none", "zstd"):
+        with cas_ckpt.open(tmp_path / compression, compression=compression) as repo:
+            tree = repo.commit(repo.save(_state())).tree  # a commit records its time
+            out = io.BytesIO()
+            repo.export_car(tree, out)
+            cars.append(out.getvalue())
+    assert cars[0] == cars[1]  # the raw bytes IPFS expects, whatever the storage
+    with cas_ckpt.open(tmp_path / "imported", compression="zstd") as repo:
+        repo.import_car(io.BytesIO(cars[0]), ref="main")
+        assert_state_equal(_state(), repo.load("main"))
+        assert repo.stats().stored_bytes < 0.9 * repo.stats().logical_bytes
+
+
+def test_compressed_repository_on_s3(s3_url: str) -> None:
+    state = _state()
+    with cas_ckpt.open(s3_url, compression="zstd") as repo:
+        cid = repo.save(state)
+        assert repo.last_save.bytes_stored < 0.9 * repo.last_save.bytes_written  # type: ignore[union-attr]
+    with cas_ckpt.open(s3_url) as again:
+        assert again.config.compression == "zstd"
+        assert_state_equal(state, again.load(cid))
+        assert again.fsck().ok
+
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
