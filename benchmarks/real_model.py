@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -65,3 +66,63 @@ def model_weights() -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return load_file(str(model_folder() / "model.safetensors"))
+
+
+def trained_state(steps: int = 3, *, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
+    """The model after ``steps`` real AdamW steps, with its optimizer state (needs torch).
+
+    The loss is masked-token prediction through the model's own BERT encoder (6 layers, tied
+    output embeddings) on random token sequences: real gradients of the real weights, so
+    ``exp_avg``/``exp_avg_sq`` look as they do in a fine-tune. Returns ``{"model": ...,
+    "exp_avg": ..., "exp_avg_sq": ...}``, each by parameter name, as float32 numpy arrays.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(seed)
+    params = {k: torch.tensor(v, requires_grad=v.dtype == np.float32)
+              for k, v in model_weights().items()}
+    trainable = {k: p for k, p in params.items() if p.requires_grad}
+    opt = torch.optim.AdamW(trainable.values(), lr=1e-4)
+    for _ in range(steps):
+        tokens = torch.randint(1000, 30522, (8, 64))
+        masked = torch.rand(tokens.shape) < 0.15
+        hidden = _bert(params, torch.where(masked, 103, tokens))  # 103: [MASK]
+        logits = hidden[masked] @ params["embeddings.word_embeddings.weight"].T  # tied output
+        loss = F.cross_entropy(logits, tokens[masked])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state = {id(p): s for p, s in opt.state.items()}
+    return {
+        "model": {k: p.detach().numpy() for k, p in params.items()},
+        # The pooler takes no part in the loss: it has no gradient, hence no state.
+        **{s: {k: state[id(p)][s].numpy() for k, p in trainable.items() if id(p) in state}
+           for s in ("exp_avg", "exp_avg_sq")},
+    }
+
+
+def _bert(w: dict[str, Any], tokens: Any) -> Any:
+    """The BERT encoder's forward pass (all-MiniLM-L6-v2's shapes): the last hidden states."""
+    import torch.nn.functional as F
+
+    def dense(x: Any, name: str) -> Any:
+        return F.linear(x, w[f"{name}.weight"], w[f"{name}.bias"])
+
+    def norm(x: Any, name: str) -> Any:
+        return F.layer_norm(x, x.shape[-1:], w[f"{name}.weight"], w[f"{name}.bias"], 1e-12)
+
+    e = "embeddings."
+    n = tokens.shape[1]
+    x = w[e + "word_embeddings.weight"][tokens] + w[e + "position_embeddings.weight"][:n]
+    x = norm(x + w[e + "token_type_embeddings.weight"][0], e + "LayerNorm")
+    heads = 12
+    for i in range(6):
+        p = f"encoder.layer.{i}."
+        q, k, v = (dense(x, p + f"attention.self.{m}").unflatten(-1, (heads, -1)).transpose(1, 2)
+                   for m in ("query", "key", "value"))
+        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(-2)
+        x = norm(x + dense(attn, p + "attention.output.dense"), p + "attention.output.LayerNorm")
+        h = F.gelu(dense(x, p + "intermediate.dense"))
+        x = norm(x + dense(h, p + "output.dense"), p + "output.LayerNorm")
+    return x

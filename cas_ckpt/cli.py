@@ -24,6 +24,7 @@ from multiformats import CID
 import cas_ckpt
 from cas_ckpt import car, codec
 from cas_ckpt import cid as cidlib
+from cas_ckpt.blocks.compression import SETTINGS
 from cas_ckpt.codec import HistoryLink, Link, Tagged
 from cas_ckpt.commit import is_commit
 from cas_ckpt.errors import (
@@ -158,6 +159,9 @@ def _register_init(sub: Any, json_flag: Any) -> None:
     p.add_argument("path", nargs="?", help="directory (default: --repo, $CAS_CKPT_REPO or .)")
     p.add_argument("--hash", choices=sorted(cidlib.HASH_CODES), default="sha2-256")
     p.add_argument("--chunk-size", type=int, metavar="BYTES", default=MAX_CHUNK)
+    p.add_argument("--compression", choices=SETTINGS, default=None,
+                   help="how new blocks are stored (default none); on an existing repository, "
+                        "switch to it")
 
 
 def _register_reading(sub: Any, json_flag: Any) -> None:
@@ -502,15 +506,24 @@ def cmd_init(args: argparse.Namespace) -> int:
     path = _location(args.path) if args.path else (repo_path(args) or Path.cwd())
     try:
         with cas_ckpt.open(path, create=False, read_only=True) as repo:
-            _print(f"existing repository at {path} (hash {repo.config.hash}), left as it is")
-            return EXIT_OK
+            existing = repo.config
     except RepositoryError:
-        pass
+        existing = None
+    if existing is not None:
+        if args.compression is None or args.compression == existing.compression:
+            _print(f"existing repository at {path} (hash {existing.hash}, compression "
+                   f"{existing.compression}), left as it is")
+            return EXIT_OK
+        with cas_ckpt.open(path, create=False, compression=args.compression):
+            _print(f"existing repository at {path}: new blocks are now stored with compression "
+                   f"{args.compression} (stored blocks keep theirs)")
+        return EXIT_OK
     if not 4096 <= args.chunk_size <= MAX_CHUNK:
         raise CommandError(f"--chunk-size must be 4096..{MAX_CHUNK}", EXIT_USAGE)
-    with cas_ckpt.open(path, hash=args.hash, chunk_size=args.chunk_size) as repo:
+    with cas_ckpt.open(path, hash=args.hash, chunk_size=args.chunk_size,
+                       compression=args.compression) as repo:
         _print(f"initialised repository at {path} (hash {repo.config.hash}, "
-               f"chunk size {repo.config.chunk_size})")
+               f"chunk size {repo.config.chunk_size}, compression {repo.config.compression})")
     return EXIT_OK
 
 

@@ -44,8 +44,8 @@ class CountingStore(BlockStore):
     def keys(self) -> Iterator[bytes]:
         return self.inner.keys()
 
-    def writer(self, *, verify_existing: bool = False) -> BlockWriter:
-        return self.inner.writer(verify_existing=verify_existing)
+    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> BlockWriter:
+        return self.inner.writer(verify_existing=verify_existing, compression=compression)
 
     def delete(
         self, cids: set[bytes], *, min_age: float = 0.0, before_unlink: Callable[[], None] | None = None

@@ -60,7 +60,7 @@ class Compressor:
         self.setting = setting
         self.enabled = setting != "none"
 
-    def encode(self, data: bytes | memoryview, float_size: int = 0) -> tuple[int, bytes] | None:
+    def encode(self, data: bytes | memoryview, float_size: int = 0) -> tuple[int, bytes | memoryview] | None:
         """``(codec, stored bytes)``, or None to store ``data`` raw.
 
         ``float_size``: the element size when ``data`` is a piece of a float array (2, 4, 8).
@@ -75,7 +75,7 @@ class Compressor:
         else:
             stored = zstandard.ZstdCompressor(level=_LEVEL).compress(view)
             codec = CODEC_ZSTD
-        if len(stored) > n * (1 - MIN_SAVING):
+        if memoryview(stored).nbytes > n * (1 - MIN_SAVING):
             return None
         return codec, stored
 
@@ -86,21 +86,29 @@ def check_setting(setting: object) -> str:
     return setting  # type: ignore[return-value]
 
 
-def _group(view: memoryview, k: int) -> bytes:
+def _group(view: memoryview, k: int) -> memoryview:
     m = view.nbytes // k
     elements = np.frombuffer(view, np.uint8, m * k).reshape(m, k)
-    entropy_coded = exponent_streams(k)
-    head, streams = [bytes([k])], []
-    for j in range(k):
+    coded = exponent_streams(k)  # always the last streams: the raw ones have fixed offsets
+    head = 1 + k * _STREAM.size
+    out = np.empty(head + view.nbytes, np.uint8)  # never larger: a stream that grows stays raw
+    out[0] = k
+    pos = head
+    for j in range(k - len(coded)):
+        out[pos : pos + m] = elements[:, j]
+        _STREAM.pack_into(out, 1 + j * _STREAM.size, _RAW, m)
+        pos += m
+    for j in coded:
         stream = np.ascontiguousarray(elements[:, j])
-        method, body = _RAW, stream.data
-        if j in entropy_coded:
-            packed = zstandard.ZstdCompressor(compression_params=_EXPONENT_PARAMS).compress(stream)
-            if len(packed) <= m * (1 - MIN_SAVING):
-                method, body = _ZSTD, packed
-        head.append(_STREAM.pack(method, len(body)))
-        streams.append(body)
-    return b"".join([*head, *streams, view[m * k :]])
+        packed = zstandard.ZstdCompressor(compression_params=_EXPONENT_PARAMS).compress(stream)
+        method, body = (_ZSTD, packed) if len(packed) <= m * (1 - MIN_SAVING) else (_RAW, stream)
+        n = len(body) if method == _ZSTD else m
+        out[pos : pos + n] = np.frombuffer(body, np.uint8)
+        _STREAM.pack_into(out, 1 + j * _STREAM.size, method, n)
+        pos += n
+    tail = view.nbytes - m * k
+    out[pos : pos + tail] = np.frombuffer(view[m * k :], np.uint8)
+    return memoryview(out[: pos + tail])
 
 
 def decode_into(codec: int, stored: bytes | memoryview, out: memoryview, where: object) -> None:
@@ -113,7 +121,7 @@ def decode_into(codec: int, stored: bytes | memoryview, out: memoryview, where: 
                 raise ValueError("stored size differs from the block size")
             out[:] = stored
         elif codec == CODEC_ZSTD:
-            _unzstd_into(stored, out)
+            out[:] = _unzstd(stored, out.nbytes)
         elif codec == CODEC_GROUPED:
             _ungroup_into(memoryview(stored).cast("B"), out)
         else:
@@ -131,12 +139,12 @@ def decode(codec: int, stored: bytes | memoryview, size: int, where: object) -> 
     return bytes(out)
 
 
-def _unzstd_into(frame: bytes | memoryview, out: memoryview) -> None:
+def _unzstd(frame: bytes | memoryview, size: int) -> bytes:
     # max_output_size bounds the work on a hostile frame; one byte more catches a longer one.
-    raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=out.nbytes + 1)
-    if len(raw) != out.nbytes:
-        raise ValueError(f"zstd frame holds {len(raw)} bytes, not {out.nbytes}")
-    out[:] = raw
+    raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size + 1)
+    if len(raw) != size:
+        raise ValueError(f"zstd frame holds {len(raw)} bytes, not {size}")
+    return raw
 
 
 def _ungroup_into(stored: memoryview, out: memoryview) -> None:
@@ -147,7 +155,6 @@ def _ungroup_into(stored: memoryview, out: memoryview) -> None:
     heads = [_STREAM.unpack_from(stored, 1 + j * _STREAM.size) for j in range(k)]
     pos = 1 + k * _STREAM.size
     elements = np.frombuffer(out, np.uint8, m * k).reshape(m, k)
-    stream = np.empty(m, np.uint8)
     for j, (method, length) in enumerate(heads):
         body = stored[pos : pos + length]
         if body.nbytes != length:
@@ -158,8 +165,7 @@ def _ungroup_into(stored: memoryview, out: memoryview) -> None:
                 raise ValueError(f"raw stream of {length} bytes, not {m}")
             elements[:, j] = np.frombuffer(body, np.uint8)
         elif method == _ZSTD:
-            _unzstd_into(body, memoryview(stream))
-            elements[:, j] = stream
+            elements[:, j] = np.frombuffer(_unzstd(body, m), np.uint8)
         else:
             raise ValueError(f"unknown stream method {method}")
     tail = stored[pos:]
