@@ -26,7 +26,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -396,7 +396,7 @@ class _Exporter:
         self.reader = TreeReader(store, pool, verify=verify, tensor_factory=lambda array, _: array)
         self.store = store
         self.pool = pool
-        self.buffer: np.ndarray[Any, Any] | None = None
+        self.buffers: list[np.ndarray[Any, Any] | None] = [None, None]
         self.report = SafetensorsReport()
 
     # -- reading the state -----------------------------------------------------------------------
@@ -433,40 +433,60 @@ class _Exporter:
 
     # -- writing ---------------------------------------------------------------------------------
     def write_file(self, out: BinaryIO, raw: bytes, tensors: list[_Tensor]) -> None:
+        """Write a whole file: the header, then every tensor's bytes in order.
+
+        Chunks come straight from the store a window at a time, the next window read (and
+        verified) while the one before is written: two windows in memory whatever the size.
+        """
         out.write(len(raw).to_bytes(8, "little"))
         out.write(raw)
-        self.report.bytes += 8 + len(raw)
-        for tensor in tensors:
-            self.write_tensor(out, tensor)
+        with ThreadPoolExecutor(1, thread_name_prefix="cas_ckpt-export") as ahead:
+            current: Future[memoryview] | None = None
+            for slot, job in enumerate(self._jobs(tensors)):
+                following = self._start(job, slot % 2, ahead)
+                if current is not None:
+                    out.write(current.result())
+                current = following
+            if current is not None:
+                out.write(current.result())
+        self.report.bytes += 8 + len(raw) + sum(t.nbytes for t in tensors)
         self.report.tensors += len(tensors)
 
-    def write_tensor(self, out: BinaryIO, tensor: _Tensor) -> None:
-        """Write the tensor's bytes: its chunks straight from the store, a window at a time."""
-        header = tensor.value.value
-        stored = parse_dtype(header["dtype"])
-        chunked = "chunks" in header or "chunk_pages" in header
-        if chunked and header.get("order", "C") == "C" and stored.byteorder != ">":
+    def _jobs(self, tensors: list[_Tensor]) -> Iterator[tuple[list[bytes], list[int]] | memoryview]:
+        """Windows of chunks to read, or bytes converted in memory (inline, Fortran, big-endian)."""
+        for tensor in tensors:
+            header = tensor.value.value
+            stored = parse_dtype(header["dtype"])
+            chunked = "chunks" in header or "chunk_pages" in header
+            if not (chunked and header.get("order", "C") == "C" and stored.byteorder != ">"):
+                array = np.asarray(self.reader.load(tensor.value))
+                array = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
+                yield memoryview(array.reshape(-1).view(np.uint8))
+                continue
             cids = self.reader._chunk_links(header)
             sizes = [self.store.size(c) for c in cids]
             if sum(sizes) != tensor.nbytes:
                 raise SafetensorsError(tensor.path, f"chunks hold {sum(sizes)} bytes, shape needs "
                                        f"{tensor.nbytes}")
             for group in _groups(sizes, READ_WINDOW):
-                total = sum(sizes[i] for i in group)
-                view = memoryview(self._buffer(total))[:total]
-                self.store.get_many_into([cids[i] for i in group], [sizes[i] for i in group], view,
-                                         self.pool, verify=self.reader.verify)
-                out.write(view)
-        else:  # inline, Fortran order or big-endian: converted in memory, one tensor at a time
-            array = np.asarray(self.reader.load(tensor.value))
-            array = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
-            out.write(memoryview(array.reshape(-1).view(np.uint8)))
-        self.report.bytes += tensor.nbytes
+                yield [cids[i] for i in group], [sizes[i] for i in group]
 
-    def _buffer(self, size: int) -> np.ndarray[Any, Any]:
-        if self.buffer is None or self.buffer.nbytes < size:
-            self.buffer = np.empty(max(size, READ_WINDOW), dtype=np.uint8)
-        return self.buffer
+    def _start(self, job: tuple[list[bytes], list[int]] | memoryview, slot: int,
+               ahead: Executor) -> Future[memoryview]:
+        if isinstance(job, memoryview):
+            done: Future[memoryview] = Future()
+            done.set_result(job)
+            return done
+        cids, sizes = job
+        if self.buffers[slot] is None:
+            self.buffers[slot] = np.empty(READ_WINDOW, dtype=np.uint8)
+        view = memoryview(self.buffers[slot])[: sum(sizes)]
+
+        def read() -> memoryview:
+            self.store.get_many_into(cids, sizes, view, self.pool, verify=self.reader.verify)
+            return view
+
+        return ahead.submit(read)
 
 
 def _groups(sizes: list[int], limit: int) -> Iterator[list[int]]:
