@@ -212,6 +212,8 @@ def _register_car(sub: Any, json_flag: Any) -> None:
     p.add_argument("--path", metavar="PATH", help="safetensors: only the tensors below this path")
     p.add_argument("--max-shard-size", metavar="SIZE", type=_size,
                    help="safetensors: shards of at most SIZE (5GB, 500MiB) and an index")
+    p.add_argument("--tied", action="store_true",
+                   help="safetensors: write identical tensors once, as save_model does")
     p = _add(sub, "import", cmd_import, "store a CAR v1 file (all or nothing), a .safetensors file "
              "or a model folder", json_flag)
     p.add_argument("file", metavar="FILE", help="FILE.car ('-' for stdin), FILE.safetensors or a folder")
@@ -809,8 +811,8 @@ def _is_car(output: str) -> bool:
 def cmd_export(args: argparse.Namespace) -> int:
     if not _is_car(args.output):
         return _export_safetensors(args)
-    if args.path is not None or args.max_shard_size is not None:
-        raise CommandError("--path and --max-shard-size apply to safetensors exports, not CAR",
+    if args.path is not None or args.max_shard_size is not None or args.tied:
+        raise CommandError("--path, --max-shard-size and --tied apply to safetensors exports, not CAR",
                            EXIT_USAGE)
     to_stdout = args.output == "-"
     if to_stdout and sys.stdout.isatty():
@@ -830,7 +832,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _export_safetensors(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
         report = repo.export_safetensors(resolve_live(repo, args.target), args.output, path=args.path,
-                                         max_shard_size=args.max_shard_size)
+                                         max_shard_size=args.max_shard_size, tied=args.tied)
     if args.json:
         _print_json(report)
     else:

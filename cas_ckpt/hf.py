@@ -418,9 +418,9 @@ class _Exporter:
             metadata[path] = value if isinstance(value, str) else self.reader.load(value)
         else:
             kind = type(value.value).__name__ if isinstance(value, Tagged) else type(value).__name__
-            raise StateTypeError(base or "(root)", f"a {kind} is neither a tensor nor a str: "
-                                 "safetensors holds tensors, and strings as __metadata__ (pass path= "
-                                 "to export only the tensors below it)")
+            raise StateTypeError(base or "(root)", f"a value of type {kind} is neither a tensor "
+                                 "nor a str: safetensors holds tensors, and strings as __metadata__ "
+                                 "(export only the tensors below a path: path=, --path)")
 
     def tensor(self, value: Tagged, name: str, path: str) -> _Tensor:
         header = value.value
@@ -509,13 +509,16 @@ def _join(path: str, key: object) -> str:
 
 def export(
     store: BlockStore, pool: Executor, tree: bytes, out: str | os.PathLike[str], *,
-    path: str | None = None, max_shard_size: int | str | None = None, verify: bool | None = None,
+    path: str | None = None, max_shard_size: int | str | None = None, tied: bool = False,
+    verify: bool | None = None,
 ) -> SafetensorsReport:
     """Write the checkpoint whose state tree is ``tree`` as safetensors (see the module docstring).
 
     An imported file or folder, with ``path`` None, is re-created byte for byte (or re-sharded,
     with ``max_shard_size``). Otherwise the tensors below ``path`` (dotted names) are written as
     save_file writes them; ``out`` ending in ``.safetensors`` is a file, anything else a folder.
+    ``tied``: tensors with identical stored contents are written once, as save_model writes tied
+    weights (each dropped name recorded in ``__metadata__`` as ``dropped: kept``).
     """
     started = time.perf_counter()
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
@@ -536,6 +539,8 @@ def export(
             blobs = {k: v for k, v in layout["blobs"].items() if k != INDEX}
             metadata = _common_metadata(layout)
         exporter.leaves(value, "", path or "", tensors, metadata)
+        if tied:
+            tensors = _untie(tensors, metadata)
         _export_tensors(exporter, tensors, metadata or None, target, limit, blobs)
     exporter.report.seconds = time.perf_counter() - started
     return exporter.report
@@ -642,6 +647,26 @@ def _export_tensors(exporter: _Exporter, tensors: list[_Tensor], metadata: dict[
     for rel, data in blobs.items():
         _atomic(folder / _safe_relative(rel), lambda f, data=data: f.write(data))
         exporter.report.files.append(str(folder / rel))
+
+
+def _untie(tensors: list[_Tensor], metadata: dict[str, str]) -> list[_Tensor]:
+    """One tensor per group of identical ones, as ``safetensors.torch.save_model`` keeps them.
+
+    The name kept is the first in sorted order; each other is noted in ``metadata`` as
+    ``dropped: kept`` unless the metadata already holds that key.
+    """
+    groups: dict[bytes, list[_Tensor]] = {}
+    for tensor in tensors:  # same dtype, shape and chunks (or inline bytes): the same tensor
+        groups.setdefault(codec.encode(tensor.value), []).append(tensor)
+    kept = []
+    for tensor in tensors:
+        group = groups[codec.encode(tensor.value)]
+        keep = min(group, key=lambda t: t.name)
+        if tensor is keep:
+            kept.append(tensor)
+        else:
+            metadata.setdefault(tensor.name, keep.name)
+    return kept
 
 
 def _shards(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:

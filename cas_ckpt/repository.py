@@ -667,6 +667,7 @@ class Repository:
         *,
         path: str | None = None,
         max_shard_size: int | str | None = None,
+        tied: bool = False,
     ) -> hf.SafetensorsReport:
         """Write checkpoint ``target`` as safetensors: ``out`` ending ``.safetensors`` is a file,
         anything else a folder.
@@ -675,12 +676,15 @@ class Repository:
         (``"5GB"``, ``"500MiB"``, bytes) re-shards it. Any other checkpoint, or the dotted ``path``
         below it, is written as ``safetensors`` ``save_file`` writes the same tensors (strings go
         to ``__metadata__``), in shards with ``model.safetensors.index.json`` when
-        ``max_shard_size`` is given. Chunks stream from the store: memory stays at a few chunks.
+        ``max_shard_size`` is given. ``tied=True`` writes identical tensors once, as
+        ``safetensors.torch.save_model`` writes tied weights (a checkpoint does not record which
+        tensors were tied, only which are equal). Chunks stream from the store: memory stays at a
+        few chunks.
         """
         root = self._resolve(target)
         reader = self._reader(None, None)
         return hf.export(self.blocks, self.pool, self._tree_of(root, reader), out, path=path,
-                         max_shard_size=max_shard_size)
+                         max_shard_size=max_shard_size, tied=tied)
 
 
 def _plain(value: Any, path: str) -> Any:

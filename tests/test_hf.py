@@ -196,6 +196,32 @@ def test_torch_state_dict_exports_as_torch_save_file(tmp_path: Path) -> None:
     assert all(torch.equal(loaded[k], v) for k, v in sd.items())
 
 
+def test_tied_weights_are_written_once_as_save_model_writes_them(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_model, save_model
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(300, 64)
+            self.norm = torch.nn.LayerNorm(64)
+            self.head = torch.nn.Linear(64, 300, bias=False)
+            self.head.weight = self.embed.weight  # tied, as language models tie them
+
+    torch.manual_seed(0)
+    model = Tied()
+    save_model(model, str(tmp_path / "ref.safetensors"))
+    with cas_ckpt.open("memory://") as repo:
+        repo.save({"model": model.state_dict()})
+        repo.export_safetensors("main", tmp_path / "out.safetensors", path="model", tied=True)
+        repo.export_safetensors("main", tmp_path / "both.safetensors", path="model")
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    fresh = Tied()
+    load_model(fresh, str(tmp_path / "out.safetensors"))
+    assert torch.equal(fresh.head.weight, model.embed.weight)
+    assert set(safetensors.numpy.load_file(tmp_path / "both.safetensors")) == set(model.state_dict())
+
+
 def test_non_tensor_leaves_are_a_clear_error(tmp_path: Path) -> None:
     with cas_ckpt.open("memory://") as repo:
         repo.save({"model": {"w": np.ones(3)}, "step": 3})
