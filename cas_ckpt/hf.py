@@ -150,7 +150,7 @@ def parse_header(data: bytes | memoryview | mmap.mmap, size: int, where: str) ->
 def parse_raw(raw: bytes, where: str) -> Header:
     """Parse and validate header bytes (the JSON, without the length before it)."""
     try:
-        parsed = json.loads(raw.decode("utf-8"))
+        parsed = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except UnicodeDecodeError as exc:
         raise SafetensorsError(where, f"header is not UTF-8: {exc.reason}") from None
     except (ValueError, RecursionError) as exc:
@@ -177,15 +177,32 @@ def parse_raw(raw: bytes, where: str) -> Header:
     return Header(raw, entries, metadata)
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")  # Python reads NaN and Infinity; JSON (and serde) do not
+
+
+def _text(value: str, where: str, what: str) -> str:
+    """``value``, unless it holds a lone surrogate (a ``\\ud800`` escape), which UTF-8 cannot hold."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SafetensorsError(where, f"{what} {value!r} is not valid Unicode") from None
+    return value
+
+
 def _metadata(value: Any, where: str) -> dict[str, str] | None:
     if value is None:
         return None
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         raise SafetensorsError(where, "__metadata__ must map strings to strings")
+    for key, text in value.items():
+        _text(key, where, "metadata key")
+        _text(text, where, "metadata value")
     return value
 
 
 def _entry(name: str, info: Any, where: str) -> Entry:
+    _text(name, where, "tensor name")
     if not isinstance(info, dict):
         raise SafetensorsError(where, "tensor info is not a JSON object", tensor=name)
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
@@ -250,6 +267,9 @@ def _folder(root: Path) -> tuple[list[str], list[str]]:
     files, blobs = [], []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         dirnames[:] = sorted(d for d in dirnames if d != ".git")
+        for name in dirnames:
+            if Path(dirpath, name).is_symlink():  # never followed (a loop), never skipped quietly
+                raise SafetensorsError(str(Path(dirpath, name)), "is a link to a folder: copy it in")
         for name in sorted(filenames):
             path = Path(dirpath, name)
             rel = path.relative_to(root).as_posix()
@@ -423,6 +443,8 @@ class _Exporter:
                                  "(export only the tensors below a path: path=, --path)")
 
     def tensor(self, value: Tagged, name: str, path: str) -> _Tensor:
+        if not name:
+            raise StateTypeError(path or "(root)", "a tensor needs a name: export a dict of tensors")
         header = value.value
         dtype = _EXPORT_DTYPE.get(header.get("dtype"))
         if dtype is None:

@@ -8,8 +8,10 @@ decides the shards a sharded export must produce.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -402,6 +404,46 @@ def test_import_and_export_memory_stays_well_under_the_file_size(tmp_path: Path)
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "big.safetensors").read_bytes()
 
 
+KILLED = """
+import sys, cas_ckpt
+repo = cas_ckpt.open(sys.argv[1])
+print("importing", flush=True)
+repo.import_safetensors(sys.argv[2], ref="m")
+"""
+
+
+def test_an_import_killed_midway_moves_no_ref_and_leaves_a_sound_repository(tmp_path: Path) -> None:
+    rng = np.random.default_rng(9)
+    tensors = {f"t{i}": rng.integers(0, 255, 4 << 20, dtype=np.uint8) for i in range(48)}  # 192 MiB
+    save_file(tensors, tmp_path / "big.safetensors")
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        repo.save({"x": 1}, ref="m")
+        before = repo.resolve("m")
+    with subprocess.Popen([sys.executable, "-c", KILLED, str(tmp_path / "repo"),
+                           str(tmp_path / "big.safetensors")], stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stdout.readline() == "importing\n"
+        deadline = time.monotonic() + 60
+        while not list((tmp_path / "repo" / "tmp").glob("*.pack*")) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until a pack is being written: the kill lands mid-import
+        proc.send_signal(signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        assert repo.resolve("m") == before
+        assert repo.fsck().ok
+        repo.import_safetensors(tmp_path / "big.safetensors", ref="m")
+        repo.export_safetensors("m", tmp_path / "out.safetensors")
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "big.safetensors").read_bytes()
+
+
+def test_s3_repositories_import_and_export(s3_url: str, tmp_path: Path) -> None:
+    tensors = layer_tensors(4, layers=2)
+    hf_sharded_folder(tmp_path / "src", tensors, 500_000)
+    with cas_ckpt.open(s3_url) as repo:
+        repo.import_safetensors(tmp_path / "src", ref="m")
+        repo.export_safetensors("m", tmp_path / "out")
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "src")
+
+
 # -- validation ----------------------------------------------------------------------------------
 T = '"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
 
@@ -439,6 +481,12 @@ CASES = {  # header text, data after it
     "trailing NUL": (obj(T) + "\0", b"\0" * 4),
     "escaped name": ('{"\\u0061":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
     "duplicate name": (obj(T, T), b"\0" * 4),
+    "NaN in a field": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":NaN}}', b"\0" * 4),
+    "lone surrogate": ('{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
+    "surrogate pair": ('{"\\ud83d\\ude00":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
+    "surrogate in metadata": (obj('"__metadata__":{"k":"\\udfff"}', T), b"\0" * 4),
+    "not an object": ('{"a":[1]}', b""),
+    "2 offsets expected": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4,4]}}', b"\0" * 4),
 }
 
 
