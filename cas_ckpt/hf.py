@@ -293,25 +293,26 @@ def _read_blob(path: Path) -> bytes:
 def _import_file(tree: TreeWriter, path: Path, tensors: dict[str, Link], key_prefix: str) -> bytes:
     """Store the tensors of one file (each as its own array node); return its header bytes."""
     where = str(path)
-    with open(path, "rb") as f:
+    with open(path, "rb") as f:  # the mapping keeps its own descriptor
         size = os.fstat(f.fileno()).st_size
         if size < 8:
             raise SafetensorsError(where, f"{size} bytes is too short for a safetensors file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            header = parse_header(mapped, size, where)
-            view = memoryview(mapped)
-            try:
-                for entry in header.entries:
-                    key = key_prefix + entry.name
-                    if key in tensors:
-                        raise SafetensorsError(where, "a tensor of this name is in another file "
-                                               "of the folder too", tensor=entry.name)
-                    start = header.data_start + entry.begin
-                    data = view[start : header.data_start + entry.end]
-                    tensors[key] = Link(_write_tensor(tree, entry, data, mapped, start))
-                    data.release()
-            finally:
-                view.release()
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    # Closed here on success only: after an error the traceback's frames still hold views of the
+    # mapping (closing would raise BufferError over the real error); the collector unmaps it.
+    header = parse_header(mapped, size, where)
+    view = memoryview(mapped)
+    for entry in header.entries:
+        key = key_prefix + entry.name
+        if key in tensors:
+            raise SafetensorsError(where, "a tensor of this name is in another file of the folder "
+                                   "too", tensor=entry.name)
+        start = header.data_start + entry.begin
+        data = view[start : header.data_start + entry.end]
+        tensors[key] = Link(_write_tensor(tree, entry, data, mapped, start))
+        data.release()
+    view.release()
+    mapped.close()
     return header.raw
 
 

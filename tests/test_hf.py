@@ -547,6 +547,16 @@ def test_a_bad_file_names_file_and_tensor_and_commits_nothing(tmp_path: Path) ->
             repo.import_safetensors(src / "a.safetensors", prefix="safetensors")
 
 
+def test_a_name_in_two_files_of_a_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    save_file({"w": np.ones(5000, np.float32), "v": np.ones(3)}, tmp_path / "src" / "a.safetensors")
+    save_file({"w": np.zeros(3, np.float32)}, tmp_path / "src" / "b.safetensors")
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        with pytest.raises(SafetensorsError, match=r"b\.safetensors: tensor 'w': a tensor of this name"):
+            repo.import_safetensors(tmp_path / "src")
+        assert repo.refs() == {}
+
+
 def test_a_hostile_layout_cannot_write_outside_the_folder(tmp_path: Path) -> None:
     save_file({"w": np.ones(3, np.float32)}, tmp_path / "a.safetensors")
     with cas_ckpt.open("memory://") as repo:
