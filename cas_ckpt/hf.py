@@ -33,8 +33,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from cas_ckpt import _fs, codec
 from cas_ckpt import cid as cidlib
-from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import SafetensorsError, StateTypeError
@@ -57,6 +57,7 @@ SUFFIX = ".safetensors"
 # time (the same encoding), so an import's resident memory stays near this size whatever the model.
 WINDOW = 64 * 1024 * 1024
 READ_WINDOW = 16 * 1024 * 1024  # bytes of chunks an export holds at once
+WRITEBACK_STEP = 32 * 1024 * 1024
 
 # safetensors dtype -> (bits per element, cas_ckpt dtype name), in the order of safetensors' Dtype
 # enum: save_file sorts tensors by this order, descending, then by name. F4 and F6 pack elements
@@ -455,7 +456,7 @@ class _Exporter:
         return _Tensor(name, dtype, shape, nbytes, value, path or name)
 
     # -- writing ---------------------------------------------------------------------------------
-    def write_file(self, out: BinaryIO, raw: bytes, tensors: list[_Tensor]) -> None:
+    def write_file(self, out: _Sink, raw: bytes, tensors: list[_Tensor]) -> None:
         """Write a whole file: the header, then every tensor's bytes in order.
 
         Chunks come straight from the store a window at a time, the next window read (and
@@ -738,14 +739,31 @@ def _safe_relative(rel: str) -> str:
     return rel
 
 
-def _atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+class _Sink:
+    """A file being written, asking the kernel to write each 32 MiB back at once: the disk works
+    while later chunks are read, and the closing fsync is short."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.size = self.written_back = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.size += memoryview(data).nbytes
+        if self.size - self.written_back >= WRITEBACK_STEP:
+            self.f.flush()
+            _fs.start_writeback(self.f.fileno(), self.written_back, self.size - self.written_back)
+            self.written_back = self.size
+
+
+def _atomic(path: Path, write: Callable[[_Sink], Any]) -> None:
     """Write a file under a temporary name beside it, fsync, rename into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     tmp = Path(name)
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
-            write(f)
+            write(_Sink(f))
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644 & ~_umask())
