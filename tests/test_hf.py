@@ -609,3 +609,20 @@ def test_cli_imports_and_exports_files_folders_and_still_cars(tmp_path: Path, ca
     bad.write_bytes(b"\x10" + b"\0" * 7 + b"{not json       ")
     code, _, err = run("import", str(bad))
     assert code == cli.EXIT_ERROR and f"{bad}: header is not JSON" in err
+
+
+def test_the_benchmark_runs_at_a_tiny_size(tmp_path: Path) -> None:
+    """benchmarks/safetensors_bench.py end to end at 20 MiB: every operation, identical exports."""
+    bench = Path(__file__).parent.parent / "benchmarks" / "safetensors_bench.py"
+    done = subprocess.run([sys.executable, str(bench), "--gib", "0.02", "--reps", "1", "--json",
+                           str(tmp_path / "r.json"), "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert set(results["ops"]) == {"st_save", "st_load", "import", "import_again", "export",
+                                   "export_path"}
+    assert all(r["identical"] for op in ("export", "export_path") for r in results["ops"][op]["runs"])
+    assert results["ops"]["import_again"]["runs"][0]["bytes_written"] < 64 * 1024
+    real = results["real_model"]
+    assert real["fine_tune_export_identical"]
+    assert real["changed_bytes"] <= real["fine_tune"]["bytes_written"] < real["changed_bytes"] + (1 << 18)
