@@ -580,6 +580,14 @@ def _layout(reader: TreeReader, root: Any) -> dict[str, Any] | None:
     prefix = layout.get("prefix")
     if not isinstance(prefix, str) or prefix not in root:
         return None
+    files, blobs = layout.get("files"), layout.get("blobs")
+    if not (isinstance(files, list) and files and isinstance(blobs, dict)
+            and isinstance(layout.get("folder"), bool)
+            and all(isinstance(f, dict) and isinstance(f.get("path"), str)
+                    and isinstance(f.get("header"), bytes) for f in files)
+            and all(isinstance(k, str) and isinstance(v, bytes) for k, v in blobs.items())):
+        raise SafetensorsError(LAYOUT, "the layout record of this import is malformed "
+                               "(docs/format.md, \"safetensors imports\"); pass path= to export its tensors")
     return layout
 
 

@@ -567,6 +567,11 @@ def test_a_hostile_layout_cannot_write_outside_the_folder(tmp_path: Path) -> Non
         with pytest.raises(SafetensorsError, match="leaves the export folder"):
             repo.export_safetensors("evil", tmp_path / "out")
         state = repo.load("main")
+        state["safetensors"]["files"][0]["header"] = "not bytes"
+        repo.save(state, ref="malformed")
+        with pytest.raises(SafetensorsError, match="layout record of this import is malformed"):
+            repo.export_safetensors("malformed", tmp_path / "out")
+        state = repo.load("main")
         state["model"]["w"] = np.ones(4, np.float32)  # a changed shape no longer fits the header
         repo.save(state, ref="changed")
         with pytest.raises(SafetensorsError, match="pass path="):
