@@ -381,6 +381,22 @@ def test_large_tensors_are_written_as_the_tree_writes_them(tmp_path: Path, monke
     assert (tmp_path / "y.safetensors").read_bytes() == (tmp_path / "x.safetensors").read_bytes()
 
 
+def test_tensors_of_more_than_16384_chunks_get_link_pages_as_the_tree_writes_them(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(hf, "WINDOW", 8 << 20)  # the windowed writer, a window at a time
+    array = np.arange((16384 * 4096 + 8192) // 8, dtype=np.int64)  # 64 MiB + 2 chunks of 4 KiB
+    save_file({"x": array}, tmp_path / "x.safetensors")
+    with cas_ckpt.open("memory://", chunk_size=4096) as repo:
+        repo.import_safetensors(tmp_path / "x.safetensors")
+        node = cas_ckpt.codec.decode(repo.blocks.get(repo.tree()))["model"]["x"].cid
+        assert "chunk_pages" in cas_ckpt.codec.decode(repo.blocks.get(node)).value
+        repo.save(array, ref="plain")
+        assert bytes(repo.tree("plain")) == node
+        repo.export_safetensors("main", tmp_path / "y.safetensors")
+    assert (tmp_path / "y.safetensors").read_bytes() == (tmp_path / "x.safetensors").read_bytes()
+
+
 PEAK = """
 import sys, cas_ckpt
 
