@@ -463,6 +463,29 @@ def test_an_import_killed_midway_moves_no_ref_and_leaves_a_sound_repository(tmp_
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "big.safetensors").read_bytes()
 
 
+def test_processes_importing_at_once_each_get_their_ref(tmp_path: Path) -> None:
+    """Fine-tunes of one base imported by four processes at once into one repository."""
+    base = layer_tensors(6)
+    for i in range(4):
+        tuned = {**base, f"layer.{i}.weight": base[f"layer.{i}.weight"] + 1}
+        hf_sharded_folder(tmp_path / f"ft{i}", tuned, 600_000)
+    cas_ckpt.open(tmp_path / "repo").close()
+    script = ("import sys, cas_ckpt\n"
+              "cas_ckpt.open(sys.argv[1]).import_safetensors(sys.argv[2], ref=sys.argv[3])")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "repo"),
+                               str(tmp_path / f"ft{i}"), f"ft/{i}"]) for i in range(4)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        assert sorted(repo.refs()) == [f"ft/{i}" for i in range(4)]
+        assert repo.fsck().ok
+        for i in range(4):
+            repo.export_safetensors(f"ft/{i}", tmp_path / f"out{i}")
+            assert files_of(tmp_path / f"out{i}") == files_of(tmp_path / f"ft{i}")
+        # the shared tensors are stored once: one model plus the four changed tensors, and nodes
+        model = sum(a.nbytes for a in base.values())
+        assert repo.stats().stored_bytes < model + 4 * base["layer.0.weight"].nbytes + (1 << 20)
+
+
 def test_s3_repositories_import_and_export(s3_url: str, tmp_path: Path) -> None:
     tensors = layer_tensors(4, layers=2)
     hf_sharded_folder(tmp_path / "src", tensors, 500_000)
