@@ -559,6 +559,11 @@ def export(
         metadata: dict[str, str] = {}
         tensors: list[_Tensor] = []
         if layout is not None:  # re-sharding an import: its tensors, its other files
+            nested = [f["path"] for f in layout["files"] if _key_prefix(f["path"])]
+            if nested:
+                raise SafetensorsError(nested[0], "re-sharding a folder with safetensors files in "
+                                       "sub-folders (a pipeline) is not supported: export it whole, or "
+                                       "each sub-folder's tensors with path=")
             value = root[layout["prefix"]]
             blobs = {k: v for k, v in layout["blobs"].items() if k != INDEX}
             metadata = _common_metadata(layout)

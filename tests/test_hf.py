@@ -362,6 +362,8 @@ def test_folder_with_sub_folders_keys_their_tensors_by_folder(tmp_path: Path) ->
         repo.import_safetensors(src)
         assert sorted(repo.load("main", path=["model"])) == ["text/w", "unet/w"]
         repo.export_safetensors("main", tmp_path / "out")
+        with pytest.raises(SafetensorsError, match="sub-folders"):
+            repo.export_safetensors("main", tmp_path / "x", max_shard_size="1GB")
     assert files_of(tmp_path / "out") == files_of(src)
 
 
