@@ -22,7 +22,7 @@ import numpy as np
 from multiformats import CID
 
 import cas_ckpt
-from cas_ckpt import car, codec
+from cas_ckpt import car, codec, hf
 from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.compression import SETTINGS
 from cas_ckpt.codec import HistoryLink, Link, Tagged
@@ -208,13 +208,23 @@ def _register_maintenance(sub: Any, json_flag: Any) -> None:
 
 
 def _register_car(sub: Any, json_flag: Any) -> None:
-    p = _add(sub, "export", cmd_export, "write a checkpoint and all its blocks as a CAR v1 file",
-             json_flag)
+    p = _add(sub, "export", cmd_export, "write a checkpoint as a CAR v1 file, a .safetensors file "
+             "or a model folder", json_flag)
     p.add_argument("target", metavar="TARGET", help="ref or CID")
-    p.add_argument("-o", "--output", required=True, metavar="FILE.car", help="'-' for stdout")
-    p = _add(sub, "import", cmd_import, "store a CAR v1 file's blocks, all or nothing", json_flag)
-    p.add_argument("file", metavar="FILE.car", help="'-' for stdin")
-    p.add_argument("--ref", metavar="NAME", help="point this ref at the CAR's root")
+    p.add_argument("-o", "--output", required=True, metavar="OUT",
+                   help="FILE.car ('-' for stdout), FILE.safetensors, or a folder")
+    p.add_argument("--path", metavar="PATH", help="safetensors: only the tensors below this path")
+    p.add_argument("--max-shard-size", metavar="SIZE", type=_size,
+                   help="safetensors: shards of at most SIZE (5GB, 500MiB) and an index")
+    p.add_argument("--tied", action="store_true",
+                   help="safetensors: write identical tensors once, as save_model does")
+    p = _add(sub, "import", cmd_import, "store a CAR v1 file (all or nothing), a .safetensors file "
+             "or a model folder", json_flag)
+    p.add_argument("file", metavar="FILE", help="FILE.car ('-' for stdin), FILE.safetensors or a folder")
+    p.add_argument("--ref", metavar="NAME",
+                   help="point this ref at the import (safetensors: default main)")
+    p.add_argument("--prefix", metavar="KEY", help="safetensors: the state key of the tensors "
+                   "(default model)")
 
 
 def _register_ref(sub: Any, json_flag: Any) -> None:
@@ -257,6 +267,13 @@ def _seconds(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError("must be a number of seconds >= 0")
     return value
+
+
+def _size(text: str) -> int:
+    try:
+        return hf.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _fraction(text: str) -> float:
@@ -800,7 +817,16 @@ def _car_summary(verb: str, report: car.CarReport, where: str) -> str:
             f"root {roots} {where}")
 
 
+def _is_car(output: str) -> bool:
+    return output == "-" or output.endswith(".car")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    if not _is_car(args.output):
+        return _export_safetensors(args)
+    if args.path is not None or args.max_shard_size is not None or args.tied:
+        raise CommandError("--path, --max-shard-size and --tied apply to safetensors exports, not CAR",
+                           EXIT_USAGE)
     to_stdout = args.output == "-"
     if to_stdout and sys.stdout.isatty():
         raise CommandError("refusing to write a binary CAR to a terminal; use -o FILE.car", EXIT_USAGE)
@@ -816,7 +842,43 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _export_safetensors(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        report = repo.export_safetensors(resolve_live(repo, args.target), args.output, path=args.path,
+                                         max_shard_size=args.max_shard_size, tied=args.tied)
+    if args.json:
+        _print_json(report)
+    else:
+        how = "re-created" if report.exact else "wrote"
+        _print(f"{how} {_count(len(report.files), 'file')}, {report.tensors} tensors, {human(report.bytes)} "
+               f"to {args.output}")
+    return EXIT_OK
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _import_safetensors(args: argparse.Namespace) -> int:
+    ref = args.ref or "main"
+    with open_repo(args, write=True) as repo:
+        cid = repo.import_safetensors(args.file, ref=ref, prefix=args.prefix or "model")
+        report = repo.last_save
+    assert report is not None
+    if args.json:
+        _print_json(report)
+    else:
+        _print(f"imported {args.file} as {ref}: {human(report.logical_bytes)} of tensors and files, "
+               f"{human(report.bytes_written)} new ({report.blocks_written} blocks), root {cid}")
+    return EXIT_OK
+
+
 def cmd_import(args: argparse.Namespace) -> int:
+    if args.file != "-" and hf.looks_like_safetensors(args.file):  # a CAR is told by its content
+        return _import_safetensors(args)
+    if args.prefix is not None:
+        raise CommandError(f"{args.file} is not a safetensors file or folder; --prefix applies "
+                           "to those only", EXIT_USAGE)
     from_stdin = args.file == "-"
     if from_stdin and sys.stdin.isatty():
         raise CommandError("refusing to read a binary CAR from a terminal; pipe one in", EXIT_USAGE)

@@ -30,6 +30,7 @@ __all__ = [
     "RefLocked",
     "RefNotFound",
     "RepositoryError",
+    "SafetensorsError",
     "SaveFailed",
     "StateTypeError",
     "StepNotFound",
@@ -235,6 +236,16 @@ class CarError(CasCkptError, ValueError):
     def __init__(self, message: str, *, offset: int | None = None) -> None:
         super().__init__(f"{message} (at byte {offset})" if offset is not None else message)
         self.offset = offset
+
+
+class SafetensorsError(CasCkptError, ValueError):
+    """A safetensors file or model folder is malformed, or a checkpoint does not fit the format."""
+
+    def __init__(self, file: str, message: str, *, tensor: str | None = None) -> None:
+        where = f"{file}: tensor {tensor!r}" if tensor is not None else file
+        super().__init__(f"{where}: {message}")
+        self.file = file
+        self.tensor = tensor
 
 
 class CheckpointExists(CasCkptError):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from multiformats import CID
 
-from cas_ckpt import car, codec
+from cas_ckpt import car, codec, hf
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends.s3 import S3Bucket
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, WriteStats
@@ -659,6 +659,68 @@ class Repository:
         report.bytes_new = txn.stats.bytes_written
         report.seconds = time.perf_counter() - started
         return report
+
+
+    def import_safetensors(
+        self,
+        src: str | os.PathLike[str],
+        *,
+        ref: str = "main",
+        prefix: str = "model",
+        step: int | None = None,
+        message: str | None = None,
+    ) -> CID:
+        """Store a ``.safetensors`` file or a Hugging Face model folder as a checkpoint on ``ref``.
+
+        Tensors become ordinary arrays under ``prefix`` (read through mmap, never whole), so
+        identical tensors are stored once across fine-tunes and shardings; the headers and a
+        folder's other files are kept so :meth:`export_safetensors` re-creates it byte for byte.
+        A malformed file raises :class:`SafetensorsError` naming it and the tensor, and nothing is
+        committed. ``repo.last_save`` reports the bytes written. See ``docs/guide.md``.
+        """
+        check_ref_name(ref)
+        step = _step(step)
+        if message is not None and not isinstance(message, str):
+            raise StateTypeError("message", "message must be a str")
+        started = time.perf_counter()
+        with self.transaction() as txn:
+            old = self.refs_store.get(ref)
+            tree = hf.import_tree(txn.tree, src, prefix=prefix)
+            commit = txn.put_commit(tree, [old] if old else [], step=step, metadata={}, message=message)
+            txn.move_ref(ref, old, commit, f"import {os.path.basename(os.fspath(src))}")
+        cid = cidlib.to_cid(commit)
+        stats = txn.stats
+        self._local.last_save = SaveReport(
+            cid, ref, txn.tree.logical_bytes, stats.blocks_written, stats.bytes_written,
+            stats.blocks_reused, stats.bytes_reused, time.perf_counter() - started,
+        )
+        return cid
+
+    def export_safetensors(
+        self,
+        target: Target,
+        out: str | os.PathLike[str],
+        *,
+        path: str | None = None,
+        max_shard_size: int | str | None = None,
+        tied: bool = False,
+    ) -> hf.SafetensorsReport:
+        """Write checkpoint ``target`` as safetensors: ``out`` ending ``.safetensors`` is a file,
+        anything else a folder.
+
+        An imported file or folder comes back byte for byte (``path=None``); ``max_shard_size``
+        (``"5GB"``, ``"500MiB"``, bytes) re-shards it. Any other checkpoint, or the dotted ``path``
+        below it, is written as ``safetensors`` ``save_file`` writes the same tensors (strings go
+        to ``__metadata__``), in shards with ``model.safetensors.index.json`` when
+        ``max_shard_size`` is given. ``tied=True`` writes identical tensors once, as
+        ``safetensors.torch.save_model`` writes tied weights (a checkpoint does not record which
+        tensors were tied, only which are equal). Chunks stream from the store: memory stays at a
+        few chunks.
+        """
+        root = self._resolve(target)
+        reader = self._reader(None, None)
+        return hf.export(self.blocks, self.pool, self._tree_of(root, reader), out, path=path,
+                         max_shard_size=max_shard_size, tied=tied)
 
 
 def _plain(value: Any, path: str) -> Any:
