@@ -18,6 +18,7 @@ writes (``docs/format.md``, "safetensors imports")::
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import mmap
@@ -45,6 +46,7 @@ from cas_ckpt.tree import (
     TUPLE,
     TreeReader,
     TreeWriter,
+    float_size,
     parse_dtype,
 )
 
@@ -342,11 +344,12 @@ def _write_large(tree: TreeWriter, dtype: str, shape: list[int], data: memoryvie
     """
     size = tree.chunk_size
     links: list[Link] = []
+    digest = functools.partial(tree._digest, float_size=float_size(dtype))  # hash (and compress)
     for at in range(0, data.nbytes, WINDOW):
         window = data[at : at + WINDOW]
         chunks = [window[i : i + size] for i in range(0, window.nbytes, size)]
-        for chunk, cid in zip(chunks, tree.pool.map(tree.hasher.raw, chunks), strict=True):
-            tree.writer.put(cid, chunk)
+        for chunk, (cid, stored) in zip(chunks, tree.pool.map(digest, chunks), strict=True):
+            tree.writer.put(cid, chunk, stored=stored)
             links.append(Link(cid))
         _drop(mapped, start + at, window.nbytes)
     header: dict[str, Any] = {"dtype": dtype, "shape": shape, "chunk_size": size}

@@ -85,9 +85,16 @@ class SaveReport:
     blocks_reused: int
     bytes_reused: int
     seconds: float
-    bytes_stored: int = 0  # what the new blocks take on the medium, after compression
+    bytes_stored: int  # what the new blocks take on the medium, after compression
 
     __repr__ = cidlib.readable_repr
+
+    @classmethod
+    def of(cls, txn: Transaction, commit: bytes, ref: str, started: float) -> SaveReport:
+        """The report of a save that committed ``commit`` through ``txn`` (begun at ``started``)."""
+        s = txn.stats
+        return cls(cidlib.to_cid(commit), ref, txn.tree.logical_bytes, s.blocks_written, s.bytes_written,
+                   s.blocks_reused, s.bytes_reused, time.perf_counter() - started, s.bytes_stored)
 
 
 class Transaction:
@@ -229,13 +236,8 @@ class Repository:
             tree = txn.tree.write(state)
             commit = txn.put_commit(tree, [old] if old else [], step=step, metadata=meta, message=message)
             txn.move_ref(ref, old, commit, f"save step={step}" if step is not None else "save")
-        cid = cidlib.to_cid(commit)
-        stats = txn.stats
-        self._local.last_save = SaveReport(
-            cid, ref, txn.tree.logical_bytes, stats.blocks_written, stats.bytes_written,
-            stats.blocks_reused, stats.bytes_reused, time.perf_counter() - started, stats.bytes_stored,
-        )
-        return cid
+        self._local.last_save = SaveReport.of(txn, commit, ref, started)
+        return self._local.last_save.cid
 
     @property
     def last_save(self) -> SaveReport | None:
@@ -688,13 +690,8 @@ class Repository:
             tree = hf.import_tree(txn.tree, src, prefix=prefix)
             commit = txn.put_commit(tree, [old] if old else [], step=step, metadata={}, message=message)
             txn.move_ref(ref, old, commit, f"import {os.path.basename(os.fspath(src))}")
-        cid = cidlib.to_cid(commit)
-        stats = txn.stats
-        self._local.last_save = SaveReport(
-            cid, ref, txn.tree.logical_bytes, stats.blocks_written, stats.bytes_written,
-            stats.blocks_reused, stats.bytes_reused, time.perf_counter() - started,
-        )
-        return cid
+        self._local.last_save = SaveReport.of(txn, commit, ref, started)
+        return self._local.last_save.cid
 
     def export_safetensors(
         self,

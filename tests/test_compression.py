@@ -306,3 +306,22 @@ def test_compressed_repository_on_s3(s3_url: str) -> None:
 
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+@pytest.mark.parametrize("window", [64 << 20, 1 << 20])  # whole, and the windowed large-tensor writer
+def test_safetensors_import_into_a_compressed_repository_exports_byte_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: int
+) -> None:
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    from cas_ckpt import hf
+
+    monkeypatch.setattr(hf, "WINDOW", window)
+    src = tmp_path / "model.safetensors"
+    safetensors_numpy.save_file({"a": weights(1, 800_000, np.float32),
+                                 "b": weights(2, 300_000, np.float16)}, str(src))
+    with cas_ckpt.open(tmp_path / "r", compression="zstd") as repo:
+        repo.import_safetensors(src, ref="m")
+        report = repo.last_save
+        assert report is not None and 0 < report.bytes_stored < 0.88 * report.bytes_written
+        repo.export_safetensors("m", tmp_path / "out.safetensors")
+    assert (tmp_path / "out.safetensors").read_bytes() == src.read_bytes()
