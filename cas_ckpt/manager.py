@@ -87,9 +87,10 @@ class CheckpointManager:
     ``preemption``: install handlers for ``preemption_signals`` that only set a flag, which
     :meth:`reached_preemption` reports; they are restored by :meth:`close`.
     ``replicate_to``: a second, durable repository (``s3://bucket/prefix``, a path, or an open
-    Repository). Each save (every ``replicate_every``-th, and always one made after a preemption
-    signal) lands locally first, then a background thread pushes it there: its step ref and the
-    run's ref, only the blocks the remote lacks. ``remote_retention`` (``{"keep_last": 10}``...,
+    Repository). Each save (every ``replicate_every``-th, one made after a preemption signal, and
+    the last before :meth:`close`) lands locally first, then a background thread pushes it there:
+    its step ref and the run's ref, only the blocks the remote lacks; local retention keeps a
+    step until it is there. ``remote_retention`` (``{"keep_last": 10}``...,
     the keep_* rules above; None: the same as here, ``{}``: keep all) applies there after each
     push. :meth:`wait` and :meth:`close` wait for replication too; :attr:`replication_lag` says
     how far it is behind; a failure is logged and retried. A manager whose repository lacks ``ref``
@@ -558,6 +559,8 @@ class CheckpointManager:
         steps = self._step_refs()
         head = self.repo.refs_store.get(self.ref)
         keep = self._retention.keep(steps, head, lambda cid: self._commit(cid).metadata.get("metrics"))
+        if self._replicator is not None:  # a step on its way to the remote stays until it is there
+            keep |= self._replicator.pending()
         expired = sorted(set(steps) - keep)
         for step in expired:
             self.repo.delete_ref(self.step_ref(step), expected=steps[step])

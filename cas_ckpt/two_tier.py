@@ -114,6 +114,7 @@ class Replicator:
         self._cond = threading.Condition()
         self._pending: dict[int, tuple[bytes, int]] = {}  # step -> (commit, bytes its save wrote)
         self._saves = 0
+        self._latest: tuple[int, bytes, int] | None = None
         self._remote_head: tuple[bytes | None] | None = None  # last known value (None: unknown)
         self._replicated: int | None = None
         self._failures = 0  # failed attempts since the last success
@@ -171,9 +172,24 @@ class Replicator:
         """A save finished locally: queue it if it is due (every ``every``-th save, or ``now``)."""
         with self._cond:
             self._saves += 1
+            self._latest = (step, cid, nbytes)
             if now or self.every is None or self._saves % self.every == 0:
                 self._pending[step] = (cid, nbytes)
                 self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Queue the latest save even if it was not due: the remote ends where the run did."""
+        with self._cond:
+            if self._latest is not None:
+                step, cid, nbytes = self._latest
+                if step not in self._pending and (self._replicated is None or self._replicated < step):
+                    self._pending[step] = (cid, nbytes)
+                    self._cond.notify_all()
+
+    def pending(self) -> set[int]:
+        """Steps queued for the remote and not there yet (local retention keeps them)."""
+        with self._cond:
+            return set(self._pending)
 
     @property
     def lag(self) -> ReplicationLag:
@@ -199,8 +215,9 @@ class Replicator:
                 self._cond.wait(0.5)
 
     def close(self) -> None:
-        """:meth:`wait`, then stop the thread (also when waiting failed, after raising)."""
+        """:meth:`finish` and :meth:`wait`, then stop the thread (also when waiting failed)."""
         try:
+            self.finish()
             self.wait()
         finally:
             with self._cond:
