@@ -221,7 +221,7 @@ def test_two_pushers_racing_on_one_remote_ref_lose_no_update(
     with cas_ckpt.open("memory://") as seed:
         seed.save({"count": 0}, ref="main", step=0)
         seed.push(s3_url, "main")
-    rounds = 6
+    rounds = 4
     procs = [subprocess.Popen([sys.executable, "-c", _RACER, s3_url, str(tmp_path / f"p{i}"),
                                str(rounds)], stdout=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
