@@ -374,3 +374,31 @@ def test_close_raises_when_replication_cannot_catch_up(local: cas_ckpt.Repositor
     with cas_ckpt.open(tmp_path / "empty") as empty, \
             pytest.raises(RepositoryError, match="exists and is not"):
         cas_ckpt.CheckpointManager(empty, "run", replicate_to=blocker)  # cannot know what to resume
+
+
+# -- the docs ------------------------------------------------------------------------------------
+def test_the_replication_section_of_scale_out_runs() -> None:
+    import doctest
+
+    text = (Path(__file__).parent.parent / "docs" / "scale-out.md").read_text()
+    start = text.index("## Replication: push, pull, clone")
+    end = text.find("\n## ", start + 10)
+    section = text[start : end if end >= 0 else len(text)]
+    test = doctest.DocTestParser().get_doctest(section, {}, "scale-out.md (replication)", None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0 and len(test.examples) >= 10
+
+
+def test_the_replication_benchmark_runs(s3_env: str, tmp_path: Path) -> None:
+    """benchmarks/replicate_bench.py at a tiny size, on the test server (no speed asserted)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import replicate_bench
+
+    out = tmp_path / "bench.json"
+    assert replicate_bench.main(["--size-mb", "8", "--arrays", "2", "--loop-mb", "4", "--steps", "2",
+                                 "--workdir", str(tmp_path), "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["figures"]["push"]["bytes_sent"] >= 8 * MiB
+    assert figures["figures"]["push 10%"]["bytes_sent"] < figures["figures"]["push"]["bytes_sent"]
+    assert set(figures["two_tier"]) == {"local only", "two-tier"}
