@@ -93,10 +93,10 @@ class CheckpointManager:
     step until it is there. ``remote_retention`` (``{"keep_last": 10}``...,
     the keep_* rules above; None: the same as here, ``{}``: keep all) applies there after each
     push. :meth:`wait` and :meth:`close` wait for replication too; :attr:`replication_lag` says
-    how far it is behind; a failure is logged and retried. A manager whose repository lacks ``ref``
-    first pulls it from the remote (a new node resumes from object storage); :meth:`restore`
-    fetches a step only the remote holds, or whose local copy fails verification.
-    See ``docs/scale-out.md``.
+    how far it is behind; a failure is logged and retried. A manager whose repository lacks ``ref``,
+    or holds an older checkpoint of it than the remote, first pulls it from there (a new node
+    resumes from object storage); :meth:`restore` fetches a step only the remote holds, or whose
+    local copy fails verification. See ``docs/scale-out.md``.
     """
 
     def __init__(
@@ -513,14 +513,13 @@ class CheckpointManager:
         self, remote: Repository | str | os.PathLike[str], every: int | None,
         rules: Mapping[str, Any] | None,
     ) -> Replicator:
-        """The background replicator; pulls the run first if this repository lacks it."""
+        """The background replicator; first pulls the run if the remote is ahead of this side."""
         retention = self._retention if rules is None else Retention.parse(
             rules, best_metric=self.best_metric, best_mode=self.best_mode)
         replicator = Replicator(self.repo, self.ref, remote, step_ref=self.step_ref, every=every,
                                 retention=retention)
         try:
-            if self.repo.refs_store.get(self.ref) is None:
-                replicator.resume()
+            replicator.resume()
         except BaseException:
             replicator.close()
             if self._lease is not None:
@@ -623,6 +622,7 @@ def _finish_saves() -> None:
         try:
             manager._drain()
             if manager._replicator is not None and not manager._closed:
+                manager._replicator.finish()  # the run's last save reaches the remote too
                 manager._replicator.wait()
         except SaveFailed as exc:
             failures.append(f"{exc}; the checkpoint was not saved")

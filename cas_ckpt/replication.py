@@ -153,6 +153,11 @@ def transfer(
     return report
 
 
+def descends(repo: Side, new: bytes, old: bytes) -> bool:
+    """True if commit ``old`` is ``new`` or one of its ancestors in ``repo``'s history."""
+    return _descends(_NodeCache(repo.blocks), new, old)
+
+
 class _NodeCache:
     """Decoded source nodes, each read once (the ancestry check and the plan share them)."""
 

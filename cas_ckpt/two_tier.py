@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cas_ckpt import cid as cidlib
-from cas_ckpt.errors import ReplicationFailed
-from cas_ckpt.replication import TransferReport, Update, transfer
+from cas_ckpt.errors import CasCkptError, ReplicationFailed
+from cas_ckpt.replication import TransferReport, Update, descends, transfer
 from cas_ckpt.repository import Repository
 from cas_ckpt.repository import open as open_repository
 
@@ -137,21 +137,31 @@ class Replicator:
             )
         return self._remote
 
-    def resume(self) -> bool:
-        """Fetch the run from the remote when the local repository lacks it (a new node with an
-        empty disk); True if there was one. Call before the first save."""
-        remote = self.remote()
-        head = remote.refs_store.get(self.ref)
-        self._remote_head = (head,)
-        if head is None:
-            return False
+    def resume(self) -> None:
+        """Bring the local run up to the remote's before the first save, when the remote is
+        ahead: a new node with an empty disk, or a disk older than what was replicated. A remote
+        that cannot be reached is an error only when the local repository lacks the run."""
+        local = self.repo.refs_store.get(self.ref)
+        try:
+            remote = self.remote()
+            head = remote.refs_store.get(self.ref)
+        except (CasCkptError, OSError) as exc:
+            if local is None:
+                raise
+            _log.warning("cannot reach %s to compare %r (%s: %s); replicating when it can",
+                         self.where, self.ref, type(exc).__name__, exc)
+            return
+        if head is None or head == local or (local is not None and descends(self.repo, local, head)):
+            self._remote_head = (head,)  # nothing there, or this side is ahead: pushes catch up
+            return
         step = remote.commit(head).step
-        updates = [Update(self.ref, head, force=True, expect=(None,))]
+        # A fast-forward of the local ref (RefDiverged if the two hold different histories).
+        updates = [Update(self.ref, head, force=local is None, expect=(None,) if local is None else None)]
         if step is not None:
             updates.append(Update(self.step_ref(step), head, force=True))
         self.last_report = transfer(remote, self.repo, updates)
+        self._remote_head = (head,)
         self._replicated = step
-        return True
 
     def fetch(self, step: int | None, *, repair: bool = False) -> bytes | None:
         """Copy checkpoint ``step`` (the latest when None) from the remote into the local

@@ -313,6 +313,26 @@ def test_a_new_node_with_an_empty_disk_resumes_from_the_remote(
         assert len(remote.refs("run.steps/")) == 4
 
 
+def test_a_node_whose_disk_is_older_than_the_remote_catches_up_first(tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    with cas_ckpt.open(tmp_path / "a") as a:
+        with cas_ckpt.CheckpointManager(a, "run", replicate_to=remote) as mgr:
+            mgr.save(1, {"step": 1})
+        with cas_ckpt.open(tmp_path / "b") as b, \
+                cas_ckpt.CheckpointManager(b, "run", replicate_to=remote) as other:  # node a is down
+            other.save(2, {"step": 2})
+            other.save(3, {"step": 3})
+        with cas_ckpt.CheckpointManager(a, "run", replicate_to=remote) as mgr:  # a is back
+            assert mgr.latest_step() == 3 and mgr.restore() == {"step": 3}
+            mgr.save(4, {"step": 4})
+        a.set_ref("run", "run~1")  # this disk's history now parts from the remote's
+        a.save({"elsewhere": 1}, ref="run", step=5)
+    with cas_ckpt.open(remote) as r:
+        assert [c.step for c in r.log("run")] == [4, 3, 2, 1]
+    with cas_ckpt.open(tmp_path / "a") as a, pytest.raises(RefDiverged):
+        cas_ckpt.CheckpointManager(a, "run", replicate_to=remote)  # two histories: refuse to mix
+
+
 def test_a_local_checkpoint_that_fails_verification_is_fetched_again(
     local: cas_ckpt.Repository, remote: cas_ckpt.Repository, caplog: pytest.LogCaptureFixture
 ) -> None:
