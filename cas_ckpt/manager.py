@@ -356,7 +356,7 @@ class CheckpointManager:
             self.repo.set_ref(self.step_ref(step), cid)
             self._last_cid = cid
             self._retain()
-            self._replicate(step, cid)
+            self._replicate(step, cid, writer.stats.bytes_written)  # this rank's share
         if _distributed():
             _barrier()  # every rank sees the step ref, and retention done, once this returns
         return cid
@@ -500,13 +500,13 @@ class CheckpointManager:
         self.repo.set_ref(self.step_ref(step), cid)
         self._last_cid = cid
         self._retain()
-        self._replicate(step, cid)
+        self._replicate(step, cid, self.last_report.bytes_written if self.last_report else 0)
         return cid
 
-    def _replicate(self, step: int, cid: CID) -> None:
-        """Queue a finished save for the remote (a save after a preemption signal always)."""
+    def _replicate(self, step: int, cid: CID, written: int) -> None:
+        """Queue a finished save (``written`` new bytes here) for the remote; a save after a
+        preemption signal always."""
         if self._replicator is not None:
-            written = self.last_report.bytes_written if self.last_report is not None else 0
             self._replicator.saved(step, bytes(cid), written, now=self._preempted is not None)
 
     def _start_replication(

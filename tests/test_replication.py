@@ -422,3 +422,25 @@ def test_the_replication_benchmark_runs(s3_env: str, tmp_path: Path) -> None:
     assert figures["figures"]["push"]["bytes_sent"] >= 8 * MiB
     assert figures["figures"]["push 10%"]["bytes_sent"] < figures["figures"]["push"]["bytes_sent"]
     assert set(figures["two_tier"]) == {"local only", "two-tier"}
+
+
+def test_dcp_saves_of_a_two_tier_manager_are_replicated(local: cas_ckpt.Repository,
+                                                         tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group
+        warnings.simplefilter("ignore")
+        with cas_ckpt.CheckpointManager(local, "run", replicate_to=tmp_path / "remote") as mgr:
+            for step in (1, 2):
+                mgr.save_dcp(step, {"w": torch.full((256, 256), float(step))})
+            mgr.wait()
+            lag = mgr.replication_lag
+            assert lag is not None and lag.replicated_step == 2
+    with cas_ckpt.open(tmp_path / "remote") as remote, cas_ckpt.open(tmp_path / "fresh") as node, \
+            cas_ckpt.CheckpointManager(node, "run", replicate_to=remote) as fresh, \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        target = {"w": torch.zeros(256, 256)}
+        fresh.restore_dcp(target)
+        assert float(target["w"][0, 0]) == 2.0 and fresh.steps() == [2]
