@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from helpers import assert_state_equal
 from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from strategies import states
 
 import cas_ckpt
@@ -444,3 +446,58 @@ def test_dcp_saves_of_a_two_tier_manager_are_replicated(local: cas_ckpt.Reposito
         target = {"w": torch.zeros(256, 256)}
         fresh.restore_dcp(target)
         assert float(target["w"][0, 0]) == 2.0 and fresh.steps() == [2]
+
+
+# -- a model of pushes and pulls -----------------------------------------------------------------
+class PushPullMachine(RuleBasedStateMachine):
+    """Two clones saving, pushing and pulling through one remote, against a model of git's rules:
+    a push or pull is refused exactly when it is not a fast-forward (unless forced), the ref on
+    the receiving side then holds the sender's head, and every ref anywhere loads what was saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.repos = {name: cas_ckpt.open("memory://") for name in ("a", "b", "remote")}
+        self.saved: dict[Any, Any] = {}  # commit -> state
+        self.step = 0
+
+    def teardown(self) -> None:
+        for repo in self.repos.values():
+            repo.close()
+
+    def _chain(self, repo: cas_ckpt.Repository) -> list[Any]:
+        return [c.cid for c in repo.log("main")] if "main" in repo.refs() else []
+
+    @rule(who=st.sampled_from(["a", "b"]), value=st.integers(0, 3), size=st.integers(0, 3000))
+    def save(self, who: str, value: int, size: int) -> None:
+        self.step += 1
+        state = {"v": np.full(size, value, np.int32), "step": self.step}
+        cid = self.repos[who].save(state, ref="main", step=self.step)
+        self.saved[cid] = state
+
+    @rule(who=st.sampled_from(["a", "b"]), force=st.booleans(), pull=st.booleans())
+    def transfer(self, who: str, force: bool, pull: bool) -> None:
+        here, remote = self.repos[who], self.repos["remote"]
+        src, dst = (remote, here) if pull else (here, remote)
+        if "main" not in src.refs():
+            with pytest.raises(RefNotFound):
+                (dst.pull(src) if pull else src.push(dst))
+            return
+        theirs = self._chain(dst)
+        ok = force or not theirs or theirs[0] in self._chain(src)
+        try:
+            report = dst.pull(src, force=force) if pull else src.push(dst, force=force)
+        except RefDiverged:
+            assert not ok
+            return
+        assert ok
+        assert dst.resolve("main") == src.resolve("main") == report.refs["main"]
+
+    @invariant()
+    def every_ref_loads_what_was_saved(self) -> None:
+        for repo in self.repos.values():
+            for cid in repo.refs().values():
+                assert_state_equal(self.saved[cid], repo.load(cid))
+
+
+TestPushPull = PushPullMachine.TestCase
+TestPushPull.settings = settings(max_examples=30, stateful_step_count=15)
