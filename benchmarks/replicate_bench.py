@@ -21,6 +21,7 @@ inside it), saved in a local repository under ``--workdir``. Measured:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
@@ -109,6 +110,16 @@ def bench_two_tier(workdir: Path, url: str, size_mb: int, arrays: int, steps: in
     return out
 
 
+def run_info() -> dict[str, Any]:
+    """When, on what load, and on which cas_ckpt sources (the hash bench.py records too)."""
+    source = hashlib.sha256()
+    root = Path(cas_ckpt.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        source.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average": os.getloadavg(),
+            "cas_ckpt": cas_ckpt.__version__, "cas_ckpt_source_sha256": source.hexdigest()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=1024, help="checkpoint size (default 1024)")
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['close_seconds']:.3f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bytes": nbytes, "arrays": args.arrays, "endpoint": endpoint,
+            json.dump({**run_info(), "bytes": nbytes, "arrays": args.arrays, "endpoint": endpoint,
                        "cpus": os.cpu_count(), "python": platform.python_version(),
                        "figures": figures, "loop_mb": args.loop_mb, "steps": args.steps,
                        "two_tier": loop}, f, indent=2)

@@ -112,6 +112,7 @@ class Replicator:
         self.where = remote.location if isinstance(remote, Repository) else os.fspath(remote)
         self._prefix = step_ref(0).rpartition("/")[0] + "/"
         self._cond = threading.Condition()
+        self._opening = threading.Lock()
         self._pending: dict[int, tuple[bytes, int]] = {}  # step -> (commit, bytes its save wrote)
         self._saves = 0
         self._latest: tuple[int, bytes, int] | None = None
@@ -131,11 +132,12 @@ class Replicator:
     # -- the remote ----------------------------------------------------------------------------
     def remote(self) -> Repository:
         """The remote repository, opened (created with the local one's settings) on first use."""
-        if self._remote is None:
-            self._remote = open_repository(
-                self._spec, hash=self.repo.config.hash, chunk_size=self.repo.config.chunk_size
-            )
-        return self._remote
+        with self._opening:  # the thread and restore() may both need it first
+            if self._remote is None:
+                self._remote = open_repository(
+                    self._spec, hash=self.repo.config.hash, chunk_size=self.repo.config.chunk_size
+                )
+            return self._remote
 
     def resume(self) -> None:
         """Bring the local run up to the remote's before the first save, when the remote is
