@@ -32,7 +32,8 @@ from cas_ckpt.maintenance.usage import Usage
 from cas_ckpt.manager import CheckpointManager
 from cas_ckpt.records import ComputationGraph, GradientCheckpoint, GraphNode
 from cas_ckpt.refs import ReflogEntry
-from cas_ckpt.repository import Repository, SaveReport, Transaction, open
+from cas_ckpt.replication import TransferReport
+from cas_ckpt.repository import Repository, SaveReport, Transaction, clone, open
 
 __version__ = "0.2.0"
 
@@ -52,7 +53,9 @@ __all__ = [
     "Repository",
     "SaveReport",
     "Transaction",
+    "TransferReport",
     "Usage",
+    "clone",
     "errors",
     "open",
 ]

@@ -42,6 +42,7 @@ from cas_ckpt.errors import (
 )
 from cas_ckpt.maintenance.diff import leaves
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
+from cas_ckpt.replication import TransferReport
 from cas_ckpt.repository import Repository
 from cas_ckpt.tree import (
     BIGINT,
@@ -123,7 +124,7 @@ def _fail(message: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Content-addressed checkpoints: inspect, check, collect, export and import.",
+        description="Content-addressed checkpoints: inspect, check, collect, export, import and replicate.",
         epilog=f"The repository is --repo PATH, else ${ENV_REPO}, else the current directory if it "
         "is one. Exit codes: 0 ok, 1 check found problems/differences, 2 usage, 3 not found, "
         "4 repository error, 5 other error. See docs/cli.md.",
@@ -252,7 +253,25 @@ def _register_ref(sub: Any, json_flag: Any) -> None:
     p.add_argument("prefix", nargs="?", default="", help="only refs starting with this")
 
 
-_COMMANDS = (_register_init, _register_reading, _register_ref, _register_maintenance, _register_car)
+def _register_replication(sub: Any, json_flag: Any) -> None:
+    for name, run, help in (
+        ("push", cmd_push, "send a ref's checkpoint and history to REMOTE (only missing blocks)"),
+        ("pull", cmd_pull, "fetch a ref's checkpoint and history from REMOTE (only missing blocks)"),
+    ):
+        p = _add(sub, name, run, help, json_flag)
+        p.add_argument("remote", metavar="REMOTE", help="repository directory or s3://bucket/prefix")
+        p.add_argument("ref", nargs="?", default="main", metavar="REF", help="ref (default main)")
+        p.add_argument("--remote-ref", metavar="NAME", help="the ref's name in REMOTE (default REF)")
+        p.add_argument("--force", action="store_true",
+                       help="move the ref even if that drops history it holds")
+    p = _add(sub, "clone", cmd_clone, "copy every ref and pin of SRC into a new repository DST",
+             json_flag)
+    p.add_argument("src", metavar="SRC", help="repository directory or s3://bucket/prefix")
+    p.add_argument("dst", metavar="DST", help="new repository directory or s3://bucket/prefix")
+
+
+_COMMANDS = (_register_init, _register_reading, _register_ref, _register_maintenance, _register_car,
+             _register_replication)
 
 
 def _positive_int(text: str) -> int:
@@ -894,6 +913,60 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"{PROG}: note: no ref points at the imported root; use --ref NAME or pin it, "
               "or the next gc removes it", file=sys.stderr)
     return EXIT_OK
+
+
+def _transfer_progress(bar: Progress) -> Callable[[int, int, int, int], None]:
+    def update(blocks: int, nbytes: int, total_blocks: int, total_bytes: int) -> None:
+        share = 100 * nbytes // max(total_bytes, 1)
+        bar.update(f"{blocks}/{total_blocks} blocks, {human(nbytes)} of {human(total_bytes)} ({share}%)")
+
+    return update
+
+
+def _transfer_summary(verb: str, report: TransferReport) -> str:
+    moved = [f"{ref} {report.previous.get(ref) or '(new)'} -> {cid}" for ref, cid in report.refs.items()
+             if report.previous.get(ref) != cid]
+    refs = "; ".join(moved) if moved else f"{', '.join(report.refs) or 'nothing'} up to date"
+    return (f"{verb} {report.source} -> {report.destination}: {refs}; sent {report.blocks_sent} "
+            f"blocks ({human(report.bytes_sent)}, {report.commits_sent} history), skipped "
+            f"{report.blocks_skipped} already there ({human(report.bytes_skipped)}) in "
+            f"{report.seconds:.2f} s")
+
+
+def _print_transfer(args: argparse.Namespace, verb: str, report: TransferReport) -> int:
+    if args.json:
+        _print_json({**dataclasses.asdict(report), "refs": report.refs, "previous": report.previous,
+                     "up_to_date": report.up_to_date})
+    else:
+        _print(_transfer_summary(verb, report))
+    return EXIT_OK
+
+
+def _remote(text: str) -> str:
+    return text if "://" in text else os.path.expanduser(text)
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo, Progress("push") as bar:
+        report = repo.push(_remote(args.remote), args.ref, remote_ref=args.remote_ref, force=args.force,
+                           progress=_transfer_progress(bar))
+    return _print_transfer(args, "pushed", report)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    with open_repo(args, write=True) as repo, Progress("pull") as bar:
+        report = repo.pull(_remote(args.remote), args.ref, remote_ref=args.remote_ref, force=args.force,
+                           progress=_transfer_progress(bar))
+    return _print_transfer(args, "pulled", report)
+
+
+def cmd_clone(args: argparse.Namespace) -> int:
+    with Progress("clone") as bar:
+        repo = cas_ckpt.clone(_remote(args.src), _remote(args.dst), progress=_transfer_progress(bar))
+    with repo:
+        report = repo.last_transfer
+    assert report is not None
+    return _print_transfer(args, "cloned", report)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -26,9 +26,11 @@ __all__ = [
     "OutOfMemory",
     "PathNotFound",
     "RefConflict",
+    "RefDiverged",
     "RefError",
     "RefLocked",
     "RefNotFound",
+    "ReplicationFailed",
     "RepositoryError",
     "SafetensorsError",
     "SaveFailed",
@@ -162,6 +164,22 @@ class RefConflict(RefError):
         self.actual = actual
 
 
+class RefDiverged(RefConflict):
+    """A push or pull would lose history: the ref on the other side holds a commit that is not an
+    ancestor of the one sent (git's non-fast-forward). Pull (or push) first, or pass ``force``."""
+
+    def __init__(self, name: str, where: str, actual: str, new: str) -> None:
+        RefError.__init__(
+            self,
+            f"ref {name!r} in {where} holds {actual}, which is not an ancestor of {new}: sending "
+            "it would drop that history; pull first, or force (nothing was sent)",
+        )
+        self.ref = name
+        self.expected = None
+        self.actual = actual
+        self.new = new
+
+
 class RefLocked(RefError):
     """The ref's lock is held by someone else and did not free up in time."""
 
@@ -290,6 +308,21 @@ class SaveFailed(CasCkptError):
         super().__init__(f"async save of step {step} to {ref!r} failed: {type(error).__name__}: {error}")
         self.ref = ref
         self.step = step
+
+
+class ReplicationFailed(CasCkptError):
+    """Checkpoints saved locally are not yet replicated to the remote, and the latest attempts
+    failed; ``__cause__`` is the last error. Nothing is dropped: the local copies stay, and the
+    manager keeps retrying (or ``cas-ckpt push`` sends them)."""
+
+    def __init__(self, ref: str, remote: str, steps: list[int], error: BaseException) -> None:
+        super().__init__(
+            f"replication of {ref!r} to {remote} is behind by {len(steps)} checkpoint(s) "
+            f"(steps {steps}): {type(error).__name__}: {error}; they are saved locally"
+        )
+        self.ref = ref
+        self.remote = remote
+        self.steps = steps
 
 
 class GraphCycleError(CasCkptError, ValueError):

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import math
+import logging
 import operator
+import os
 import signal
 import sys
 import threading
@@ -37,11 +38,14 @@ from multiformats import CID
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import (
+    BlockNotFound,
     CheckpointExists,
     CheckpointExpired,
+    CorruptBlock,
     DecodeError,
     LeaseHeld,
     RefConflict,
+    ReplicationFailed,
     RepositoryError,
     SaveFailed,
     StateTypeError,
@@ -51,8 +55,11 @@ from cas_ckpt.errors import (
 from cas_ckpt.refs import check_ref_name
 from cas_ckpt.repository import Commit, Repository, SaveReport, Target
 from cas_ckpt.tree import MAX_DEPTH, dtype_name, is_tensor, join_path
+from cas_ckpt.two_tier import ReplicationLag, Replicator, Retention
 
 __all__ = ["CheckpointManager", "snapshot"]
+
+_log = logging.getLogger("cas_ckpt")
 
 STEP_DIGITS = 12
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 with --signal
@@ -79,6 +86,17 @@ class CheckpointManager:
     one's next save raises it). A manager of a read-only repository takes no lease.
     ``preemption``: install handlers for ``preemption_signals`` that only set a flag, which
     :meth:`reached_preemption` reports; they are restored by :meth:`close`.
+    ``replicate_to``: a second, durable repository (``s3://bucket/prefix``, a path, or an open
+    Repository). Each save (every ``replicate_every``-th, one made after a preemption signal, and
+    the last before :meth:`close`) lands locally first, then a background thread pushes it there:
+    its step ref and the run's ref, only the blocks the remote lacks; local retention keeps a
+    step until it is there. ``remote_retention`` (``{"keep_last": 10}``...,
+    the keep_* rules above; None: the same as here, ``{}``: keep all) applies there after each
+    push. :meth:`wait` and :meth:`close` wait for replication too; :attr:`replication_lag` says
+    how far it is behind; a failure is logged and retried. A manager whose repository lacks ``ref``,
+    or holds an older checkpoint of it than the remote, first pulls it from there (a new node
+    resumes from object storage); :meth:`restore` fetches a step only the remote holds, or whose
+    local copy fails verification. See ``docs/scale-out.md``.
     """
 
     def __init__(
@@ -99,9 +117,13 @@ class CheckpointManager:
         preemption: bool = False,
         preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
         takeover: bool = False,
+        replicate_to: Repository | str | os.PathLike[str] | None = None,
+        replicate_every: int | None = None,
+        remote_retention: Mapping[str, Any] | None = None,
     ) -> None:
         for name, value in (("save_every", save_every), ("keep_last", keep_last),
-                            ("keep_every", keep_every), ("keep_best", keep_best)):
+                            ("keep_every", keep_every), ("keep_best", keep_best),
+                            ("replicate_every", replicate_every)):
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, not {value!r}")
         if best_mode not in ("min", "max"):
@@ -113,6 +135,7 @@ class CheckpointManager:
         self.save_every = save_every
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
+        self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
         self.async_save = async_save
         self._buffers: dict[Place, Any] | None = {} if reuse_buffers else None
         self.gc_after_retention = gc_after_retention
@@ -134,6 +157,9 @@ class CheckpointManager:
         self._lease = repo.refs_store.lease(self.ref, takeover=takeover) if writer else None
         if self._lease is not None:  # an unclosed manager gives its run back when collected
             self._release_lease = weakref.finalize(self, self._lease.release)
+        self._replicator: Replicator | None = None
+        if replicate_to is not None and self._lease is not None:  # the run's writer replicates
+            self._replicator = self._start_replication(replicate_to, replicate_every, remote_retention)
         if fork_from is not None and repo.refs_store.get(self.ref) is None:
             self._fork(fork_from)
         self._reconcile()
@@ -208,23 +234,35 @@ class CheckpointManager:
         return None
 
     def wait(self) -> CID | None:
-        """Block until the save in flight is durable; return the CID of this manager's last save."""
+        """Block until the save in flight is durable (and, with ``replicate_to``, replicated:
+        :class:`ReplicationFailed` if that keeps failing); return the CID of this manager's last save."""
         self._drain()
+        if self._replicator is not None:
+            self._replicator.wait()
         return self._last_cid
 
     def close(self) -> None:
-        """Wait for the save in flight (raising its failure) and stop the background thread."""
+        """Wait for the save in flight (raising its failure) and for replication (raising
+        :class:`ReplicationFailed` if it cannot catch up), and stop the background threads."""
         try:
             self._drain()
         finally:
-            self._closed = True
-            self._buffers = None
-            self._restore_handlers()
-            if self._lease is not None:
-                self._release_lease()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            try:
+                if self._replicator is not None:
+                    self._replicator.close()
+            finally:
+                self._close()
+
+    def _close(self) -> None:
+        """Stop the threads, restore signal handlers and give the run's lease back."""
+        self._closed = True
+        self._buffers = None
+        self._restore_handlers()
+        if self._lease is not None:
+            self._release_lease()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -233,7 +271,8 @@ class CheckpointManager:
         if exc_type is None:
             self.close()
             return
-        with contextlib.suppress(SaveFailed):  # the exception already propagating matters more
+        # The exception already propagating matters more (a replication failure was logged).
+        with contextlib.suppress(SaveFailed, ReplicationFailed):
             self.close()
 
     # -- preemption ----------------------------------------------------------------------------
@@ -317,6 +356,7 @@ class CheckpointManager:
             self.repo.set_ref(self.step_ref(step), cid)
             self._last_cid = cid
             self._retain()
+            self._replicate(step, cid, writer.stats.bytes_written)  # this rank's share
         if _distributed():
             _barrier()  # every rank sees the step ref, and retention done, once this returns
         return cid
@@ -349,9 +389,28 @@ class CheckpointManager:
         checkpoint yet, and :class:`CheckpointExpired` for a step retention removed.
         """
         self._drain()
-        target = self._target(None if step is None else _as_step(step))
-        return self.repo.load(target, path=path, mmap=mmap, verify=verify, map_location=map_location,
-                              dtype=dtype)
+        step = None if step is None else _as_step(step)
+        try:
+            target = self._target(step)
+        except (StepNotFound, CheckpointExpired):
+            if self._replicator is None or (fetched := self._replicator.fetch(step)) is None:
+                raise
+            target = fetched
+
+        def load() -> Any:
+            return self.repo.load(target, path=path, mmap=mmap, verify=verify,
+                                  map_location=map_location, dtype=dtype)
+
+        try:
+            return load()
+        except (CorruptBlock, BlockNotFound) as exc:  # local damage: the remote has a good copy
+            if self._replicator is None:
+                raise
+            _log.warning("restoring %s of %r: the local copy failed (%s); fetching it from %s",
+                         step, self.ref, exc, self._replicator.where)
+            if self._replicator.fetch(self._commit(target).step, repair=True) is None:
+                raise
+            return load()
 
     def rewind(self, step: int) -> CID:
         """Make retained ``step`` the latest again: later steps leave :meth:`steps` (their commits
@@ -441,7 +500,38 @@ class CheckpointManager:
         self.repo.set_ref(self.step_ref(step), cid)
         self._last_cid = cid
         self._retain()
+        self._replicate(step, cid, self.last_report.bytes_written if self.last_report else 0)
         return cid
+
+    def _replicate(self, step: int, cid: CID, written: int) -> None:
+        """Queue a finished save (``written`` new bytes here) for the remote; a save after a
+        preemption signal always."""
+        if self._replicator is not None:
+            self._replicator.saved(step, bytes(cid), written, now=self._preempted is not None)
+
+    def _start_replication(
+        self, remote: Repository | str | os.PathLike[str], every: int | None,
+        rules: Mapping[str, Any] | None,
+    ) -> Replicator:
+        """The background replicator; first pulls the run if the remote is ahead of this side."""
+        retention = self._retention if rules is None else Retention.parse(
+            rules, best_metric=self.best_metric, best_mode=self.best_mode)
+        replicator = Replicator(self.repo, self.ref, remote, step_ref=self.step_ref, every=every,
+                                retention=retention)
+        try:
+            replicator.resume()
+        except BaseException:
+            replicator.close()
+            if self._lease is not None:
+                self._release_lease()
+            raise
+        _finish_at_exit(self)  # a script that ends without close() still replicates its last save
+        return replicator
+
+    @property
+    def replication_lag(self) -> ReplicationLag | None:
+        """How far the remote is behind (None without ``replicate_to``)."""
+        return None if self._replicator is None else self._replicator.lag
 
     def _drain(self) -> None:
         """Wait for the save in flight; raise its failure as :class:`SaveFailed`, once.
@@ -467,13 +557,9 @@ class CheckpointManager:
             return
         steps = self._step_refs()
         head = self.repo.refs_store.get(self.ref)
-        keep = {s for s, cid in steps.items() if cid == head}
-        if self.keep_last:
-            keep.update(sorted(steps)[-self.keep_last:])
-        if self.keep_every:
-            keep.update(s for s in steps if s % self.keep_every == 0)
-        if self.keep_best:
-            keep.update(self._best(steps))
+        keep = self._retention.keep(steps, head, lambda cid: self._commit(cid).metadata.get("metrics"))
+        if self._replicator is not None:  # a step on its way to the remote stays until it is there
+            keep |= self._replicator.pending()
         expired = sorted(set(steps) - keep)
         for step in expired:
             self.repo.delete_ref(self.step_ref(step), expected=steps[step])
@@ -499,15 +585,6 @@ class CheckpointManager:
                     return
                 reported.update(k for k in stored if isinstance(k, str))
         raise UnknownMetric(self.ref, str(self.best_metric), sorted(reported))
-
-    def _best(self, steps: dict[int, bytes]) -> list[int]:
-        scored = []
-        for step, cid in steps.items():
-            metrics = self._commit(cid).metadata.get("metrics")
-            value = metrics.get(self.best_metric) if isinstance(metrics, dict) else None
-            if type(value) in (int, float) and not math.isnan(value):
-                scored.append((value if self.best_mode == "min" else -value, -step, step))
-        return [step for *_, step in sorted(scored)[: self.keep_best]]
 
 
 # -- interpreter exit ----------------------------------------------------------------------------
@@ -539,12 +616,18 @@ def _finish_at_exit(manager: CheckpointManager) -> None:
 def _finish_saves() -> None:
     """Wait for every async save in flight; report each failure on stderr, and exit non-zero."""
     failures = []
-    managers = [m for m in list(_ASYNC_MANAGERS) if m._future is not None]
+    managers = [m for m in list(_ASYNC_MANAGERS)
+                if m._future is not None or (m._replicator is not None and not m._closed)]
     for i, manager in enumerate(managers):
         try:
             manager._drain()
+            if manager._replicator is not None and not manager._closed:
+                manager._replicator.finish()  # the run's last save reaches the remote too
+                manager._replicator.wait()
         except SaveFailed as exc:
             failures.append(f"{exc}; the checkpoint was not saved")
+        except ReplicationFailed as exc:
+            failures.append(str(exc))
         except KeyboardInterrupt:
             failures.extend(
                 f"interrupted at exit while the async save of step {m._pending_step} to {m.ref!r} "

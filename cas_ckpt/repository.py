@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from multiformats import CID
 
-from cas_ckpt import car, codec, hf
+from cas_ckpt import car, codec, hf, replication
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends.s3 import S3Bucket
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, WriteStats
@@ -57,6 +57,7 @@ from cas_ckpt.maintenance.gc import collect as gc_collect
 from cas_ckpt.maintenance.usage import Usage, usage
 from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore, check_ref_name
+from cas_ckpt.replication import TransferReport, Update
 from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter, cast_floats
 
 _log = logging.getLogger("cas_ckpt")
@@ -629,6 +630,54 @@ class Repository:
         tree_b = self._tree_of(self._resolve(b), reader)
         return compare(reader, self.blocks, tree_a, tree_b, path)
 
+    # -- replication ---------------------------------------------------------------------------
+    def push(
+        self, remote: Repository | str | os.PathLike[str], ref: str = "main", *,
+        remote_ref: str | None = None, force: bool = False, progress: replication.Progress | None = None,
+    ) -> TransferReport:
+        """Send ``ref``'s checkpoint and history to ``remote`` and move ``remote_ref`` (default
+        ``ref``) there; only the blocks ``remote`` lacks travel.
+
+        ``remote`` is a location (a directory, ``s3://bucket/prefix``; created if missing, with
+        this repository's hash) or an open :class:`Repository`. The remote ref moves by
+        compare-and-swap once every block is durable there; :class:`RefDiverged` (before
+        anything is sent) if it holds a commit not in ``ref``'s history, unless ``force``;
+        :class:`RefConflict` if it moved meanwhile. A push that died is simply run again: it
+        sends only what is still missing. See ``docs/scale-out.md``.
+        """
+        head = self._head(ref)
+        with _other(remote, self, create=True) as dst:
+            report = replication.transfer(
+                self, dst, [Update(check_ref_name(remote_ref or ref), head, force)], progress=progress
+            )
+        self._local.last_transfer = report
+        return report
+
+    def pull(
+        self, remote: Repository | str | os.PathLike[str], ref: str = "main", *,
+        remote_ref: str | None = None, force: bool = False, progress: replication.Progress | None = None,
+    ) -> TransferReport:
+        """Fetch ``remote_ref`` (default ``ref``) from ``remote`` into this repository's ``ref``:
+        :meth:`push` the other way round (:class:`RefDiverged` if ``ref`` here holds commits the
+        remote's history lacks, unless ``force``)."""
+        check_ref_name(ref)
+        with _other(remote, self, create=False, read_only=True) as src:
+            head = src._head(remote_ref or ref)
+            report = replication.transfer(src, self, [Update(ref, head, force)], progress=progress)
+        self._local.last_transfer = report
+        return report
+
+    @property
+    def last_transfer(self) -> TransferReport | None:
+        """The report of this thread's latest push, pull or clone of this repository."""
+        return getattr(self._local, "last_transfer", None)
+
+    def _head(self, ref: str) -> bytes:
+        head = self.refs_store.get(check_ref_name(ref))
+        if head is None:
+            raise RefNotFound(ref)
+        return head
+
     def export_car(
         self, target: Target, out: car.FileLike, *, progress: car.Progress | None = None
     ) -> car.CarReport:
@@ -942,3 +991,57 @@ def _s3_stores(
     refs = S3RefStore(bucket, lease_timeout=lease_timeout or LEASE_TIMEOUT, lock_timeout=lock_timeout,
                       read_only=read_only)
     return S3Store(bucket, verify=verify, read_only=read_only, **store_options), refs
+
+
+
+@contextlib.contextmanager
+def _other(
+    remote: Repository | str | os.PathLike[str], like: Repository | None, *, create: bool,
+    read_only: bool = False,
+) -> Iterator[Repository]:
+    """``remote`` as an open repository (opened here, and closed after, if it is a location)."""
+    if isinstance(remote, Repository):
+        yield remote
+        return
+    settings = {} if like is None else {"hash": like.config.hash, "chunk_size": like.config.chunk_size}
+    with open(remote, create=create, read_only=read_only, **settings) as other:
+        yield other
+
+
+def clone(
+    src: Repository | str | os.PathLike[str],
+    dst: Repository | str | os.PathLike[str],
+    *,
+    progress: replication.Progress | None = None,
+) -> Repository:
+    """Copy every ref and pin of ``src`` (with the data each names, and history) into ``dst``.
+
+    ``dst`` is a location (created, with ``src``'s hash and chunk size) or an open repository;
+    it must hold no refs or pins yet. Returns ``dst`` open (its ``last_transfer`` has the
+    figures). Reflogs stay behind: they record what happened in ``src``. Like a push, a clone
+    that died is run again and sends only what is missing.
+    """
+    with _other(src, None, create=False, read_only=True) as source:
+        target = dst if isinstance(dst, Repository) else open(
+            dst, hash=source.config.hash, chunk_size=source.config.chunk_size
+        )
+        try:
+            clash = target.refs_store.names() or target.refs_store.pins()
+            if clash:
+                raise RepositoryError(
+                    f"cannot clone into {target.location or target}: it already holds refs or pins"
+                )
+            refs = {name: cid for name in source.refs_store.names()
+                    if (cid := source.refs_store.get(name)) is not None}
+            pins = sorted(source.refs_store.pins())
+            updates = [Update(name, cid) for name, cid in refs.items()]
+            report = replication.transfer(source, target, updates, progress=progress, roots=pins)
+            with target.refs_store.lock(exclusive=False):
+                for pin in pins:
+                    target.refs_store.pin(pin)
+            target._local.last_transfer = report
+        except BaseException:
+            if target is not dst:
+                target.close()
+            raise
+    return target

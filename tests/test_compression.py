@@ -325,3 +325,15 @@ def test_safetensors_import_into_a_compressed_repository_exports_byte_identical(
         assert report is not None and 0 < report.bytes_stored < 0.88 * report.bytes_written
         repo.export_safetensors("m", tmp_path / "out.safetensors")
     assert (tmp_path / "out.safetensors").read_bytes() == src.read_bytes()
+
+
+def test_a_push_to_a_compressed_remote_stores_float_chunks_grouped(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "local") as local:
+        local.save(_state())
+        with cas_ckpt.open(tmp_path / "remote", compression="zstd") as remote:
+            report = local.push(remote, "main")
+            assert report.bytes_sent > 0
+            codecs = {e.codec for entries in remote.blocks.packs().values() for e in entries}
+            assert CODEC_GROUPED in codecs
+            assert remote.stats().stored_bytes < 0.9 * local.stats().stored_bytes
+            assert_state_equal(_state(), remote.load("main"))

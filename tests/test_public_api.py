@@ -21,7 +21,8 @@ def test_the_top_level_is_small_and_typed() -> None:
     assert 15 <= len(cas_ckpt.__all__) <= 20
     for name in cas_ckpt.__all__:
         assert getattr(cas_ckpt, name) is not None
-    for report in ("GCReport", "FsckReport", "Usage", "DiffReport", "CarReport", "SaveReport", "Commit"):
+    for report in ("GCReport", "FsckReport", "Usage", "DiffReport", "CarReport", "SaveReport", "Commit",
+                   "TransferReport", "clone"):
         assert report in cas_ckpt.__all__
     assert (Path(cas_ckpt.__file__).parent / "py.typed").exists()
 

@@ -1,0 +1,319 @@
+"""The two-tier CheckpointManager's parts: retention rules, and the background replicator.
+
+A manager with ``replicate_to`` saves to its (fast, local) repository first; the training loop
+waits only for that. A :class:`Replicator` thread then pushes each due checkpoint to the remote
+(durable object storage): its step ref and the run's ref, in one transfer that sends only the
+blocks the remote lacks (:mod:`cas_ckpt.replication`), then applies the remote's own retention.
+A failed push is logged, counted in :attr:`Replicator.lag` and retried with backoff; nothing is
+dropped: :meth:`Replicator.wait` raises :class:`ReplicationFailed` if it cannot catch up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt.errors import CasCkptError, ReplicationFailed
+from cas_ckpt.replication import TransferReport, Update, descends, transfer
+from cas_ckpt.repository import Repository
+from cas_ckpt.repository import open as open_repository
+
+_log = logging.getLogger("cas_ckpt")
+
+WAIT_ATTEMPTS = 3  # wait() and close() give up after this many failed attempts in a row
+MAX_DELAY = 30.0  # seconds between retries, at most
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which steps a side keeps: the last N, every K-th, the N best by a metric (none: all)."""
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: str = "min"
+
+    RULES = ("keep_last", "keep_every", "keep_best")
+
+    @classmethod
+    def parse(cls, rules: Mapping[str, Any], *, best_metric: str | None, best_mode: str) -> Retention:
+        """Rules given as ``{"keep_last": 3, ...}`` (the manager's own keyword names)."""
+        unknown = set(rules) - set(cls.RULES)
+        if unknown:
+            raise ValueError(f"unknown retention rule(s) {sorted(unknown)}; use {list(cls.RULES)}")
+        for name, value in rules.items():
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+        if rules.get("keep_best") is not None and not best_metric:
+            raise ValueError("keep_best needs best_metric")
+        return cls(**rules, best_metric=best_metric, best_mode=best_mode)
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.keep_last is None and self.keep_every is None and self.keep_best is None
+
+    def keep(
+        self, steps: dict[int, bytes], head: bytes | None, metrics: Callable[[bytes], Any]
+    ) -> set[int]:
+        """The steps to keep of ``steps`` (step -> commit); the head's step always stays."""
+        if self.keeps_all:
+            return set(steps)
+        keep = {s for s, cid in steps.items() if cid == head}
+        if self.keep_last:
+            keep.update(sorted(steps)[-self.keep_last:])
+        if self.keep_every:
+            keep.update(s for s in steps if s % self.keep_every == 0)
+        if self.keep_best:
+            keep.update(self._best(steps, metrics))
+        return keep
+
+    def _best(self, steps: dict[int, bytes], metrics: Callable[[bytes], Any]) -> list[int]:
+        scored = []
+        for step, cid in steps.items():
+            found = metrics(cid)
+            value = found.get(self.best_metric) if isinstance(found, dict) else None
+            if type(value) in (int, float) and not math.isnan(value):
+                scored.append((value if self.best_mode == "min" else -value, -step, step))
+        return [step for *_, step in sorted(scored)[: self.keep_best]]
+
+
+@dataclass(frozen=True)
+class ReplicationLag:
+    """How far the remote is behind: checkpoints due for replication and not yet there, the bytes
+    their saves wrote locally (what a push sends at most), the latest step replicated, and the
+    failed attempts (with the last error) since the last success."""
+
+    steps: int
+    bytes: int
+    replicated_step: int | None
+    failures: int
+    error: str | None
+
+
+class Replicator:
+    """Pushes a run's due checkpoints to ``remote`` in a background thread (see the module)."""
+
+    def __init__(
+        self, repo: Repository, ref: str, remote: Repository | str | os.PathLike[str], *,
+        step_ref: Callable[[int], str], every: int | None, retention: Retention,
+    ) -> None:
+        self.repo, self.ref, self.step_ref = repo, ref, step_ref
+        self.every, self.retention = every, retention
+        self._remote = remote if isinstance(remote, Repository) else None
+        self._spec = remote
+        self.where = remote.location if isinstance(remote, Repository) else os.fspath(remote)
+        self._prefix = step_ref(0).rpartition("/")[0] + "/"
+        self._cond = threading.Condition()
+        self._opening = threading.Lock()
+        self._pending: dict[int, tuple[bytes, int]] = {}  # step -> (commit, bytes its save wrote)
+        self._saves = 0
+        self._latest: tuple[int, bytes, int] | None = None
+        self._remote_head: tuple[bytes | None] | None = None  # last known value (None: unknown)
+        self._replicated: int | None = None
+        self._failures = 0  # failed attempts since the last success
+        self._base = 0  # failures when the current wait() began (its backoff starts afresh)
+        self._error: BaseException | None = None
+        self._next = 0.0
+        self._busy = False
+        self._stop = False
+        self._gc_due = False
+        self.last_report: TransferReport | None = None
+        self._thread = threading.Thread(target=self._run, name="cas_ckpt-replicate", daemon=True)
+        self._thread.start()
+
+    # -- the remote ----------------------------------------------------------------------------
+    def remote(self) -> Repository:
+        """The remote repository, opened (created with the local one's settings) on first use."""
+        with self._opening:  # the thread and restore() may both need it first
+            if self._remote is None:
+                self._remote = open_repository(
+                    self._spec, hash=self.repo.config.hash, chunk_size=self.repo.config.chunk_size
+                )
+            return self._remote
+
+    def resume(self) -> None:
+        """Bring the local run up to the remote's before the first save, when the remote is
+        ahead: a new node with an empty disk, or a disk older than what was replicated. A remote
+        that cannot be reached is an error only when the local repository lacks the run."""
+        local = self.repo.refs_store.get(self.ref)
+        try:
+            remote = self.remote()
+            head = remote.refs_store.get(self.ref)
+        except (CasCkptError, OSError) as exc:
+            if local is None:
+                raise
+            _log.warning("cannot reach %s to compare %r (%s: %s); replicating when it can",
+                         self.where, self.ref, type(exc).__name__, exc)
+            return
+        if head is None or head == local or (local is not None and descends(self.repo, local, head)):
+            self._remote_head = (head,)  # nothing there, or this side is ahead: pushes catch up
+            return
+        step = remote.commit(head).step
+        # A fast-forward of the local ref (RefDiverged if the two hold different histories).
+        updates = [Update(self.ref, head, force=local is None, expect=(None,) if local is None else None)]
+        if step is not None:
+            updates.append(Update(self.step_ref(step), head, force=True))
+        self.last_report = transfer(remote, self.repo, updates)
+        self._remote_head = (head,)
+        self._replicated = step
+
+    def fetch(self, step: int | None, *, repair: bool = False) -> bytes | None:
+        """Copy checkpoint ``step`` (the latest when None) from the remote into the local
+        repository under its step ref; None if the remote does not hold it. ``repair``: local
+        copies of its blocks that fail their hash are replaced."""
+        remote = self.remote()
+        cid = remote.refs_store.get(self.ref if step is None else self.step_ref(step))
+        if cid is None:
+            return None
+        found = remote.commit(cid).step
+        local = self.step_ref(found) if found is not None else self.ref
+        self.last_report = transfer(remote, self.repo, [Update(local, cid, force=True)],
+                                    verify_existing=repair)
+        return cid
+
+    # -- the queue -----------------------------------------------------------------------------
+    def saved(self, step: int, cid: bytes, nbytes: int, *, now: bool = False) -> None:
+        """A save finished locally: queue it if it is due (every ``every``-th save, or ``now``)."""
+        with self._cond:
+            self._saves += 1
+            self._latest = (step, cid, nbytes)
+            if now or self.every is None or self._saves % self.every == 0:
+                self._pending[step] = (cid, nbytes)
+                self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Queue the latest save even if it was not due: the remote ends where the run did."""
+        with self._cond:
+            if self._latest is not None:
+                step, cid, nbytes = self._latest
+                if step not in self._pending and (self._replicated is None or self._replicated < step):
+                    self._pending[step] = (cid, nbytes)
+                    self._cond.notify_all()
+
+    def pending(self) -> set[int]:
+        """Steps queued for the remote and not there yet (local retention keeps them)."""
+        with self._cond:
+            return set(self._pending)
+
+    @property
+    def lag(self) -> ReplicationLag:
+        with self._cond:
+            return ReplicationLag(
+                steps=len(self._pending), bytes=sum(n for _, n in self._pending.values()),
+                replicated_step=self._replicated, failures=self._failures,
+                error=None if self._error is None else f"{type(self._error).__name__}: {self._error}",
+            )
+
+    def wait(self) -> None:
+        """Block until every queued checkpoint is replicated; :class:`ReplicationFailed` after
+        :data:`WAIT_ATTEMPTS` failed attempts in a row (the queue stays, and retries go on)."""
+        with self._cond:
+            self._base = self._failures
+            self._next = min(self._next, time.monotonic())  # a waiter need not sit out a backoff
+            self._cond.notify_all()
+            while self._pending or self._busy:
+                if not self._busy and self._failures - self._base >= WAIT_ATTEMPTS:
+                    assert self._error is not None
+                    raise ReplicationFailed(self.ref, self.where, sorted(self._pending),
+                                            self._error) from self._error
+                self._cond.wait(0.5)
+
+    def close(self) -> None:
+        """:meth:`finish` and :meth:`wait`, then stop the thread (also when waiting failed)."""
+        try:
+            self.finish()
+            self.wait()
+        finally:
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
+            self._thread.join(timeout=60)
+            if self._remote is not None and not isinstance(self._spec, Repository):
+                self._remote.close()
+                self._remote = None
+
+    # -- the thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not (self._pending and time.monotonic() >= self._next):
+                    delay = self._next - time.monotonic() if self._pending else None
+                    self._cond.wait(None if delay is None else max(delay, 0.01))
+                if self._stop:
+                    return
+                batch = dict(self._pending)
+                self._busy = True
+            try:
+                self._push(batch)
+            except Exception as exc:  # reported, counted and retried: never dropped
+                self._failed(batch, exc)
+            else:
+                with self._cond:
+                    for step, item in batch.items():
+                        if self._pending.get(step) == item:
+                            del self._pending[step]
+                    self._failures, self._error, self._busy = 0, None, False
+                    self._cond.notify_all()
+
+    def _failed(self, batch: dict[int, tuple[bytes, int]], exc: Exception) -> None:
+        with self._cond:
+            self._failures += 1
+            self._error = exc
+            delay = min(0.25 * 2 ** (self._failures - self._base - 1), MAX_DELAY)
+            self._next = time.monotonic() + delay
+            self._busy = False
+            self._cond.notify_all()
+        _log.warning("replicating steps %s of %r to %s failed (attempt %d, retrying in %.1f s): %s: %s",
+                     sorted(batch), self.ref, self.where, self._failures, delay, type(exc).__name__, exc)
+
+    def _push(self, batch: dict[int, tuple[bytes, int]]) -> None:
+        """Send the batch's checkpoints still held locally (their step refs and the run's ref at
+        the newest), then apply the remote's retention."""
+        refs = self.repo.refs_store
+        head = refs.get(self.ref)
+        present = {s: cid for s, (cid, _) in batch.items()
+                   if refs.get(self.step_ref(s)) == cid or head == cid}
+        gone = sorted(set(batch) - set(present))
+        if gone:
+            _log.warning("steps %s of %r were expired locally before they reached %s", gone,
+                         self.ref, self.where)
+        if not present:
+            return
+        remote = self.remote()
+        newest = max(present)
+        updates = [Update(self.step_ref(s), cid, force=True) for s, cid in sorted(present.items())]
+        if self._remote_head is None:  # first push of this manager: only a fast-forward
+            updates.append(Update(self.ref, present[newest]))
+        else:  # the run is this manager's: it may move back (a rewind), but only from what it set
+            updates.append(Update(self.ref, present[newest], force=True, expect=self._remote_head))
+        self.last_report = transfer(self.repo, remote, updates)
+        self._remote_head = (present[newest],)
+        self._replicated = newest
+        self._retain_remote(remote)
+
+    def _retain_remote(self, remote: Repository) -> None:
+        if self.retention.keeps_all and not self._gc_due:
+            return
+        steps = {int(name[len(self._prefix):]): cid for name in remote.refs_store.names()
+                 if name.startswith(self._prefix) and name[len(self._prefix):].isdigit()
+                 and (cid := remote.refs_store.get(name)) is not None}
+        head = remote.refs_store.get(self.ref)
+
+        def metrics(cid: bytes) -> Any:
+            return remote.commit(cid).metadata.get("metrics")
+
+        expired = sorted(set(steps) - self.retention.keep(steps, head, metrics))
+        for step in expired:
+            remote.delete_ref(self.step_ref(step), expected=cidlib.to_cid(steps[step]))
+        if expired or self._gc_due:
+            self._gc_due = True  # until a collection succeeds
+            remote.gc(expire_reflogs=(self.ref, self._prefix))
+            self._gc_due = False

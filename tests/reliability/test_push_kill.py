@@ -1,0 +1,117 @@
+"""A push SIGKILLed mid-way, then run again: the remote ref never names a missing block, and the
+re-run sends only what is still missing (local directory and the moto S3 server).
+
+Each case pushes a 32 MiB checkpoint in 4 MiB packs, kills the pushing process once some packs are
+on the remote, checks the remote (its ref is absent, or at the previous checkpoint, and fsck finds
+nothing), kills a resumed push again, then lets one finish and checks what it sent.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pytest
+
+import cas_ckpt
+
+from ._support import HERE, PYTHON, child_env, digest, load_digest, record
+
+MiB = 1024 * 1024
+PACK = 4 * MiB
+
+
+def _state(seed: int, arrays: int = 8) -> dict[str, object]:
+    rng = np.random.default_rng(seed)
+    return {f"a{i}": rng.standard_normal(MiB).astype(np.float32) for i in range(arrays)}  # 4 MiB each
+
+
+@functools.cache
+def _client() -> object:
+    return boto3.client("s3")
+
+
+def _packs(where: str) -> int:
+    if where.startswith("s3://"):
+        bucket, _, prefix = where[len("s3://"):].partition("/")
+        listing = _client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/packs/")  # type: ignore[attr-defined]
+        return len(listing.get("Contents", []))
+    packs = Path(where) / "packs"
+    return len(list(packs.glob("*.pack"))) if packs.is_dir() else 0
+
+
+def _push_and_kill(src: Path, where: str, after_packs: int) -> bool:
+    """Run the child; SIGKILL it once ``after_packs`` packs are on the remote. False if it ended
+    first (nothing was left to send)."""
+    proc = subprocess.Popen([PYTHON, str(HERE / "_push_child.py"), str(src), where, str(PACK)],
+                            env=child_env(), stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    try:
+        while proc.poll() is None and _packs(where) < after_packs:
+            assert time.monotonic() < deadline, "the push made no progress"
+            time.sleep(0.01)
+        if proc.poll() is not None:
+            return False
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        return True
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def _check_remote(where: str, allowed: set[str | None]) -> str | None:
+    """The remote opens, its ref holds one of ``allowed`` (digests; None: no ref), and nothing it
+    names is missing. Returns what it holds."""
+    with cas_ckpt.open(where) as remote:
+        held = None if remote.refs_store.get("main") is None else load_digest(remote, "main")
+        assert held in allowed
+        assert remote.fsck().problems == []
+    return held
+
+
+@pytest.mark.parametrize("medium", ["local", "s3"])
+def test_a_killed_push_resumes_sending_only_what_is_missing(
+    medium: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    where = request.getfixturevalue("s3_url") if medium == "s3" else str(tmp_path / "remote")
+    src = tmp_path / "src"
+    first, second = _state(1), _state(1)
+    second["a5"] = second["a5"] + 1  # the second version changes 1 array of 8
+    total = sum(a.nbytes for a in first.values())  # type: ignore[attr-defined]
+    kills = 0
+    with cas_ckpt.open(src) as repo:
+        repo.save(first, ref="main", step=1)
+        # A first push, killed twice: the remote ref never appears early.
+        for after in (2, 4):  # far from the end: the ref cannot have moved yet
+            kills += _push_and_kill(src, where, after)
+            _check_remote(where, {None})
+        published = _packs(where)
+        assert published >= 4
+        report = repo.push(where, "main")
+        assert report.bytes_skipped >= (published - 1) * PACK // 2  # what the killed pushes left
+        assert report.bytes_sent < total - report.bytes_skipped + 64 * 1024
+        assert report.bytes_sent + report.bytes_skipped >= total
+        _check_remote(where, {digest(first)})
+        # A push of the changed version, killed once its first pack is there: the remote holds
+        # the first version, whole (or the second, if the kill came after the ref moved).
+        repo.save(second, ref="main", step=2)
+        before = _packs(where)
+        killed = _push_and_kill(src, where, before + 1)
+        kills += killed
+        held = _check_remote(where, {digest(first), digest(second)} if killed else {digest(second)})
+        final = repo.push(where, "main")
+        assert final.bytes_sent <= 4 * MiB + 64 * 1024  # at most the changed array (or its rest)
+        assert final.up_to_date == (held == digest(second))
+        _check_remote(where, {digest(second)})
+    assert kills >= 2
+    record("push_kill", **{f"{medium}_kills": kills})

@@ -1,0 +1,505 @@
+"""Replication between repositories (memory, local, the real moto S3 server): push, pull, clone,
+only missing blocks sent, history without expired data, races on a remote ref, and the two-tier
+CheckpointManager (background pushes, retention per side, lag, retries, restore from the remote).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import assert_state_equal
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from strategies import states
+
+import cas_ckpt
+from cas_ckpt import cid as cidlib
+from cas_ckpt import cli
+from cas_ckpt.errors import RefConflict, RefDiverged, RefNotFound, ReplicationFailed, RepositoryError
+
+FAST = {"min_grace": 0.0}  # remote GC may collect what was just pushed
+MiB = 1024 * 1024
+
+
+def _state(seed: int, arrays: int = 10, size: int = MiB) -> dict[str, Any]:
+    """``arrays`` arrays of ``size`` bytes of random float32 (incompressible, no dedup inside)."""
+    rng = np.random.default_rng(seed)
+    return {"layers": {f"l{i}": rng.standard_normal(size // 4).astype(np.float32) for i in range(arrays)},
+            "step": seed}
+
+
+@pytest.fixture(params=["memory", "local", "s3"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[cas_ckpt.Repository]:
+    """An empty remote repository on each medium (S3: the moto server)."""
+    if request.param == "s3":
+        url = request.getfixturevalue("s3_url")
+        repo = cas_ckpt.open(url, storage_options=FAST)
+    elif request.param == "local":
+        repo = cas_ckpt.open(tmp_path / "remote")
+    else:
+        repo = cas_ckpt.open("memory://")
+    with repo:
+        yield repo
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Iterator[cas_ckpt.Repository]:
+    with cas_ckpt.open(tmp_path / "local") as repo:
+        yield repo
+
+
+# -- round trips ---------------------------------------------------------------------------------
+@settings(max_examples=25)
+@given(state=states())
+def test_any_state_round_trips_through_push_and_pull(state: Any) -> None:
+    with cas_ckpt.open("memory://") as a, cas_ckpt.open("memory://") as b, \
+            cas_ckpt.open("memory://") as c:
+        a.save(state, ref="main", step=1)
+        a.push(b, "main")
+        c.pull(b, "main")
+        assert_state_equal(state, c.load("main"))
+        assert c.resolve("main") == a.resolve("main")
+
+
+def test_push_pull_clone_round_trip(local: cas_ckpt.Repository, remote: cas_ckpt.Repository,
+                                    tmp_path: Path) -> None:
+    for step in range(3):
+        local.save(_state(step, arrays=3), ref="main", step=step)
+    local.save({"other": np.arange(10)}, ref="other")
+    local.pin(local.save({"pinned": 1}, ref="tmp"))
+    local.delete_ref("tmp")
+
+    report = local.push(remote, "main")
+    assert report.refs == {"main": local.resolve("main")} and report.previous == {"main": None}
+    assert report.commits_sent == 2  # the two older commits travel as history
+    assert [c.step for c in remote.log("main")] == [2, 1, 0]
+    assert remote.expired(next(iter(remote.log("main~1"))))  # only the head's data travelled
+    assert_state_equal(_state(2, arrays=3), remote.load("main"))
+    assert remote.fsck().problems == []
+
+    again = local.push(remote, "main")
+    assert again.up_to_date and again.blocks_sent == 0 and again.blocks_skipped > 0
+
+    with cas_ckpt.open(tmp_path / "puller") as puller:
+        pulled = puller.pull(remote, "copy", remote_ref="main")
+        assert pulled.refs == {"copy": local.resolve("main")}
+        assert_state_equal(_state(2, arrays=3), puller.load("copy"))
+
+    with cas_ckpt.clone(local, tmp_path / "clone") as clone:
+        assert clone.refs() == local.refs()
+        assert clone.pins() == local.pins()
+        assert clone.last_transfer is not None and clone.last_transfer.blocks_sent > 0
+        assert clone.load("main~0")["step"] == 2 and clone.load(local.pins()[0]) == {"pinned": 1}
+        assert clone.fsck().problems == []
+    with pytest.raises(RepositoryError, match="already holds refs"):
+        cas_ckpt.clone(local, tmp_path / "clone")
+
+
+def test_locations_are_opened_and_created(local: cas_ckpt.Repository, tmp_path: Path, s3_url: str) -> None:
+    local.save(_state(1, arrays=2), ref="main", step=1)
+    local.push(s3_url, "main", remote_ref="runs/a")
+    local.push(tmp_path / "dir", "main")
+    with cas_ckpt.open(s3_url) as s3, cas_ckpt.open(tmp_path / "dir") as folder:
+        assert s3.resolve("runs/a") == folder.resolve("main") == local.resolve("main")
+    with cas_ckpt.clone(s3_url, tmp_path / "from-s3") as clone:
+        assert_state_equal(_state(1, arrays=2), clone.load("runs/a"))
+    with pytest.raises(RepositoryError, match="no cas_ckpt repository"):
+        local.pull(tmp_path / "missing", "main")
+    with pytest.raises(RefNotFound):
+        local.push(tmp_path / "dir", "no-such-ref")
+
+
+# -- only what is missing ------------------------------------------------------------------------
+def test_a_push_of_a_checkpoint_that_changed_10_percent_sends_about_10_percent(
+    local: cas_ckpt.Repository, remote: cas_ckpt.Repository
+) -> None:
+    state = _state(0)
+    local.save(state, ref="main", step=1)
+    first = local.push(remote, "main")
+    total = sum(a.nbytes for a in state["layers"].values())
+    assert total <= first.bytes_sent < total + 64 * 1024
+    state["layers"]["l3"] = state["layers"]["l3"] + 1  # one array of ten: 10% of the bytes
+    local.save(state, ref="main", step=2)
+    second = local.push(remote, "main")
+    assert total // 10 <= second.bytes_sent < total // 10 + 64 * 1024
+    assert second.bytes_skipped >= total * 9 // 10
+    assert second.previous == {"main": first.refs["main"]}
+    assert_state_equal(state, remote.load("main"))
+
+
+def test_history_travels_but_expired_data_does_not(local: cas_ckpt.Repository,
+                                                    remote: cas_ckpt.Repository) -> None:
+    with cas_ckpt.CheckpointManager(local, "run", keep_last=1) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, _state(step, arrays=2))
+    report = local.push(remote, "run")
+    assert report.bytes_sent < 2 * (2 * MiB) + 64 * 1024  # the head only, not four checkpoints
+    history = list(remote.log("run"))
+    assert [c.step for c in history] == [4, 3, 2, 1]
+    assert [remote.expired(c) for c in history] == [False, True, True, True]
+
+
+# -- refs move like git's ------------------------------------------------------------------------
+def test_a_diverged_remote_is_refused_before_anything_is_sent_unless_forced(
+    local: cas_ckpt.Repository, remote: cas_ckpt.Repository
+) -> None:
+    local.save(_state(1, arrays=2), ref="main", step=1)
+    local.push(remote, "main")
+    theirs = remote.save({"theirs": 1}, ref="main", step=2)
+    local.save(_state(2, arrays=2), ref="main", step=2)
+    stored = len(remote.blocks)
+    with pytest.raises(RefDiverged, match="not an ancestor") as caught:
+        local.push(remote, "main")
+    assert isinstance(caught.value, RefConflict) and caught.value.ref == "main"
+    assert len(remote.blocks) == stored and remote.resolve("main") == theirs
+    with pytest.raises(RefDiverged):
+        local.pull(remote, "main")
+    forced = local.push(remote, "main", force=True)
+    assert forced.previous == {"main": theirs} and remote.resolve("main") == local.resolve("main")
+    local.pull(remote, "main")  # now a fast-forward: nothing to do
+    assert local.last_transfer is not None and local.last_transfer.up_to_date
+
+
+@pytest.mark.parametrize("medium", ["local", "s3"])
+def test_a_remote_that_moved_during_a_push_is_a_conflict(
+    medium: str, local: cas_ckpt.Repository, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    where = request.getfixturevalue("s3_url") if medium == "s3" else tmp_path / "remote"
+    local.save(_state(1, arrays=2), ref="main", step=1)
+    base = local.push(where, "main").refs["main"]
+    local.save(_state(2, arrays=2), ref="main", step=2)
+    with cas_ckpt.open(tmp_path / "other") as other:
+        other.pull(where, "main")
+        other.save({"other": 1}, ref="main", step=9)
+        interleaved = []
+
+        def push_other_first(sent: int, *_: int) -> None:
+            if not interleaved:  # once, after our push read the remote ref and before it moves it
+                interleaved.append(other.push(where, "main"))
+
+        with pytest.raises(RefConflict) as caught:
+            local.push(where, "main", progress=push_other_first)
+        assert not isinstance(caught.value, RefDiverged)
+        assert interleaved[0].previous == {"main": base}
+        with cas_ckpt.open(where) as remote:
+            assert remote.resolve("main") == other.resolve("main")
+            assert remote.fsck().problems == []
+
+
+_RACER = textwrap.dedent("""
+    import sys
+    import cas_ckpt
+    from cas_ckpt.errors import RefConflict
+    remote, local, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with cas_ckpt.open(local) as repo:
+        done = conflicts = 0
+        while done < rounds:
+            repo.pull(remote, "main", force=True)  # start from the remote's head
+            count = repo.load("main")["count"]
+            repo.save({"count": count + 1}, ref="main", step=count + 1)
+            try:
+                repo.push(remote, "main")
+                done += 1
+            except RefConflict:  # RefDiverged too: another pusher got there first
+                conflicts += 1
+        print(conflicts)
+""")
+
+
+def test_two_pushers_racing_on_one_remote_ref_lose_no_update(
+    s3_url: str, s3_env: str, tmp_path: Path
+) -> None:
+    with cas_ckpt.open("memory://") as seed:
+        seed.save({"count": 0}, ref="main", step=0)
+        seed.push(s3_url, "main")
+    rounds = 4
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, s3_url, str(tmp_path / f"p{i}"),
+                               str(rounds)], stdout=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    with cas_ckpt.open(s3_url) as remote:
+        assert remote.load("main")["count"] == 2 * rounds
+        assert [c.step for c in remote.log("main")] == list(range(2 * rounds, -1, -1))
+        assert remote.fsck().problems == []
+    assert all(out.strip().isdigit() for out in outs)
+
+
+# -- the command line ----------------------------------------------------------------------------
+def test_cli_push_pull_clone(local: cas_ckpt.Repository, tmp_path: Path, s3_url: str,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    local.save(_state(1, arrays=2), ref="main", step=1)
+    local.save(_state(2, arrays=2), ref="main", step=2)
+    repo = str(local.location)
+    assert cli.main(["--repo", repo, "push", s3_url, "--json"]) == cli.EXIT_OK
+    pushed = json.loads(capsys.readouterr().out)
+    assert pushed["refs"] == {"main": str(local.resolve("main"))} and pushed["commits_sent"] == 1
+    assert pushed["bytes_sent"] >= 2 * MiB and pushed["blocks_skipped"] == 0 and pushed["seconds"] >= 0
+    assert cli.main(["--repo", repo, "push", s3_url, "main", "--remote-ref", "copy"]) == cli.EXIT_OK
+    assert "sent 0 blocks" in capsys.readouterr().out
+    assert cli.main(["clone", s3_url, str(tmp_path / "c"), "--json"]) == cli.EXIT_OK
+    cloned = json.loads(capsys.readouterr().out)
+    assert set(cloned["refs"]) == {"main", "copy"}
+    local.set_ref("main", "main~1")
+    local.save({"diverged": 1}, ref="main", step=3)
+    assert cli.main(["--repo", repo, "push", s3_url]) == cli.EXIT_ERROR
+    assert "not an ancestor" in capsys.readouterr().err
+    assert cli.main(["--repo", repo, "pull", s3_url, "--force"]) == cli.EXIT_OK
+    assert "pulled" in capsys.readouterr().out
+    assert local.resolve("main") == cas_ckpt.open(tmp_path / "c").resolve("main")
+    assert cli.main(["--repo", repo, "pull", str(tmp_path / "nowhere")]) == cli.EXIT_REPO
+
+
+# -- the two-tier manager ------------------------------------------------------------------------
+def test_two_tier_manager_replicates_in_the_background_with_its_own_retention(
+    local: cas_ckpt.Repository, remote: cas_ckpt.Repository
+) -> None:
+    with cas_ckpt.CheckpointManager(local, "run", keep_last=2, replicate_to=remote,
+                                    remote_retention={"keep_every": 2}, async_save=True) as mgr:
+        for step in range(1, 8):
+            mgr.save(step, _state(step, arrays=2), metrics={"loss": 1.0 / step})
+            lag = mgr.replication_lag
+            assert lag is not None and lag.steps >= 0 and lag.bytes >= 0
+        mgr.wait()
+        lag = mgr.replication_lag
+        assert lag is not None and (lag.steps, lag.bytes, lag.replicated_step) == (0, 0, 7)
+        assert {6, 7} <= set(mgr.steps())  # and any kept until it had reached the remote
+        mgr.save(8, _state(8, arrays=2))
+        mgr.wait()
+        assert mgr.steps() == [7, 8]  # the last 2 locally, now that all are replicated
+    steps = sorted(int(n.rpartition("/")[2]) for n in remote.refs("run.steps/"))
+    assert steps == [2, 4, 6, 8]  # every 2nd remotely (and the latest)
+    history = {c.step: c for c in remote.log("run")}
+    assert sorted(history) == list(range(1, 9))
+    assert [s for s, c in sorted(history.items()) if not remote.expired(c)] == [2, 4, 6, 8]  # GC ran
+    assert_state_equal(_state(4, arrays=2), remote.load("run.steps/000000000004"))
+    assert remote.fsck().problems == []
+
+
+def test_replicate_every_nth_save_and_always_the_last_at_close(local: cas_ckpt.Repository,
+                                                               remote: cas_ckpt.Repository) -> None:
+    with cas_ckpt.CheckpointManager(local, "run", replicate_to=remote, replicate_every=3) as mgr:
+        for step in range(1, 8):
+            mgr.save(step, {"step": step})
+        mgr.wait()
+        assert sorted(remote.refs("run.steps/")) == ["run.steps/000000000003", "run.steps/000000000006"]
+        assert remote.load("run")["step"] == 6
+    assert len(remote.refs("run.steps/")) == 3 and remote.load("run")["step"] == 7  # close sent it
+
+
+def test_a_new_node_with_an_empty_disk_resumes_from_the_remote(
+    tmp_path: Path, s3_url: str
+) -> None:
+    with cas_ckpt.open(tmp_path / "node1") as node1, \
+            cas_ckpt.CheckpointManager(node1, "run", keep_last=1, replicate_to=s3_url,
+                                       remote_retention={}) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, _state(step, arrays=2))
+    with cas_ckpt.open(tmp_path / "node2") as node2, \
+            cas_ckpt.CheckpointManager(node2, "run", keep_last=1, replicate_to=s3_url,
+                                       remote_retention={}) as mgr:
+        assert mgr.latest_step() == 3
+        assert_state_equal(_state(3, arrays=2), mgr.restore())
+        assert_state_equal(_state(1, arrays=2), mgr.restore(1))  # only the remote kept step 1
+        mgr.save(4, _state(4, arrays=2))
+    with cas_ckpt.open(s3_url) as remote:
+        assert [c.step for c in remote.log("run")] == [4, 3, 2, 1]  # one history across nodes
+        assert len(remote.refs("run.steps/")) == 4
+
+
+def test_a_node_whose_disk_is_older_than_the_remote_catches_up_first(tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    with cas_ckpt.open(tmp_path / "a") as a:
+        with cas_ckpt.CheckpointManager(a, "run", replicate_to=remote) as mgr:
+            mgr.save(1, {"step": 1})
+        with cas_ckpt.open(tmp_path / "b") as b, \
+                cas_ckpt.CheckpointManager(b, "run", replicate_to=remote) as other:  # node a is down
+            other.save(2, {"step": 2})
+            other.save(3, {"step": 3})
+        with cas_ckpt.CheckpointManager(a, "run", replicate_to=remote) as mgr:  # a is back
+            assert mgr.latest_step() == 3 and mgr.restore() == {"step": 3}
+            mgr.save(4, {"step": 4})
+        a.set_ref("run", "run~1")  # this disk's history now parts from the remote's
+        a.save({"elsewhere": 1}, ref="run", step=5)
+    with cas_ckpt.open(remote) as r:
+        assert [c.step for c in r.log("run")] == [4, 3, 2, 1]
+    with cas_ckpt.open(tmp_path / "a") as a, pytest.raises(RefDiverged):
+        cas_ckpt.CheckpointManager(a, "run", replicate_to=remote)  # two histories: refuse to mix
+
+
+def test_a_local_checkpoint_that_fails_verification_is_fetched_again(
+    local: cas_ckpt.Repository, remote: cas_ckpt.Repository, caplog: pytest.LogCaptureFixture
+) -> None:
+    with cas_ckpt.CheckpointManager(local, "run", replicate_to=remote) as mgr:
+        mgr.save(1, _state(1, arrays=2))
+        mgr.wait()
+        pack, offset, _ = local.blocks.locate(_first_chunk(local))
+        path = local.blocks.pack_dir / pack
+        with open(path, "r+b") as f:  # damage one byte of a chunk, in place
+            f.seek(offset + 10)
+            byte = f.read(1)
+            f.seek(offset + 10)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with caplog.at_level(logging.WARNING, "cas_ckpt"):
+            assert_state_equal(_state(1, arrays=2), mgr.restore())
+        assert "fetching it from" in caplog.text
+    with cas_ckpt.open(local.location) as reopened:  # a good copy is stored now, beside the bad one
+        assert_state_equal(_state(1, arrays=2), reopened.load("run"))
+
+
+def _first_chunk(repo: cas_ckpt.Repository) -> bytes:
+    return next(key for key in repo.blocks.keys() if not cidlib.is_node(key))  # noqa: SIM118 - a store
+
+
+def test_a_replication_failure_is_reported_and_retried(local: cas_ckpt.Repository, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "remote"
+    blocker.write_text("not a repository")  # the remote cannot be created: every push fails
+    local.save({"w": np.arange(4)}, ref="run", step=0)  # the run exists here: nothing to fetch
+    with caplog.at_level(logging.WARNING, "cas_ckpt"):
+        mgr = cas_ckpt.CheckpointManager(local, "run", replicate_to=blocker)
+        mgr.save(1, {"w": np.arange(5)})
+        mgr.save(2, {"w": np.arange(6)})
+        with pytest.raises(ReplicationFailed, match="behind by 2") as caught:
+            mgr.wait()
+        assert caught.value.steps == [1, 2] and "exists and is not" in str(caught.value)
+        lag = mgr.replication_lag
+        assert lag is not None and lag.steps == 2 and lag.failures >= 3 and lag.error
+        assert "replicating steps [1" in caplog.text and "failed (attempt 3" in caplog.text
+        blocker.unlink()  # the remote comes back: the next retry catches up
+        deadline = time.monotonic() + 60
+        while mgr.replication_lag.steps and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.05)
+        mgr.close()
+    with cas_ckpt.open(blocker) as remote:
+        assert remote.load("run")["w"].tolist() == list(range(6))
+        assert sorted(remote.refs("run.steps/")) == ["run.steps/000000000001", "run.steps/000000000002"]
+
+
+def test_close_raises_when_replication_cannot_catch_up(local: cas_ckpt.Repository, tmp_path: Path) -> None:
+    blocker = tmp_path / "remote"
+    blocker.write_text("x")
+    local.save({"a": 0}, ref="run", step=0)
+    mgr = cas_ckpt.CheckpointManager(local, "run", replicate_to=blocker)
+    mgr.save(1, {"a": 1})
+    with pytest.raises(ReplicationFailed):
+        mgr.close()
+    assert local.load("run") == {"a": 1}  # saved locally all the same
+    with cas_ckpt.open(tmp_path / "empty") as empty, \
+            pytest.raises(RepositoryError, match="exists and is not"):
+        cas_ckpt.CheckpointManager(empty, "run", replicate_to=blocker)  # cannot know what to resume
+
+
+# -- the docs ------------------------------------------------------------------------------------
+def test_the_replication_section_of_scale_out_runs() -> None:
+    import doctest
+
+    text = (Path(__file__).parent.parent / "docs" / "scale-out.md").read_text()
+    start = text.index("## Replication: push, pull, clone")
+    end = text.find("\n## ", start + 10)
+    section = text[start : end if end >= 0 else len(text)]
+    test = doctest.DocTestParser().get_doctest(section, {}, "scale-out.md (replication)", None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0 and len(test.examples) >= 10
+
+
+def test_the_replication_benchmark_runs(s3_env: str, tmp_path: Path) -> None:
+    """benchmarks/replicate_bench.py at a tiny size, on the test server (no speed asserted)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import replicate_bench
+
+    out = tmp_path / "bench.json"
+    assert replicate_bench.main(["--size-mb", "8", "--arrays", "2", "--loop-mb", "4", "--steps", "2",
+                                 "--workdir", str(tmp_path), "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["figures"]["push"]["bytes_sent"] >= 8 * MiB
+    assert figures["figures"]["push 10%"]["bytes_sent"] < figures["figures"]["push"]["bytes_sent"]
+    assert set(figures["two_tier"]) == {"local only", "two-tier"}
+
+
+def test_dcp_saves_of_a_two_tier_manager_are_replicated(local: cas_ckpt.Repository,
+                                                         tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group
+        warnings.simplefilter("ignore")
+        with cas_ckpt.CheckpointManager(local, "run", replicate_to=tmp_path / "remote") as mgr:
+            for step in (1, 2):
+                mgr.save_dcp(step, {"w": torch.full((256, 256), float(step))})
+            mgr.wait()
+            lag = mgr.replication_lag
+            assert lag is not None and lag.replicated_step == 2
+    with cas_ckpt.open(tmp_path / "remote") as remote, cas_ckpt.open(tmp_path / "fresh") as node, \
+            cas_ckpt.CheckpointManager(node, "run", replicate_to=remote) as fresh, \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        target = {"w": torch.zeros(256, 256)}
+        fresh.restore_dcp(target)
+        assert float(target["w"][0, 0]) == 2.0 and fresh.steps() == [2]
+
+
+# -- a model of pushes and pulls -----------------------------------------------------------------
+class PushPullMachine(RuleBasedStateMachine):
+    """Two clones saving, pushing and pulling through one remote, against a model of git's rules:
+    a push or pull is refused exactly when it is not a fast-forward (unless forced), the ref on
+    the receiving side then holds the sender's head, and every ref anywhere loads what was saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.repos = {name: cas_ckpt.open("memory://") for name in ("a", "b", "remote")}
+        self.saved: dict[Any, Any] = {}  # commit -> state
+        self.step = 0
+
+    def teardown(self) -> None:
+        for repo in self.repos.values():
+            repo.close()
+
+    def _chain(self, repo: cas_ckpt.Repository) -> list[Any]:
+        return [c.cid for c in repo.log("main")] if "main" in repo.refs() else []
+
+    @rule(who=st.sampled_from(["a", "b"]), value=st.integers(0, 3), size=st.integers(0, 3000))
+    def save(self, who: str, value: int, size: int) -> None:
+        self.step += 1
+        state = {"v": np.full(size, value, np.int32), "step": self.step}
+        cid = self.repos[who].save(state, ref="main", step=self.step)
+        self.saved[cid] = state
+
+    @rule(who=st.sampled_from(["a", "b"]), force=st.booleans(), pull=st.booleans())
+    def transfer(self, who: str, force: bool, pull: bool) -> None:
+        here, remote = self.repos[who], self.repos["remote"]
+        src, dst = (remote, here) if pull else (here, remote)
+        if "main" not in src.refs():
+            with pytest.raises(RefNotFound):
+                (dst.pull(src) if pull else src.push(dst))
+            return
+        theirs = self._chain(dst)
+        ok = force or not theirs or theirs[0] in self._chain(src)
+        try:
+            report = dst.pull(src, force=force) if pull else src.push(dst, force=force)
+        except RefDiverged:
+            assert not ok
+            return
+        assert ok
+        assert dst.resolve("main") == src.resolve("main") == report.refs["main"]
+
+    @invariant()
+    def every_ref_loads_what_was_saved(self) -> None:
+        for repo in self.repos.values():
+            for cid in repo.refs().values():
+                assert_state_equal(self.saved[cid], repo.load(cid))
+
+
+TestPushPull = PushPullMachine.TestCase
+TestPushPull.settings = settings(max_examples=30, stateful_step_count=15)
