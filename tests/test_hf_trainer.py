@@ -96,7 +96,7 @@ class Data(torch.utils.data.Dataset):
 def trainer(tmp_path: Path, callback: CasCheckpointCallback, *, freeze: bool = False,
             **overrides: object) -> transformers.Trainer:
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=128, hidden_size=96, num_hidden_layers=1,  # 36-72 KiB matrices
+    config = transformers.BertConfig(vocab_size=128, hidden_size=96, num_hidden_layers=1,  # 36-72 KiB
                                      num_attention_heads=2, intermediate_size=192, max_position_embeddings=8)
     model = transformers.BertForSequenceClassification(config)
     if freeze:  # fine-tuning a head: the frozen encoder is stored once for every checkpoint
