@@ -323,3 +323,11 @@ def test_plain_data_round_trips_through_a_stub(tmp_path_factory: pytest.TempPath
     loaded = plugin.load_checkpoint(tmp / "x.ckpt")
     assert_state_equal({"hyper_parameters": as_expected(tree), "size": (2, 3)}, loaded)
     assert os.path.getsize(tmp / "x.ckpt") < 1024
+
+
+def test_integrations_doc_examples_run() -> None:
+    import doctest
+
+    doc = Path(__file__).parent.parent / "docs" / "integrations.md"
+    result = doctest.testfile(str(doc), module_relative=False, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 5 and result.failed == 0
