@@ -194,3 +194,15 @@ def test_resume_folder_of_a_fresh_run_is_none(tmp_path: Path) -> None:
     repo.save({"w": 1}, ref="x")
     with pytest.raises(CheckpointFileError, match="not a Trainer checkpoint folder"):
         write_checkpoint_folder(repo, "x", tmp_path / "f")
+
+
+def test_async_saves_store_the_same_folders(tmp_path: Path) -> None:
+    callback = CasCheckpointCallback(tmp_path / "repo", ref="run", async_save=True, keep_last=1)
+    trainer(tmp_path, callback).train()
+    assert callback.manager.steps() == [4]
+    folder = callback.resume_folder(tmp_path / "again")
+    assert folder == str(tmp_path / "again" / "checkpoint-4")
+    assert sorted(p.name for p in Path(folder).iterdir()) == [
+        "config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt",
+        "trainer_state.json"]
+    callback.close()
