@@ -361,3 +361,20 @@ def test_integrations_doc_examples_run() -> None:
     doc = Path(__file__).parent.parent / "docs" / "integrations.md"
     result = doctest.testfile(str(doc), module_relative=False, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 5 and result.failed == 0
+
+
+def test_plain_converts_enums_paths_and_scalar_subclasses_and_names_what_it_refuses() -> None:
+    import enum
+
+    class Mode(enum.Enum):
+        FAST = "fast"
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    out = plain({"mode": Mode.FAST, "level": Level.HIGH, "dir": Path("/a/b"), "flag": True, 1: [None]})
+    assert_state_equal({"mode": "fast", "level": 3, "dir": "/a/b", "flag": True, 1: [None]}, out)
+    with pytest.raises(StateTypeError, match=r"^opt\.dtype: a torch\.dtype can only be stored with pickle"):
+        plain({"opt": {"dtype": torch.float16}})
+    with pytest.raises(StateTypeError, match=r"^a\.\(1, 2\): dict keys must be str or int, not tuple"):
+        plain({"a": {(1, 2): 0}})
