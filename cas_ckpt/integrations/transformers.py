@@ -112,7 +112,7 @@ class CasCheckpointCallback(TrainerCallback):
         return str(folder)
 
     # -- TrainerCallback -----------------------------------------------------------------------
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.remove_folders and getattr(args, "load_best_model_at_end", False):
             raise ValueError(
                 "CasCheckpointCallback(remove_folders=True) removes the checkpoint folders that "
