@@ -116,8 +116,9 @@ class CasCheckpointCallback(TrainerCallback):
         if self.remove_folders and getattr(args, "load_best_model_at_end", False):
             raise ValueError(
                 "CasCheckpointCallback(remove_folders=True) removes the checkpoint folders that "
-                "load_best_model_at_end needs; pass remove_folders=False, or load the best step "
-                "with callback.manager.restore(step)"
+                "load_best_model_at_end needs; pass remove_folders=False, or, after training, write "
+                "the best step's folder back with write_checkpoint_folder(callback.repo, "
+                "callback.manager.step_ref(step), folder)"
             )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
