@@ -14,6 +14,7 @@ __all__ = [
     "CasCkptError",
     "CheckpointExists",
     "CheckpointExpired",
+    "CheckpointFileError",
     "CorruptBlock",
     "CorruptStore",
     "DecodeError",
@@ -365,3 +366,12 @@ class MapLocationError(CasCkptError, ValueError):
         """Put ``key`` in front of the path (the reader adds each level on the way out)."""
         self.path = f"{key}.{self.path}" if self.path else str(key)
         return self
+
+
+class CheckpointFileError(CasCkptError, ValueError):
+    """A file a trainer integration reads (a Lightning stub, a Trainer's checkpoint folder) is
+    missing or not what it should be; names the file."""
+
+    def __init__(self, path: object, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = str(path)
