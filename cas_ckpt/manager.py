@@ -397,12 +397,12 @@ class CheckpointManager:
                 raise
             target = fetched
 
-        def load() -> Any:
+        def read() -> Any:
             return self.repo.load(target, path=path, mmap=mmap, verify=verify,
                                   map_location=map_location, dtype=dtype)
 
         try:
-            return load()
+            return read()
         except (CorruptBlock, BlockNotFound) as exc:  # local damage: the remote has a good copy
             if self._replicator is None:
                 raise
@@ -410,7 +410,7 @@ class CheckpointManager:
                          step, self.ref, exc, self._replicator.where)
             if self._replicator.fetch(self._commit(target).step, repair=True) is None:
                 raise
-            return load()
+            return read()
 
     def rewind(self, step: int) -> CID:
         """Make retained ``step`` the latest again: later steps leave :meth:`steps` (their commits
