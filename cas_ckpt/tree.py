@@ -39,8 +39,9 @@ import numpy as np
 from fastcdc.fastcdc_cy import fastcdc_cy
 from multiformats import CID
 
+from cas_ckpt import _small, codec
 from cas_ckpt import cid as cidlib
-from cas_ckpt import codec
+from cas_ckpt._small import SmallArray
 from cas_ckpt.blocks.base import BlockStore, BlockWriter
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import (
@@ -56,7 +57,7 @@ from cas_ckpt.errors import (
 TUPLE, BIGINT, NDARRAY, BLOB, SCALAR, PAGES, CID_VALUE = 1, 2, 3, 4, 5, 6, 7
 
 MAX_CHUNK = 1024 * 1024  # IPFS moves blocks of at most 1 MiB
-INLINE_LIMIT = 16 * 1024  # arrays and bytes up to this size live inside their node
+INLINE_LIMIT = 16 * 1024  # arrays and bytes up to this size live inside their node (but see _small)
 SPLIT_LIMIT = 64 * 1024  # containers whose encoding is larger get a node of their own
 PAGE_LIMIT = MAX_CHUNK - 64  # nodes are cut into pages below this size
 MAX_LINKS = 16384  # chunk links kept in one descriptor before they move into link pages
@@ -95,18 +96,28 @@ ML_DTYPES = {
     if hasattr(ml_dtypes, name)
 }
 _ML_BY_DTYPE = {dt: name for name, dt in ML_DTYPES.items()}
+# The common names, looked up without the regular expression (once per small tensor adds up).
+_NAMES = {n: n for n in (f"{o}{t}" for o in "<>|" for t in ("b1", "i1", "u1", "i2", "u2", "i4", "u4",
+          "i8", "u8", "f2", "f4", "f8", "c8", "c16")) if _NUMPY_DTYPE.match(n)}
+_PARSED = {**{n: np.dtype(n) for n in _NAMES}, **ML_DTYPES}
 
 
 def dtype_name(dtype: np.dtype[Any]) -> str | None:
     """The stored name of a dtype, or None if it cannot be saved."""
     if dtype in _ML_BY_DTYPE:
         return _ML_BY_DTYPE[dtype]
+    name = _NAMES.get(dtype.str)
+    if name is not None:
+        return name
     name = dtype.str
     return name if _NUMPY_DTYPE.match(name) else None
 
 
 def parse_dtype(name: object) -> np.dtype[Any]:
     """The dtype for a stored name; never evaluates anything but the allow-listed names."""
+    found = _PARSED.get(name) if type(name) is str else None
+    if found is not None:
+        return found
     if isinstance(name, str):
         if name in ML_DTYPES:
             return ML_DTYPES[name]
@@ -194,9 +205,11 @@ class TreeWriter:
                 if type(key) is int and not _INT64_MIN <= key <= _UINT64_MAX:
                     raise StateTypeError(join_path(path, key), "int dict keys must fit 64 bits")
                 out[key] = self._prepare(item, join_path(path, key), depth + 1)
+            _small.give_blocks(out.values(), self.pool, self.hasher.raw)
             return out
         if kind in (list, tuple):
             items = [self._prepare(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
+            _small.give_blocks(items, self.pool, self.hasher.raw)
             return items if kind is list else Tagged(TUPLE, items)
         if isinstance(value, np.ndarray):
             return self._prepare_array(value, path, "numpy")
@@ -253,8 +266,10 @@ class TreeWriter:
         if kind != "numpy":
             header["kind"] = kind
         self.logical_bytes += data.nbytes
-        if data.nbytes <= INLINE_LIMIT:
+        if data.nbytes <= _small.TINY_LIMIT:
             return Tagged(NDARRAY, {**header, "data": data})  # msgpack packs the view: no copy
+        if data.nbytes <= INLINE_LIMIT:
+            return SmallArray(header, data)  # inline, or a block of its own: see give_blocks
         size = self.chunk_size
         chunks = [data[i : i + size] for i in range(0, data.nbytes, size)]
         header["chunk_size"] = size
@@ -294,6 +309,8 @@ class TreeWriter:
             return self._container(
                 [self._encode(v, join_path(path, i)) for i, v in enumerate(value.value)], "tuple"
             )
+        if type(value) is SmallArray:
+            return self._write_small(value)
         if isinstance(value, _Chunked):
             return self._write_chunked(value)
         if type(value) is int and not _INT64_MIN <= value <= _UINT64_MAX:
@@ -343,6 +360,13 @@ class TreeWriter:
         plan.chunks, plan.hashes, plan.owner = [], [], None
         return codec.encode(Tagged(BLOB if blob else NDARRAY, header))
 
+    def _write_small(self, value: SmallArray) -> bytes:
+        if value.batch is None:
+            return self._pack(Tagged(NDARRAY, value.inline()))
+        cid = value.cid()
+        self.writer.put(cid, value.data)
+        return _small.one_chunk_array(NDARRAY, value.header, self.chunk_size, cid)
+
     def _put_node(self, data: bytes) -> bytes:
         cid = self.hasher.node(data)
         self.writer.put(cid, data)
@@ -357,6 +381,9 @@ def _release(plan: Any) -> None:
         if isinstance(item, _Chunked):
             for f in item.hashes:
                 f.cancel()
+        elif type(item) is SmallArray:
+            if item.batch is not None:
+                item.batch.future.cancel()
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, list):
@@ -481,6 +508,7 @@ class TreeReader:
         self.mmap = mmap
         self._fills: ThreadPoolExecutor | None = None
         self._inflight: list[Future[None]] = []
+        self._small: _small.SmallReads | None = None
         self.node_reads = 0
         self.mapped = self.copied = 0  # arrays an mmap load mapped, and those it had to copy
 
@@ -574,15 +602,17 @@ class TreeReader:
         self._inflight = []
         with ThreadPoolExecutor(FILLS_IN_FLIGHT, thread_name_prefix="cas_ckpt-fill") as fills:
             self._fills = fills
+            small = self._small = _small.SmallReads(self.store, self.pool, self.verify, fills)
             try:
                 result = self._load(value, 0)
+                small.flush()
             except BaseException:
-                for future in self._inflight:
+                for future in [*self._inflight, *small.futures]:
                     future.cancel()
                 raise
             finally:
-                self._fills = None
-            for future in self._inflight:
+                self._fills = self._small = None
+            for future in [*self._inflight, *small.futures]:
                 future.result()
         return result
 
@@ -653,6 +683,10 @@ class TreeReader:
         raise DecodeError(f"unknown extension type {code}")
 
     def _chunk_links(self, header: dict[str, Any]) -> list[bytes]:
+        chunks = header.get("chunks")
+        if type(chunks) is list and len(chunks) == 1 and type(chunks[0]) is Link \
+                and "chunk_pages" not in header:
+            return [chunks[0].cid]  # one chunk: every small array given a block of its own
         if "chunk_pages" in header:
             links: list[Any] = []
             pages = _Pages(self)  # a page repeated is decoded once
@@ -684,7 +718,7 @@ class TreeReader:
     def _load_array(self, header: dict[str, Any]) -> Any:
         dtype = parse_dtype(header.get("dtype"))
         shape = header.get("shape")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        if not _valid_shape(shape):
             raise DecodeError(f"malformed array shape {shape!r}")
         if len(shape) > 64:
             raise DecodeError("array has more than 64 dimensions")
@@ -706,6 +740,10 @@ class TreeReader:
             # chunk link page is read (one chunk repeated can declare terabytes in a small node).
             out = None if mapping else _allocate(nbytes, f"an array of shape {shape}")
             cids = self._chunk_links(header)
+            if out is not None and len(cids) == 1 and nbytes <= INLINE_LIMIT and self._small \
+                    and (kind == "numpy" or (self.tensor_factory is None and self.map_location is None)):
+                self._small.add(cids[0], memoryview(out))  # read checks the stored size
+                return self._shaped(out, dtype, shape, order, header)
             sizes = self._sizes(cids)  # the declared size must be what is really stored
             if sum(sizes) != nbytes:
                 raise DecodeError(f"array chunks hold {sum(sizes)} bytes, shape needs {nbytes}")
@@ -722,6 +760,13 @@ class TreeReader:
                 # A tensor moved to map_location is copied at once: its bytes must be there.
                 later = kind == "numpy" or (self.tensor_factory is None and self.map_location is None)
                 self._fill(cids, sizes, memoryview(flat), later=later)
+        return self._shaped(flat, dtype, shape, order, header)
+
+    def _shaped(
+        self, flat: np.ndarray[Any, Any], dtype: np.dtype[Any], shape: list[int], order: str,
+        header: dict[str, Any],
+    ) -> Any:
+        """The array (or tensor) over the bytes of ``flat``."""
         array = flat.view(dtype)
         try:
             array = array.reshape(shape[::-1]).T if order == "F" else array.reshape(shape)
@@ -789,6 +834,12 @@ def _allocate(nbytes: int, what: str) -> np.ndarray[Any, Any]:
         return np.empty(nbytes, dtype=np.uint8)
     except MemoryError:
         raise OutOfMemory(f"cannot allocate {nbytes} bytes for {what}") from None
+
+
+def _valid_shape(shape: Any) -> bool:
+    if type(shape) is list and len(shape) == 1:  # the common case, without a generator
+        return type(shape[0]) is int and shape[0] >= 0
+    return isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
 
 
 def _link(value: Any) -> Link:

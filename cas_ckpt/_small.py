@@ -1,0 +1,184 @@
+"""Many small arrays: one raw block each, hashed and read in batches.
+
+An array of at most ``INLINE_LIMIT`` bytes is normally stored inline in its parent's node. In a
+container whose inline arrays hold more than ``SMALL_SPLIT`` bytes (10,000 small tensors, 100 to a
+dict), that made every node ~850 KiB, so a change to one tensor in ten rewrote all of them. There
+the arrays above ``TINY_LIMIT`` are stored as ordinary one-chunk arrays instead: their own raw
+block each, found again by a re-save that leaves them alone. Hashing one block per pool task, and
+reading one per task, cost more in Python than the hashing itself, so both go in batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future
+from typing import Any
+
+import msgpack
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt import codec
+from cas_ckpt.blocks.base import BlockStore
+from cas_ckpt.errors import CorruptBlock
+
+TINY_LIMIT = 1024  # arrays up to this size stay inline even among many small ones
+SMALL_SPLIT = 64 * 1024  # inline array bytes in one container above which they get blocks
+BATCH_BYTES = 512 * 1024  # bytes of small arrays hashed (or read) by one pool task
+
+
+class SmallArray:
+    """An array small enough to be inline: stays so, or (``cids`` set) becomes one block."""
+
+    __slots__ = ("batch", "data", "header", "index")
+
+    def __init__(self, header: dict[str, Any], data: memoryview) -> None:
+        self.header = header
+        self.data = data  # a view of the array: keeps it alive, no copy
+        self.batch: _Batch | None = None  # the batch hashing this array's block
+        self.index = 0  # this array's place in that batch
+
+    def cid(self) -> bytes:
+        """The CID of this array's block (waits for its batch to be hashed)."""
+        assert self.batch is not None, "not given a block"
+        return self.batch.cids()[self.index]
+
+    def inline(self) -> dict[str, Any]:
+        """The ndarray map with the bytes inline (the layout of cas_ckpt 0.1 and 0.2)."""
+        return {**self.header, "data": self.data}
+
+
+def give_blocks(items: Iterable[Any], pool: Executor, digest: Callable[[Any], bytes]) -> None:
+    """If the small arrays among ``items`` hold more than ``SMALL_SPLIT`` bytes, start hashing
+    each of them as a block of its own, in batches of about ``BATCH_BYTES`` per pool task."""
+    small = [x for x in items if type(x) is SmallArray]
+    if not small or sum(x.data.nbytes for x in small) <= SMALL_SPLIT:
+        return
+    batch: list[SmallArray] = []
+    size = 0
+    for item in small:
+        batch.append(item)
+        size += item.data.nbytes
+        if size >= BATCH_BYTES:
+            _submit(batch, pool, digest)
+            batch, size = [], 0
+    if batch:
+        _submit(batch, pool, digest)
+
+
+class _Batch:
+    """The CIDs of a batch of small arrays being hashed on the pool."""
+
+    __slots__ = ("_cids", "future")
+
+    def __init__(self, future: Future[list[bytes]]) -> None:
+        self.future = future
+        self._cids: list[bytes] | None = None
+
+    def cids(self) -> list[bytes]:
+        if self._cids is None:  # one wait on the future per batch, not one per array
+            self._cids = self.future.result()
+        return self._cids
+
+
+def _submit(items: list[SmallArray], pool: Executor, digest: Callable[[Any], bytes]) -> None:
+    batch = _Batch(pool.submit(_hash_all, digest, [x.data for x in items]))
+    for i, item in enumerate(items):
+        item.batch, item.index = batch, i
+
+
+def _hash_all(digest: Callable[[Any], bytes], views: list[memoryview]) -> list[bytes]:
+    return [digest(v) for v in views]
+
+
+def one_chunk_array(code: int, header: dict[str, Any], chunk_size: int, cid: bytes) -> bytes:
+    """The encoding of ext ``code`` holding ``header`` plus ``chunk_size`` and one chunk link.
+
+    Byte for byte ``codec.encode(Tagged(code, {**header, "chunk_size": chunk_size,
+    "chunks": [Link(cid)]}))``, without msgpack calling back into Python for each link and tag.
+    """
+    head = msgpack.packb({**header, "chunk_size": chunk_size}, use_bin_type=True)
+    # A map of at most 15 entries starts with one byte, 0x80 | count: count one entry more.
+    assert head[0] & 0xF0 == 0x80 and head[0] < 0x8F, "ndarray header is a small map"
+    body = b"".join((bytes((head[0] + 1,)), head[1:], _CHUNKS_ONE, codec.link(cid)))
+    return codec.ext(code, body)
+
+
+_CHUNKS_ONE = msgpack.packb("chunks") + msgpack.packb([None])[:1]  # "chunks": [ (one item)
+
+
+class SmallReads:
+    """Reads of one-block arrays, gathered and run in batches on an executor during one load.
+
+    A batch whose blocks lie back to back in one mappable pack (what one save wrote) is copied
+    out of the mapping and each block hashed there: no read call and no pool task per array.
+    Any other batch goes through ``get_many_into``, which a remote store turns into a few
+    ranged requests for neighbouring blocks.
+    """
+
+    def __init__(self, store: BlockStore, pool: Executor, verify: bool, executor: Executor) -> None:
+        self._store = store
+        self._pool = pool
+        self._verify = verify
+        self._executor = executor
+        self._batch: list[tuple[bytes, memoryview]] = []
+        self._size = 0
+        self.futures: list[Future[None]] = []
+
+    def add(self, cid: bytes, out: memoryview) -> None:
+        """Fill ``out`` with block ``cid`` before the load ends (fails if the sizes differ)."""
+        self._batch.append((cid, out))
+        self._size += out.nbytes
+        if self._size >= BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._batch:
+            self.futures.append(self._executor.submit(self._read_all, self._batch))
+            self._batch, self._size = [], 0
+
+    def _read_all(self, batch: list[tuple[bytes, memoryview]]) -> None:
+        store = self._store
+        where = [store.locate(cid) for cid, _ in batch]  # (pack, offset, length); or BlockNotFound
+        for (cid, out), (_, _, length) in zip(batch, where, strict=True):
+            if length != out.nbytes:
+                raise CorruptBlock(cidlib.to_str(cid), f"stored size {length} != expected {out.nbytes}")
+        for run in _runs(where):
+            part = batch[run.start : run.stop]
+            mapped = store.map_blocks([cid for cid, _ in part])
+            if mapped is None:  # a store that cannot map: let it read (and coalesce) the rest
+                self._read_many(batch[run.start :])
+                return
+            self._copy_out(part, mapped)
+
+    def _copy_out(self, part: list[tuple[bytes, memoryview]], mapped: memoryview) -> None:
+        offset = 0
+        for cid, out in part:
+            piece = mapped[offset : offset + out.nbytes]
+            offset += out.nbytes
+            if self._verify and not cidlib.matches(cid, piece):
+                self._store.get_into(cid, out, verify=True)  # a good copy elsewhere, or why not
+            else:
+                out[:] = piece
+
+    def _read_many(self, part: list[tuple[bytes, memoryview]]) -> None:
+        sizes = [out.nbytes for _, out in part]
+        scratch = memoryview(bytearray(sum(sizes)))
+        self._store.get_many_into([cid for cid, _ in part], sizes, scratch, self._pool,
+                                  verify=self._verify)
+        offset = 0
+        for _, out in part:
+            out[:] = scratch[offset : offset + out.nbytes]
+            offset += out.nbytes
+
+
+def _runs(where: list[tuple[str, int, int]]) -> list[range]:
+    """Index ranges of blocks that lie back to back in one pack."""
+    runs, start = [], 0
+    for i in range(1, len(where)):
+        pack, offset, _ = where[i]
+        last_pack, last_offset, last_length = where[i - 1]
+        if pack != last_pack or offset != last_offset + last_length:
+            runs.append(range(start, i))
+            start = i
+    runs.append(range(start, len(where)))
+    return runs
