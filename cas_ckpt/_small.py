@@ -47,15 +47,23 @@ class SmallArray:
         return {**self.header, "data": self.data}
 
 
-def give_blocks(items: Iterable[Any], pool: Executor, digest: Callable[[Any], bytes]) -> None:
+def give_blocks(
+    items: Iterable[Any], pool: Executor, digest: Callable[[Any], bytes], chunk_size: int
+) -> None:
     """If the small arrays among ``items`` hold more than ``SMALL_SPLIT`` bytes, start hashing
-    each of them as a block of its own, in batches of about ``BATCH_BYTES`` per pool task."""
+    each of them as a block of its own, in batches of about ``BATCH_BYTES`` per pool task.
+
+    An array larger than ``chunk_size`` (a repository cutting chunks below 16 KiB) stays inline:
+    one chunk must not be larger than the chunk size its array records.
+    """
     small = [x for x in items if type(x) is SmallArray]
     if not small or sum(x.data.nbytes for x in small) <= SMALL_SPLIT:
         return
     batch: list[SmallArray] = []
     size = 0
     for item in small:
+        if item.data.nbytes > chunk_size:
+            continue
         batch.append(item)
         size += item.data.nbytes
         if size >= BATCH_BYTES:
@@ -138,6 +146,13 @@ class SmallReads:
 
     def _read_all(self, batch: list[tuple[bytes, memoryview]]) -> None:
         store = self._store
+        mapped = store.map_blocks([cid for cid, _ in batch])
+        if mapped is not None and mapped.nbytes == sum(out.nbytes for _, out in batch):
+            # One pack, back to back, the sizes adding up: a block whose size differs from its
+            # array's would shift the pieces after it, and each fails its hash (when verifying;
+            # unverified, the store's index is trusted like its bytes).
+            self._copy_out(batch, mapped)
+            return
         where = [store.locate(cid) for cid, _ in batch]  # (pack, offset, length); or BlockNotFound
         for (cid, out), (_, _, length) in zip(batch, where, strict=True):
             if length != out.nbytes:

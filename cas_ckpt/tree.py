@@ -205,11 +205,11 @@ class TreeWriter:
                 if type(key) is int and not _INT64_MIN <= key <= _UINT64_MAX:
                     raise StateTypeError(join_path(path, key), "int dict keys must fit 64 bits")
                 out[key] = self._prepare(item, join_path(path, key), depth + 1)
-            _small.give_blocks(out.values(), self.pool, self.hasher.raw)
+            _small.give_blocks(out.values(), self.pool, self.hasher.raw, self.chunk_size)
             return out
         if kind in (list, tuple):
             items = [self._prepare(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
-            _small.give_blocks(items, self.pool, self.hasher.raw)
+            _small.give_blocks(items, self.pool, self.hasher.raw, self.chunk_size)
             return items if kind is list else Tagged(TUPLE, items)
         if isinstance(value, np.ndarray):
             return self._prepare_array(value, path, "numpy")
