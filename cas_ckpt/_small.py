@@ -19,6 +19,7 @@ import msgpack
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore
+from cas_ckpt.codec import LINK
 from cas_ckpt.errors import CorruptBlock
 
 TINY_LIMIT = 1024  # arrays up to this size stay inline even among many small ones
@@ -49,16 +50,18 @@ class SmallArray:
 
 def give_blocks(
     items: Iterable[Any], pool: Executor, digest: Callable[[Any], bytes], chunk_size: int
-) -> None:
+) -> bool:
     """If the small arrays among ``items`` hold more than ``SMALL_SPLIT`` bytes, start hashing
-    each of them as a block of its own, in batches of about ``BATCH_BYTES`` per pool task.
+    each of them as a block of its own, in batches of about ``BATCH_BYTES`` per pool task, and
+    return True: their container then gets a node of its own, however small (a sub-tree load
+    reads it alone, not its parent's other children with it).
 
     An array larger than ``chunk_size`` (a repository cutting chunks below 16 KiB) stays inline:
     one chunk must not be larger than the chunk size its array records.
     """
     small = [x for x in items if type(x) is SmallArray]
     if not small or sum(x.data.nbytes for x in small) <= SMALL_SPLIT:
-        return
+        return False
     batch: list[SmallArray] = []
     size = 0
     for item in small:
@@ -71,6 +74,7 @@ def give_blocks(
             batch, size = [], 0
     if batch:
         _submit(batch, pool, digest)
+    return True
 
 
 class _Batch:
@@ -98,29 +102,28 @@ def _hash_all(digest: Callable[[Any], bytes], views: list[memoryview]) -> list[b
     return [digest(v) for v in views]
 
 
-def one_chunk_array(code: int, header: dict[str, Any], chunk_size: int, cid: bytes) -> bytes:
+def one_chunk_array(
+    code: int, header: dict[str, Any], chunk_size: int, cid: bytes, packer: msgpack.Packer
+) -> bytes:
     """The encoding of ext ``code`` holding ``header`` plus ``chunk_size`` and one chunk link.
 
     Byte for byte ``codec.encode(Tagged(code, {**header, "chunk_size": chunk_size,
-    "chunks": [Link(cid)]}))``, without msgpack calling back into Python for each link and tag.
+    "chunks": [Link(cid)]}))``, in one call of the writer's ``packer`` (no Python callback for
+    the link and the tag).
     """
-    head = msgpack.packb({**header, "chunk_size": chunk_size}, use_bin_type=True)
-    # A map of at most 15 entries starts with one byte, 0x80 | count: count one entry more.
-    assert head[0] & 0xF0 == 0x80 and head[0] < 0x8F, "ndarray header is a small map"
-    body = b"".join((bytes((head[0] + 1,)), head[1:], _CHUNKS_ONE, codec.link(cid)))
+    body = packer.pack({**header, "chunk_size": chunk_size, "chunks": [msgpack.ExtType(LINK, cid)]})
     return codec.ext(code, body)
 
 
-_CHUNKS_ONE = msgpack.packb("chunks") + msgpack.packb([None])[:1]  # "chunks": [ (one item)
-
-
 class SmallReads:
-    """Reads of one-block arrays, gathered and run in batches on an executor during one load.
+    """Reads of one-block arrays, gathered in batches during one load.
 
     A batch whose blocks lie back to back in one mappable pack (what one save wrote) is copied
-    out of the mapping and each block hashed there: no read call and no pool task per array.
-    Any other batch goes through ``get_many_into``, which a remote store turns into a few
-    ranged requests for neighbouring blocks.
+    out of the mapping and each block hashed there, on the loading thread: no read call, no
+    task and no lock hand-over per array (on a pool, the GIL passed back and forth for every
+    8 KiB made the load a third slower). Any other batch goes to ``executor``: it is split into
+    the runs that do lie back to back, and the rest goes through ``get_many_into``, which a
+    remote store turns into a few ranged requests, several batches in flight at once.
     """
 
     def __init__(self, store: BlockStore, pool: Executor, verify: bool, executor: Executor) -> None:
@@ -140,19 +143,21 @@ class SmallReads:
             self.flush()
 
     def flush(self) -> None:
-        if self._batch:
-            self.futures.append(self._executor.submit(self._read_all, self._batch))
-            self._batch, self._size = [], 0
-
-    def _read_all(self, batch: list[tuple[bytes, memoryview]]) -> None:
-        store = self._store
-        mapped = store.map_blocks([cid for cid, _ in batch])
+        batch = self._batch
+        if not batch:
+            return
+        self._batch, self._size = [], 0
+        mapped = self._store.map_blocks([cid for cid, _ in batch])
         if mapped is not None and mapped.nbytes == sum(out.nbytes for _, out in batch):
             # One pack, back to back, the sizes adding up: a block whose size differs from its
             # array's would shift the pieces after it, and each fails its hash (when verifying;
             # unverified, the store's index is trusted like its bytes).
             self._copy_out(batch, mapped)
-            return
+        else:
+            self.futures.append(self._executor.submit(self._read_runs, batch))
+
+    def _read_runs(self, batch: list[tuple[bytes, memoryview]]) -> None:
+        store = self._store
         where = [store.locate(cid) for cid, _ in batch]  # (pack, offset, length); or BlockNotFound
         for (cid, out), (_, _, length) in zip(batch, where, strict=True):
             if length != out.nbytes:

@@ -162,21 +162,27 @@ class TreeWriter:
         self.chunk_size = chunk_size
         self.logical_bytes = 0
         self._packer = codec.packer()
+        self._own_node: set[int] = set()  # ids of prepared containers of many small arrays
 
     def write(self, state: Any) -> bytes:
         """Store the whole state; return the binary CID of its root node."""
+        self._own_node.clear()
         plan = self._prepare(state, "", 0)
         try:
             return self._put_node(self._body(plan, ""))
         except BaseException:
             _release(plan)
             raise
+        finally:
+            self._own_node.clear()  # ids of freed objects get reused: never carry them over
 
     # -- first walk: check types, start hashing ------------------------------------------------
     def _prepare(self, value: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise StateTypeError(path, f"nesting deeper than {MAX_DEPTH} levels")
         kind = type(value)
+        if kind is np.ndarray:  # the most frequent value, checked first
+            return self._prepare_array(value, path, "numpy")
         if value is None or kind in (bool, float):
             return value
         if kind is int:
@@ -205,12 +211,10 @@ class TreeWriter:
                 if type(key) is int and not _INT64_MIN <= key <= _UINT64_MAX:
                     raise StateTypeError(join_path(path, key), "int dict keys must fit 64 bits")
                 out[key] = self._prepare(item, join_path(path, key), depth + 1)
-            _small.give_blocks(out.values(), self.pool, self.hasher.raw, self.chunk_size)
-            return out
+            return self._mark(out, out.values())
         if kind in (list, tuple):
             items = [self._prepare(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
-            _small.give_blocks(items, self.pool, self.hasher.raw, self.chunk_size)
-            return items if kind is list else Tagged(TUPLE, items)
+            return self._mark(items if kind is list else Tagged(TUPLE, items), items)
         if isinstance(value, np.ndarray):
             return self._prepare_array(value, path, "numpy")
         if isinstance(value, np.generic):
@@ -223,6 +227,12 @@ class TreeWriter:
         if kind is Link:
             return self._linked(value, path)
         raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}")
+
+    def _mark(self, container: Any, items: Any) -> Any:
+        """``container``, noted to get a node of its own if its small arrays get blocks."""
+        if _small.give_blocks(items, self.pool, self.hasher.raw, self.chunk_size):
+            self._own_node.add(id(container))  # the plan holds it until written: the id stays
+        return container
 
     def _linked(self, value: Link, path: str) -> Link:
         """A sub-tree already stored (e.g. by another process): linked as it is, not re-encoded."""
@@ -293,7 +303,8 @@ class TreeWriter:
     def _encode(self, value: Any, path: str) -> bytes:
         """The encoding of ``value`` inside its parent: a link if it was given a node of its own."""
         body = self._body(value, path)
-        if len(body) > SPLIT_LIMIT and isinstance(value, (dict, list, Tagged)):
+        if (len(body) > SPLIT_LIMIT or id(value) in self._own_node) \
+                and isinstance(value, (dict, list, Tagged)):
             return codec.link(self._put_node(body))
         return body
 
@@ -365,7 +376,7 @@ class TreeWriter:
             return self._pack(Tagged(NDARRAY, value.inline()))
         cid = value.cid()
         self.writer.put(cid, value.data)
-        return _small.one_chunk_array(NDARRAY, value.header, self.chunk_size, cid)
+        return _small.one_chunk_array(NDARRAY, value.header, self.chunk_size, cid, self._packer)
 
     def _put_node(self, data: bytes) -> bytes:
         cid = self.hasher.node(data)
