@@ -16,11 +16,9 @@ from typing import Any
 
 import msgpack
 
-from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import LINK
-from cas_ckpt.errors import CorruptBlock
 
 TINY_LIMIT = 1024  # arrays up to this size stay inline even among many small ones
 SMALL_SPLIT = 64 * 1024  # inline array bytes in one container above which they get blocks
@@ -118,12 +116,13 @@ def one_chunk_array(
 class SmallReads:
     """Reads of one-block arrays, gathered in batches during one load.
 
-    A batch whose blocks lie back to back in one mappable pack (what one save wrote) is copied
-    out of the mapping and each block hashed there, on the loading thread: no read call, no
-    task and no lock hand-over per array (on a pool, the GIL passed back and forth for every
-    8 KiB made the load a third slower). Any other batch goes to ``executor``: it is split into
-    the runs that do lie back to back, and the rest goes through ``get_many_into``, which a
-    remote store turns into a few ranged requests, several batches in flight at once.
+    On a store that can map its packs (a local directory: a read is a cheap system call), each
+    block is read straight into its array and hashed on the loading thread: no task and no lock
+    hand-over per array (on a pool, the GIL passing back and forth for every 8 KiB made loads a
+    third slower), and, unlike copying out of the mapping, no pack pages mapped into the
+    process. On any other store a batch goes to ``executor`` through ``get_many_into``, which a
+    remote store turns into a few ranged requests for neighbouring blocks, several batches in
+    flight at once.
     """
 
     def __init__(self, store: BlockStore, pool: Executor, verify: bool, executor: Executor) -> None:
@@ -131,6 +130,7 @@ class SmallReads:
         self._pool = pool
         self._verify = verify
         self._executor = executor
+        self._local: bool | None = None  # known at the first batch
         self._batch: list[tuple[bytes, memoryview]] = []
         self._size = 0
         self.futures: list[Future[None]] = []
@@ -147,58 +147,21 @@ class SmallReads:
         if not batch:
             return
         self._batch, self._size = [], 0
-        mapped = self._store.map_blocks([cid for cid, _ in batch])
-        if mapped is not None and mapped.nbytes == sum(out.nbytes for _, out in batch):
-            # One pack, back to back, the sizes adding up: a block whose size differs from its
-            # array's would shift the pieces after it, and each fails its hash (when verifying;
-            # unverified, the store's index is trusted like its bytes).
-            self._copy_out(batch, mapped)
+        if self._local is None:
+            self._local = self._store.map_blocks([batch[0][0]]) is not None
+        if self._local:
+            get_into, verify = self._store.get_into, self._verify
+            for cid, out in batch:
+                get_into(cid, out, verify=verify)  # checks the stored size, finds a good copy
         else:
-            self.futures.append(self._executor.submit(self._read_runs, batch))
+            self.futures.append(self._executor.submit(self._read_many, batch))
 
-    def _read_runs(self, batch: list[tuple[bytes, memoryview]]) -> None:
-        store = self._store
-        where = [store.locate(cid) for cid, _ in batch]  # (pack, offset, length); or BlockNotFound
-        for (cid, out), (_, _, length) in zip(batch, where, strict=True):
-            if length != out.nbytes:
-                raise CorruptBlock(cidlib.to_str(cid), f"stored size {length} != expected {out.nbytes}")
-        for run in _runs(where):
-            part = batch[run.start : run.stop]
-            mapped = store.map_blocks([cid for cid, _ in part])
-            if mapped is None:  # a store that cannot map: let it read (and coalesce) the rest
-                self._read_many(batch[run.start :])
-                return
-            self._copy_out(part, mapped)
-
-    def _copy_out(self, part: list[tuple[bytes, memoryview]], mapped: memoryview) -> None:
-        offset = 0
-        for cid, out in part:
-            piece = mapped[offset : offset + out.nbytes]
-            offset += out.nbytes
-            if self._verify and not cidlib.matches(cid, piece):
-                self._store.get_into(cid, out, verify=True)  # a good copy elsewhere, or why not
-            else:
-                out[:] = piece
-
-    def _read_many(self, part: list[tuple[bytes, memoryview]]) -> None:
-        sizes = [out.nbytes for _, out in part]
+    def _read_many(self, batch: list[tuple[bytes, memoryview]]) -> None:
+        sizes = [out.nbytes for _, out in batch]
         scratch = memoryview(bytearray(sum(sizes)))
-        self._store.get_many_into([cid for cid, _ in part], sizes, scratch, self._pool,
+        self._store.get_many_into([cid for cid, _ in batch], sizes, scratch, self._pool,
                                   verify=self._verify)
         offset = 0
-        for _, out in part:
+        for _, out in batch:
             out[:] = scratch[offset : offset + out.nbytes]
             offset += out.nbytes
-
-
-def _runs(where: list[tuple[str, int, int]]) -> list[range]:
-    """Index ranges of blocks that lie back to back in one pack."""
-    runs, start = [], 0
-    for i in range(1, len(where)):
-        pack, offset, _ = where[i]
-        last_pack, last_offset, last_length = where[i - 1]
-        if pack != last_pack or offset != last_offset + last_length:
-            runs.append(range(start, i))
-            start = i
-    runs.append(range(start, len(where)))
-    return runs
