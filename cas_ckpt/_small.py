@@ -18,7 +18,6 @@ import msgpack
 
 from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore
-from cas_ckpt.codec import LINK
 
 TINY_LIMIT = 1024  # arrays up to this size stay inline even among many small ones
 SMALL_SPLIT = 64 * 1024  # inline array bytes in one container above which they get blocks
@@ -106,11 +105,16 @@ def one_chunk_array(
     """The encoding of ext ``code`` holding ``header`` plus ``chunk_size`` and one chunk link.
 
     Byte for byte ``codec.encode(Tagged(code, {**header, "chunk_size": chunk_size,
-    "chunks": [Link(cid)]}))``, in one call of the writer's ``packer`` (no Python callback for
-    the link and the tag).
+    "chunks": [Link(cid)]}))``: the map is packed by the writer's ``packer`` without the link
+    (no Python callback, no ``ExtType`` per array), then given one entry more.
     """
-    body = packer.pack({**header, "chunk_size": chunk_size, "chunks": [msgpack.ExtType(LINK, cid)]})
-    return codec.ext(code, body)
+    head = packer.pack({**header, "chunk_size": chunk_size})
+    if not 0x80 <= head[0] < 0x8F:  # not a fixmap with room for one more entry: never for ours
+        raise ValueError(f"ndarray header of {len(header)} entries")
+    return codec.ext(code, b"".join((bytes((head[0] + 1,)), head[1:], _CHUNKS_ONE, codec.link(cid))))
+
+
+_CHUNKS_ONE = msgpack.packb("chunks") + b"\x91"  # the key, then an array of one item
 
 
 class SmallReads:
