@@ -16,8 +16,10 @@ from typing import Any
 
 import msgpack
 
+from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore
+from cas_ckpt.errors import CorruptBlock
 
 TINY_LIMIT = 1024  # arrays up to this size stay inline even among many small ones
 SMALL_SPLIT = 64 * 1024  # inline array bytes in one container above which they get blocks
@@ -120,13 +122,14 @@ _CHUNKS_ONE = msgpack.packb("chunks") + b"\x91"  # the key, then an array of one
 class SmallReads:
     """Reads of one-block arrays, gathered in batches during one load.
 
-    On a store that can map its packs (a local directory: a read is a cheap system call), each
-    block is read straight into its array and hashed on the loading thread: no task and no lock
-    hand-over per array (on a pool, the GIL passing back and forth for every 8 KiB made loads a
-    third slower), and, unlike copying out of the mapping, no pack pages mapped into the
-    process. On any other store a batch goes to ``executor`` through ``get_many_into``, which a
-    remote store turns into a few ranged requests for neighbouring blocks, several batches in
-    flight at once.
+    The reader flushes a batch at the end of each container, so a batch holds blocks one save
+    wrote back to back. On a store that maps its packs (a local directory) the batch is copied
+    out of the mapping and each block hashed, on the loading thread: no read call, no task and
+    no GIL hand-over per array (reading them one by one cost 0.13 s for state c against 0.08 s;
+    on the pool threads, with the GIL changing hands for every 8 KiB hash, more still). Blocks
+    a later save wrote elsewhere split the batch into runs, each mapped on its own. On a store
+    that cannot map, a batch goes to ``executor`` through ``get_many_into``, which a remote store
+    turns into a few ranged requests, several batches in flight at once.
     """
 
     def __init__(self, store: BlockStore, pool: Executor, verify: bool, executor: Executor) -> None:
@@ -134,7 +137,6 @@ class SmallReads:
         self._pool = pool
         self._verify = verify
         self._executor = executor
-        self._local: bool | None = None  # known at the first batch
         self._batch: list[tuple[bytes, memoryview]] = []
         self._size = 0
         self.futures: list[Future[None]] = []
@@ -151,14 +153,43 @@ class SmallReads:
         if not batch:
             return
         self._batch, self._size = [], 0
-        if self._local is None:
-            self._local = self._store.map_blocks([batch[0][0]]) is not None
-        if self._local:
-            get_into, verify = self._store.get_into, self._verify
-            for cid, out in batch:
-                get_into(cid, out, verify=verify)  # checks the stored size, finds a good copy
-        else:
+        mapped = self._store.map_blocks([cid for cid, _ in batch])
+        if mapped is not None and mapped.nbytes == sum(out.nbytes for _, out in batch):
+            # One pack, back to back, the sizes adding up: a block whose size differs from its
+            # array's would shift the pieces after it, and each fails its hash (when verifying;
+            # unverified, the store's index is trusted like its bytes).
+            self._copy_out(batch, mapped)
+        elif not self._read_runs(batch):
             self.futures.append(self._executor.submit(self._read_many, batch))
+
+    def _read_runs(self, batch: list[tuple[bytes, memoryview]]) -> bool:
+        """Copy the runs of ``batch`` that lie back to back out of the mapped packs; False
+        (nothing read) on a store that cannot map."""
+        store = self._store
+        where = [store.locate(cid) for cid, _ in batch]  # (pack, offset, length); or BlockNotFound
+        for (cid, out), (_, _, length) in zip(batch, where, strict=True):
+            if length != out.nbytes:
+                raise CorruptBlock(cidlib.to_str(cid), f"stored size {length} != expected {out.nbytes}")
+        runs = _runs(where)
+        maps = []
+        for run in runs:
+            mapped = store.map_blocks([cid for cid, _ in batch[run.start : run.stop]])
+            if mapped is None:
+                return False
+            maps.append(mapped)
+        for run, mapped in zip(runs, maps, strict=True):
+            self._copy_out(batch[run.start : run.stop], mapped)
+        return True
+
+    def _copy_out(self, part: list[tuple[bytes, memoryview]], mapped: memoryview) -> None:
+        offset = 0
+        for cid, out in part:
+            piece = mapped[offset : offset + out.nbytes]
+            offset += out.nbytes
+            if self._verify and not cidlib.matches(cid, piece):
+                self._store.get_into(cid, out, verify=True)  # a good copy elsewhere, or why not
+            else:
+                out[:] = piece
 
     def _read_many(self, batch: list[tuple[bytes, memoryview]]) -> None:
         sizes = [out.nbytes for _, out in batch]
@@ -169,3 +200,16 @@ class SmallReads:
         for _, out in batch:
             out[:] = scratch[offset : offset + out.nbytes]
             offset += out.nbytes
+
+
+def _runs(where: list[tuple[str, int, int]]) -> list[range]:
+    """Index ranges of blocks that lie back to back in one pack."""
+    runs, start = [], 0
+    for i in range(1, len(where)):
+        pack, offset, _ = where[i]
+        last_pack, last_offset, last_length = where[i - 1]
+        if pack != last_pack or offset != last_offset + last_length:
+            runs.append(range(start, i))
+            start = i
+    runs.append(range(start, len(where)))
+    return runs

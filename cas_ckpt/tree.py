@@ -633,9 +633,9 @@ class TreeReader:
         value = self.resolve(value, depth)
         try:
             if isinstance(value, dict):
-                return self._load_map(value, depth)
+                return self._flushed(self._load_map(value, depth))
             if isinstance(value, list):
-                return self._load_list(value, depth)
+                return self._flushed(self._load_list(value, depth))
         except MemoryError as exc:
             if isinstance(exc, OutOfMemory):
                 raise
@@ -645,6 +645,12 @@ class TreeReader:
         if value is None or isinstance(value, (bool, int, float, str, bytes)):
             return value
         raise DecodeError(f"unexpected {type(value).__name__} in a state node")
+
+    def _flushed(self, container: Any) -> Any:
+        """``container``, its small arrays' reads started: one batch holds one container's."""
+        if self._small is not None:
+            self._small.flush()
+        return container
 
     # A MapLocationError learns the tensor's path inside the state on its way out, one level each.
     def _load_map(self, value: dict[Any, Any], depth: int) -> dict[Any, Any]:
