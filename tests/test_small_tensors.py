@@ -353,3 +353,35 @@ def test_cid_check_agrees_with_multiformats(data: bytes) -> None:
 def _flip(data: bytearray, at: int, value: int) -> bytearray:
     data[at] = value
     return data
+
+
+def test_a_container_of_small_blocks_is_a_node_of_its_own() -> None:
+    """Its descriptors are ~2 KiB, under the 64 KiB that gives a container a node; it gets one
+    anyway, so loading it reads it alone (and its parent stays small)."""
+    heavy = {f"p{i}": np.full(1024, i, np.float32) for i in range(20)}  # 20 x 4 KiB = 80 KiB
+    light = {f"q{i}": np.full(1024, i, np.float32) for i in range(15)}  # 60 KiB: stays inline
+    with cas_ckpt.open("memory://") as repo:
+        repo.save({"heavy": heavy, "light": light, "step": 1}, ref="main")
+        tree = cidlib.to_bytes(next(iter(repo.log("main"))).tree)
+        root = codec.decode(repo.blocks.get(tree))
+        assert isinstance(root["heavy"], Link)  # linked though small
+        assert len(repo.blocks.get(root["heavy"].cid)) < 4 * KiB  # descriptors only
+        assert isinstance(root["light"], dict)  # under 64 KiB encoded: inside its parent
+        assert len(repo.blocks.get(tree)) > 60 * KiB  # with its bytes inline
+        assert_state_equal(heavy, repo.load("main", path="heavy"))
+
+
+def test_one_tree_writer_for_many_states_gives_each_its_own_cids() -> None:
+    """A writer reused (as the DCP integration does) marks nothing across writes."""
+    from cas_ckpt.tree import TreeWriter
+
+    rng = np.random.default_rng(2)
+    states: list[Any] = []
+    for i in range(20):  # heavy and light containers in turn: freed ids get reused
+        count = 40 if i % 2 else 3
+        states.append({"c": {f"p{j}": rng.standard_normal(2000, np.float32) for j in range(count)}})
+    with cas_ckpt.open("memory://") as repo, repo.blocks.writer() as batch:
+        shared = TreeWriter(batch, repo.hasher, repo.pool)
+        reused = [shared.write(s) for s in states]
+        fresh = [TreeWriter(batch, repo.hasher, repo.pool).write(s) for s in states]
+    assert reused == fresh
