@@ -303,8 +303,8 @@ class TreeWriter:
     def _encode(self, value: Any, path: str) -> bytes:
         """The encoding of ``value`` inside its parent: a link if it was given a node of its own."""
         body = self._body(value, path)
-        if (len(body) > SPLIT_LIMIT or id(value) in self._own_node) \
-                and isinstance(value, (dict, list, Tagged)):
+        if isinstance(value, (dict, list, Tagged)) \
+                and (len(body) > SPLIT_LIMIT or id(value) in self._own_node):
             return codec.link(self._put_node(body))
         return body
 
