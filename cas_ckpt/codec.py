@@ -27,6 +27,7 @@ LINK = 42
 HISTORY_LINK = 43
 MAX_DEPTH = 512
 MAX_NODE_SIZE = 64 * 1024 * 1024
+_SHALLOW = 4  # ext payloads nested up to this deep are decoded by msgpack.unpackb (see ext_hook)
 
 
 class Link:
@@ -90,9 +91,27 @@ def encode(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True, default=_default, datetime=False)
 
 
+_FIXEXT = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
+
+
 def ext(code: int, payload: bytes) -> bytes:
-    """The msgpack encoding of an extension value with an already encoded payload."""
-    return msgpack.packb(msgpack.ExtType(code, payload))
+    """The msgpack encoding of an extension value with an already encoded payload.
+
+    Written out here (the bytes ``msgpack.packb(ExtType(code, payload))`` gives): building an
+    ``ExtType`` took most of the time of encoding a link, once per chunk and per small tensor.
+    """
+    if not 0 <= code <= 127:
+        raise ValueError(f"extension code {code} is not in 0..127")
+    n = len(payload)
+    if n in _FIXEXT:
+        head = bytes((_FIXEXT[n], code))
+    elif n < 0x100:
+        head = bytes((0xC7, n, code))
+    elif n < 0x10000:
+        head = b"\xc8" + n.to_bytes(2, "big") + bytes((code,))
+    else:
+        head = b"\xc9" + n.to_bytes(4, "big") + bytes((code,))
+    return head + bytes(payload)
 
 
 def link(cid: bytes) -> bytes:
@@ -134,9 +153,18 @@ class _Decoder:
         if self.depth > MAX_DEPTH:
             raise DecodeError(f"nesting deeper than {MAX_DEPTH}", cid=self.cid)
         try:
+            if self.depth <= _SHALLOW:
+                return Tagged(code, self._unpack_shallow(payload))
             return Tagged(code, self.unpack(payload))
         finally:
             self.depth -= 1
+
+    def _unpack_shallow(self, payload: bytes) -> Any:
+        """``unpack`` for a payload near the top: ``unpackb`` costs half as much as an Unpacker
+        (one small tensor holds two ext values) and, this shallow, its C stack is no danger."""
+        return msgpack.unpackb(
+            payload, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True
+        )
 
 
 def decode(data: bytes, *, cid: bytes | None = None) -> Any:

@@ -39,8 +39,9 @@ import numpy as np
 from fastcdc.fastcdc_cy import fastcdc_cy
 from multiformats import CID
 
+from cas_ckpt import _small, codec
 from cas_ckpt import cid as cidlib
-from cas_ckpt import codec
+from cas_ckpt._small import SmallArray
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import (
@@ -56,7 +57,7 @@ from cas_ckpt.errors import (
 TUPLE, BIGINT, NDARRAY, BLOB, SCALAR, PAGES, CID_VALUE = 1, 2, 3, 4, 5, 6, 7
 
 MAX_CHUNK = 1024 * 1024  # IPFS moves blocks of at most 1 MiB
-INLINE_LIMIT = 16 * 1024  # arrays and bytes up to this size live inside their node
+INLINE_LIMIT = 16 * 1024  # arrays and bytes up to this size live inside their node (but see _small)
 SPLIT_LIMIT = 64 * 1024  # containers whose encoding is larger get a node of their own
 PAGE_LIMIT = MAX_CHUNK - 64  # nodes are cut into pages below this size
 MAX_LINKS = 16384  # chunk links kept in one descriptor before they move into link pages
@@ -95,12 +96,19 @@ ML_DTYPES = {
     if hasattr(ml_dtypes, name)
 }
 _ML_BY_DTYPE = {dt: name for name, dt in ML_DTYPES.items()}
+# The common names, looked up without the regular expression (once per small tensor adds up).
+_NAMES = {n: n for n in (f"{o}{t}" for o in "<>|" for t in ("b1", "i1", "u1", "i2", "u2", "i4", "u4",
+          "i8", "u8", "f2", "f4", "f8", "c8", "c16")) if _NUMPY_DTYPE.match(n)}
+_PARSED = {**{n: np.dtype(n) for n in _NAMES}, **ML_DTYPES}
 
 
 def dtype_name(dtype: np.dtype[Any]) -> str | None:
     """The stored name of a dtype, or None if it cannot be saved."""
     if dtype in _ML_BY_DTYPE:
         return _ML_BY_DTYPE[dtype]
+    name = _NAMES.get(dtype.str)
+    if name is not None:
+        return name
     name = dtype.str
     return name if _NUMPY_DTYPE.match(name) else None
 
@@ -115,6 +123,9 @@ def float_size(name: str) -> int:
 
 def parse_dtype(name: object) -> np.dtype[Any]:
     """The dtype for a stored name; never evaluates anything but the allow-listed names."""
+    found = _PARSED.get(name) if type(name) is str else None
+    if found is not None:
+        return found
     if isinstance(name, str):
         if name in ML_DTYPES:
             return ML_DTYPES[name]
@@ -159,21 +170,27 @@ class TreeWriter:
         self.chunk_size = chunk_size
         self.logical_bytes = 0
         self._packer = codec.packer()
+        self._own_node: set[int] = set()  # ids of prepared containers of many small arrays
 
     def write(self, state: Any) -> bytes:
         """Store the whole state; return the binary CID of its root node."""
+        self._own_node.clear()
         plan = self._prepare(state, "", 0)
         try:
             return self._put_node(self._body(plan, ""))
         except BaseException:
             _release(plan)
             raise
+        finally:
+            self._own_node.clear()  # ids of freed objects get reused: never carry them over
 
     # -- first walk: check types, start hashing ------------------------------------------------
     def _prepare(self, value: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise StateTypeError(path, f"nesting deeper than {MAX_DEPTH} levels")
         kind = type(value)
+        if kind is np.ndarray:  # the most frequent value, checked first
+            return self._prepare_array(value, path, "numpy")
         if value is None or kind in (bool, float):
             return value
         if kind is int:
@@ -202,10 +219,10 @@ class TreeWriter:
                 if type(key) is int and not _INT64_MIN <= key <= _UINT64_MAX:
                     raise StateTypeError(join_path(path, key), "int dict keys must fit 64 bits")
                 out[key] = self._prepare(item, join_path(path, key), depth + 1)
-            return out
+            return self._mark(out, out.values())
         if kind in (list, tuple):
             items = [self._prepare(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
-            return items if kind is list else Tagged(TUPLE, items)
+            return self._mark(items if kind is list else Tagged(TUPLE, items), items)
         if isinstance(value, np.ndarray):
             return self._prepare_array(value, path, "numpy")
         if isinstance(value, np.generic):
@@ -218,6 +235,12 @@ class TreeWriter:
         if kind is Link:
             return self._linked(value, path)
         raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}")
+
+    def _mark(self, container: Any, items: Any) -> Any:
+        """``container``, noted to get a node of its own if its small arrays get blocks."""
+        if _small.give_blocks(items, self.pool, self._digest_small, self.chunk_size):
+            self._own_node.add(id(container))  # the plan holds it until written: the id stays
+        return container
 
     def _linked(self, value: Link, path: str) -> Link:
         """A sub-tree already stored (e.g. by another process): linked as it is, not re-encoded."""
@@ -261,8 +284,10 @@ class TreeWriter:
         if kind != "numpy":
             header["kind"] = kind
         self.logical_bytes += data.nbytes
-        if data.nbytes <= INLINE_LIMIT:
+        if data.nbytes <= _small.TINY_LIMIT:
             return Tagged(NDARRAY, {**header, "data": data})  # msgpack packs the view: no copy
+        if data.nbytes <= INLINE_LIMIT:
+            return SmallArray(header, data)  # inline, or a block of its own: see give_blocks
         size = self.chunk_size
         chunks = [data[i : i + size] for i in range(0, data.nbytes, size)]
         header["chunk_size"] = size
@@ -287,7 +312,8 @@ class TreeWriter:
     def _encode(self, value: Any, path: str) -> bytes:
         """The encoding of ``value`` inside its parent: a link if it was given a node of its own."""
         body = self._body(value, path)
-        if len(body) > SPLIT_LIMIT and isinstance(value, (dict, list, Tagged)):
+        if isinstance(value, (dict, list, Tagged)) \
+                and (len(body) > SPLIT_LIMIT or id(value) in self._own_node):
             return codec.link(self._put_node(body))
         return body
 
@@ -303,6 +329,8 @@ class TreeWriter:
             return self._container(
                 [self._encode(v, join_path(path, i)) for i, v in enumerate(value.value)], "tuple"
             )
+        if type(value) is SmallArray:
+            return self._write_small(value)
         if isinstance(value, _Chunked):
             return self._write_chunked(value)
         if type(value) is int and not _INT64_MIN <= value <= _UINT64_MAX:
@@ -340,6 +368,9 @@ class TreeWriter:
         cid = self.hasher.raw(chunk)
         return cid, self.writer.encode(cid, chunk, float_size) if self.writer.compresses else None
 
+    def _digest_small(self, data: memoryview, header: dict[str, Any]) -> tuple[bytes, Stored | None]:
+        return self._digest(data, float_size(header["dtype"]))
+
     def _write_chunked(self, plan: _Chunked) -> bytes:
         cids = []
         for chunk, future in zip(plan.chunks, plan.hashes, strict=True):
@@ -357,6 +388,13 @@ class TreeWriter:
         plan.chunks, plan.hashes, plan.owner = [], [], None
         return codec.encode(Tagged(BLOB if blob else NDARRAY, header))
 
+    def _write_small(self, value: SmallArray) -> bytes:
+        if value.batch is None:
+            return self._pack(Tagged(NDARRAY, value.inline()))
+        cid = value.cid()
+        self.writer.put(cid, value.data, stored=value.stored())
+        return _small.one_chunk_array(NDARRAY, value.header, self.chunk_size, cid, self._packer)
+
     def _put_node(self, data: bytes) -> bytes:
         cid = self.hasher.node(data)
         self.writer.put(cid, data)
@@ -371,6 +409,9 @@ def _release(plan: Any) -> None:
         if isinstance(item, _Chunked):
             for f in item.hashes:
                 f.cancel()
+        elif type(item) is SmallArray:
+            if item.batch is not None:
+                item.batch.future.cancel()
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, list):
@@ -495,6 +536,7 @@ class TreeReader:
         self.mmap = mmap
         self._fills: ThreadPoolExecutor | None = None
         self._inflight: list[Future[None]] = []
+        self._small: _small.SmallReads | None = None
         self.node_reads = 0
         self.mapped = self.copied = 0  # arrays an mmap load mapped, and those it had to copy
 
@@ -588,15 +630,17 @@ class TreeReader:
         self._inflight = []
         with ThreadPoolExecutor(FILLS_IN_FLIGHT, thread_name_prefix="cas_ckpt-fill") as fills:
             self._fills = fills
+            small = self._small = _small.SmallReads(self.store, self.pool, self.verify, fills)
             try:
                 result = self._load(value, 0)
+                small.flush()
             except BaseException:
-                for future in self._inflight:
+                for future in [*self._inflight, *small.futures]:
                     future.cancel()
                 raise
             finally:
-                self._fills = None
-            for future in self._inflight:
+                self._fills = self._small = None
+            for future in [*self._inflight, *small.futures]:
                 future.result()
         return result
 
@@ -606,9 +650,9 @@ class TreeReader:
         value = self.resolve(value, depth)
         try:
             if isinstance(value, dict):
-                return self._load_map(value, depth)
+                return self._flushed(self._load_map(value, depth))
             if isinstance(value, list):
-                return self._load_list(value, depth)
+                return self._flushed(self._load_list(value, depth))
         except MemoryError as exc:
             if isinstance(exc, OutOfMemory):
                 raise
@@ -618,6 +662,12 @@ class TreeReader:
         if value is None or isinstance(value, (bool, int, float, str, bytes)):
             return value
         raise DecodeError(f"unexpected {type(value).__name__} in a state node")
+
+    def _flushed(self, container: Any) -> Any:
+        """``container``, its small arrays' reads started: one batch holds one container's."""
+        if self._small is not None:
+            self._small.flush()
+        return container
 
     # A MapLocationError learns the tensor's path inside the state on its way out, one level each.
     def _load_map(self, value: dict[Any, Any], depth: int) -> dict[Any, Any]:
@@ -667,6 +717,10 @@ class TreeReader:
         raise DecodeError(f"unknown extension type {code}")
 
     def _chunk_links(self, header: dict[str, Any]) -> list[bytes]:
+        chunks = header.get("chunks")
+        if type(chunks) is list and len(chunks) == 1 and type(chunks[0]) is Link \
+                and "chunk_pages" not in header:
+            return [chunks[0].cid]  # one chunk: every small array given a block of its own
         if "chunk_pages" in header:
             links: list[Any] = []
             pages = _Pages(self)  # a page repeated is decoded once
@@ -698,7 +752,7 @@ class TreeReader:
     def _load_array(self, header: dict[str, Any]) -> Any:
         dtype = parse_dtype(header.get("dtype"))
         shape = header.get("shape")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        if not _valid_shape(shape):
             raise DecodeError(f"malformed array shape {shape!r}")
         if len(shape) > 64:
             raise DecodeError("array has more than 64 dimensions")
@@ -720,6 +774,10 @@ class TreeReader:
             # chunk link page is read (one chunk repeated can declare terabytes in a small node).
             out = None if mapping else _allocate(nbytes, f"an array of shape {shape}")
             cids = self._chunk_links(header)
+            if out is not None and len(cids) == 1 and nbytes <= INLINE_LIMIT and self._small \
+                    and (kind == "numpy" or (self.tensor_factory is None and self.map_location is None)):
+                self._small.add(cids[0], memoryview(out))  # read checks the stored size
+                return self._shaped(out, dtype, shape, order, header)
             sizes = self._sizes(cids)  # the declared size must be what is really stored
             if sum(sizes) != nbytes:
                 raise DecodeError(f"array chunks hold {sum(sizes)} bytes, shape needs {nbytes}")
@@ -736,6 +794,13 @@ class TreeReader:
                 # A tensor moved to map_location is copied at once: its bytes must be there.
                 later = kind == "numpy" or (self.tensor_factory is None and self.map_location is None)
                 self._fill(cids, sizes, memoryview(flat), later=later)
+        return self._shaped(flat, dtype, shape, order, header)
+
+    def _shaped(
+        self, flat: np.ndarray[Any, Any], dtype: np.dtype[Any], shape: list[int], order: str,
+        header: dict[str, Any],
+    ) -> Any:
+        """The array (or tensor) over the bytes of ``flat``."""
         array = flat.view(dtype)
         try:
             array = array.reshape(shape[::-1]).T if order == "F" else array.reshape(shape)
@@ -803,6 +868,12 @@ def _allocate(nbytes: int, what: str) -> np.ndarray[Any, Any]:
         return np.empty(nbytes, dtype=np.uint8)
     except MemoryError:
         raise OutOfMemory(f"cannot allocate {nbytes} bytes for {what}") from None
+
+
+def _valid_shape(shape: Any) -> bool:
+    if type(shape) is list and len(shape) == 1:  # the common case, without a generator
+        return type(shape[0]) is int and shape[0] >= 0
+    return isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
 
 
 def _link(value: Any) -> Link:

@@ -337,3 +337,12 @@ def test_a_push_to_a_compressed_remote_stores_float_chunks_grouped(tmp_path: Pat
             assert CODEC_GROUPED in codecs
             assert remote.stats().stored_bytes < 0.9 * local.stats().stored_bytes
             assert_state_equal(_state(), remote.load("main"))
+
+
+def test_small_tensors_given_blocks_of_their_own_are_compressed_grouped(tmp_path: Path) -> None:
+    state = {"layers": {f"b{i}": weights(i, 2048, np.float32) for i in range(40)}}  # 8 KiB each
+    with cas_ckpt.open(tmp_path / "r", compression="zstd") as repo:
+        cid = repo.save(state)
+        codecs = [e.codec for entries in repo.blocks.packs().values() for e in entries]
+        assert codecs.count(CODEC_GROUPED) == 40
+        assert_state_equal(state, repo.load(cid))

@@ -1,0 +1,387 @@
+"""Many small tensors (issue #16): in a container whose inline arrays hold more than 64 KiB, each
+array over 1 KiB gets a raw block of its own, so a re-save rewrites in proportion to what changed.
+
+The layout rule is written out again here (``expected_layout``), independently of the code, and
+every boundary (1 KiB, 16 KiB, 64 KiB of small arrays, the repository's chunk size, batches of
+hashing and reading) is crossed by the property tests, which also check bit-exact round trips.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from helpers import assert_state_equal
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from multiformats import CID
+from strategies import DTYPES
+
+import cas_ckpt
+from cas_ckpt import _small, codec
+from cas_ckpt import cid as cidlib
+from cas_ckpt.codec import Link, Tagged
+from cas_ckpt.errors import CorruptBlock, DecodeError, InvalidCID
+from cas_ckpt.tree import INLINE_LIMIT, NDARRAY, TreeReader
+
+KiB = 1024
+TINY, SPLIT = 1 * KiB, 64 * KiB  # the limits docs/format.md states (not read from the code)
+FEWER = settings(max_examples=max(10, settings().max_examples // 3), deadline=None)
+
+# Sizes in bytes that sit on each side of every limit, plus anything in between.
+EDGES = [0, 1, TINY - 1, TINY, TINY + 1, 4 * KiB, 4 * KiB + 1, INLINE_LIMIT - 1, INLINE_LIMIT,
+         INLINE_LIMIT + 1]
+sizes_st = st.lists(st.one_of(st.sampled_from(EDGES), st.integers(0, INLINE_LIMIT)),
+                    min_size=1, max_size=24)
+
+
+def expected_layout(sizes: list[int], chunk_size: int) -> list[str]:
+    """Where each array of a container lives, by the rule docs/format.md states."""
+    small = [n for n in sizes if TINY < n <= INLINE_LIMIT]
+    heavy = sum(small) > SPLIT
+    out = []
+    for n in sizes:
+        if n > INLINE_LIMIT:
+            out.append("chunked")
+        elif heavy and TINY < n <= chunk_size:
+            out.append("block")
+        else:
+            out.append("inline")
+    return out
+
+
+def make_array(nbytes: int, dtype: np.dtype[Any], seed: int, fortran: bool) -> np.ndarray[Any, Any]:
+    count = nbytes // dtype.itemsize
+    raw = np.random.default_rng(seed).integers(0, 256, count * dtype.itemsize, dtype=np.uint8)
+    array = raw.view(dtype)
+    if fortran and count % 2 == 0 and count:
+        array = np.asfortranarray(array.reshape(2, count // 2))
+    return array
+
+
+def stored_entries(repo: cas_ckpt.Repository, ref: str = "main") -> list[Any]:
+    """The raw (undecoded) values of the root container, pages joined."""
+    commit = next(iter(repo.log(ref)))
+    reader = TreeReader(repo.blocks, repo.pool)
+    root = reader.resolve(Link(cidlib.to_bytes(commit.tree)))
+    if isinstance(root, Tagged):  # a tuple
+        root = root.value
+    return list(root.values()) if isinstance(root, dict) else list(root)
+
+
+def layout_of(value: Any) -> str:
+    """inline (bytes in the node), block (one raw block, a small array) or chunked (large)."""
+    assert isinstance(value, Tagged) and value.code == NDARRAY
+    header = value.value
+    if "data" in header:
+        return "inline"
+    itemsize = 2 if header["dtype"] == "bfloat16" else np.dtype(header["dtype"]).itemsize
+    nbytes = int(np.prod(header["shape"])) * itemsize
+    return "block" if nbytes <= INLINE_LIMIT and len(header["chunks"]) == 1 else "chunked"
+
+
+def container(kind: str, arrays: list[np.ndarray[Any, Any]]) -> Any:
+    if kind == "dict":
+        return {f"p{i}": a for i, a in enumerate(arrays)}
+    return arrays if kind == "list" else tuple(arrays)
+
+
+# -- the layout and its round trips ------------------------------------------------------------
+@FEWER
+@given(sizes=sizes_st, kind=st.sampled_from(["dict", "list", "tuple"]),
+       chunk_size=st.sampled_from([4096, 1024 * 1024]), seed=st.integers(0, 2**32 - 1),
+       dtype=st.sampled_from(DTYPES), fortran=st.booleans(), copies=st.integers(1, 8))
+def test_layout_follows_the_rule_and_round_trips(
+    sizes: list[int], kind: str, chunk_size: int, seed: int, dtype: np.dtype[Any], fortran: bool,
+    copies: int,
+) -> None:
+    sizes = (sizes * copies)[:64]  # repeats push more containers past 64 KiB of small arrays
+    sizes = [n - n % dtype.itemsize for n in sizes]
+    arrays = [make_array(n, dtype, seed + i, fortran) for i, n in enumerate(sizes)]
+    state = container(kind, arrays)
+    with cas_ckpt.open("memory://", chunk_size=chunk_size) as repo:
+        repo.save(state, ref="main")
+        assert_state_equal(state, repo.load("main"))
+        assert [layout_of(v) for v in stored_entries(repo)] == expected_layout(sizes, chunk_size)
+
+
+@FEWER
+@given(count=st.integers(8, 120), seed=st.integers(0, 2**32 - 1),
+       changed=st.floats(0.0, 1.0), verify=st.booleans())
+def test_local_round_trip_after_changing_some_in_place(
+    count: int, seed: int, changed: float, verify: bool
+) -> None:
+    """Blocks of one container spread over two packs after a re-save: both commits load exact."""
+    rng = np.random.default_rng(seed)
+    state = {"small": {f"t{i}": rng.standard_normal(int(rng.integers(257, 4097)), np.float32)
+                       for i in range(count)}}
+    with tempfile.TemporaryDirectory() as tmp, cas_ckpt.open(Path(tmp) / "r") as repo:
+        first = repo.save(state, ref="main")
+        before = {k: v.copy() for k, v in state["small"].items()}
+        for key in list(state["small"])[: int(count * changed)]:
+            state["small"][key][:] = rng.standard_normal(state["small"][key].size)
+        second = repo.save(state, ref="main")
+        with cas_ckpt.open(Path(tmp) / "r", verify=verify) as again:
+            assert_state_equal(state, again.load(second))
+            assert_state_equal({"small": before}, again.load(first))
+
+
+def test_mixed_kinds_in_one_container_round_trip() -> None:
+    """Fortran order, big-endian, bfloat16, 0-d, tiny, empty and chunked arrays side by side."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(7)
+    state: dict[str, Any] = {f"f{i}": rng.standard_normal(2000, np.float32) for i in range(10)}
+    state.update({
+        "fortran": np.asfortranarray(rng.standard_normal((40, 50))),
+        "big_endian": np.arange(3000, dtype=">i4"),
+        "bf16": rng.standard_normal(5000, np.float32).astype(ml_dtypes.bfloat16),
+        "zero_d": np.array(1.5), "tiny": np.arange(10, dtype=np.int8),
+        "empty": np.zeros((0, 7), np.float32), "large": rng.standard_normal(70_000, np.float32),
+        "strided": rng.standard_normal((100, 60))[:, ::3], "step": 3, "name": "x",
+    })
+    with tempfile.TemporaryDirectory() as tmp, cas_ckpt.open(tmp) as repo:
+        repo.save(state, ref="main")
+        for verify in (True, False):
+            assert_state_equal(state, repo.load("main", verify=verify))
+        layouts = dict(zip(state, map(lambda v: layout_of(v) if isinstance(v, Tagged) else "",
+                                      stored_entries(repo)), strict=True))
+        assert {layouts[k] for k in ("f0", "fortran", "big_endian", "bf16")} == {"block"}
+        assert layouts["zero_d"] == layouts["tiny"] == layouts["empty"] == "inline"
+        assert layouts["large"] == "chunked"
+
+
+def test_light_containers_keep_the_layout_and_cids_of_0_2() -> None:
+    """Up to 64 KiB of small arrays in a container: inline, encoded exactly as before."""
+    state = {f"p{i}": np.full(2048, i, np.float32) for i in range(8)}  # 8 x 8 KiB = 64 KiB
+    with cas_ckpt.open("memory://") as repo:
+        repo.save(state, ref="main")
+        assert {layout_of(v) for v in stored_entries(repo)} == {"inline"}
+        tree = cidlib.to_bytes(next(iter(repo.log("main"))).tree)
+        inline = {k: Tagged(NDARRAY, {"dtype": "<f4", "shape": [2048], "data": v.tobytes()})
+                  for k, v in state.items()}
+        assert tree == repo.hasher.node(codec.encode(inline))
+
+
+# -- re-saves in proportion to the change ------------------------------------------------------
+def test_a_random_ten_percent_change_rewrites_under_twenty_percent() -> None:
+    rng = np.random.default_rng(11)
+    blocks = [{f"p{j}": rng.standard_normal(int(rng.integers(256, 4097)), np.float32)
+               for j in range(100)} for _ in range(20)]
+    state = {"blocks": blocks}
+    flat = [(b, k) for b in blocks for k in b]
+    total = sum(b[k].nbytes for b, k in flat)
+    with tempfile.TemporaryDirectory() as tmp, cas_ckpt.open(tmp) as repo:
+        repo.save(state, ref="main")
+        repo.save(state, ref="main")
+        assert repo.last_save is not None and repo.last_save.blocks_written == 1  # the commit
+        for i in rng.permutation(len(flat))[: len(flat) // 10]:
+            b, k = flat[i]
+            b[k] *= 2.0  # in place
+        repo.save(state, ref="main")
+        report = repo.last_save
+        assert report is not None
+        assert report.bytes_written <= 0.2 * total, report
+        assert_state_equal(state, repo.load("main"))
+
+
+def test_an_array_changed_in_place_is_saved_with_its_new_content() -> None:
+    """Nothing is remembered between saves by the array's identity: new bytes, new blocks."""
+    state = {f"p{i}": np.zeros(2048, np.float32) for i in range(40)}
+    with cas_ckpt.open("memory://") as repo:
+        first = repo.save(state, ref="main")
+        state["p3"][5] = 1.0
+        state["p3"].view(np.uint32)[7] = 0x7FC00001  # a NaN payload: bits, not values, count
+        second = repo.save(state, ref="main")
+        assert first != second
+        loaded = repo.load(second)
+        assert loaded["p3"].tobytes() == state["p3"].tobytes()
+        assert repo.load(first)["p3"].tobytes() == np.zeros(2048, np.float32).tobytes()
+
+
+# -- damaged or hostile stores -----------------------------------------------------------------
+def test_a_damaged_small_block_fails_a_verified_load(tmp_path: Path) -> None:
+    state = {f"p{i}": np.full(1000, i, np.float32) for i in range(50)}
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        repo.save(state, ref="main")
+        victim = repo.hasher.raw(state["p17"].tobytes())
+        path, offset, _ = repo.blocks.locate(victim)
+    with open(path, "r+b") as f:
+        f.seek(offset + 100)
+        byte = f.read(1)
+        f.seek(offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        with pytest.raises(CorruptBlock) as info:
+            repo.load("main")
+        assert cidlib.to_str(victim) in str(info.value)
+        assert repo.load("main", path="p16").tobytes() == state["p16"].tobytes()
+
+
+def _hand_made(repo: cas_ckpt.Repository, blocks: list[bytes], declared: list[int]) -> bytes:
+    """A node of one-chunk uint8 arrays declaring ``declared`` sizes over these blocks."""
+    cids = [repo.hasher.raw(b) for b in blocks]
+    with repo.blocks.writer() as writer:
+        for cid, data in zip(cids, blocks, strict=True):
+            writer.put(cid, data)
+        node = codec.encode({f"a{i}": Tagged(NDARRAY, {"dtype": "|u1", "shape": [n],
+                                                       "chunk_size": 1 << 20, "chunks": [Link(c)]})
+                             for i, (c, n) in enumerate(zip(cids, declared, strict=True))})
+        root = repo.hasher.node(node)
+        writer.put(root, node)
+    return root
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_block_shorter_than_its_array_is_an_error(tmp_path: Path, verify: bool) -> None:
+    with cas_ckpt.open(tmp_path / "r", verify=verify) as repo:
+        blocks = [bytes([i]) * 3000 for i in range(30)]
+        root = _hand_made(repo, blocks, [3000] * 29 + [4000])
+        with pytest.raises((CorruptBlock, DecodeError)):
+            repo.load(cidlib.to_cid(root))
+
+
+def test_sizes_swapped_between_neighbours_fail_their_hashes(tmp_path: Path) -> None:
+    """Two blocks whose declared sizes trade places add up right; each piece fails its hash."""
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        blocks = [bytes([i]) * 3000 for i in range(30)]
+        blocks[10], blocks[11] = b"a" * 2000, b"b" * 4000
+        declared = [len(b) for b in blocks]
+        declared[10], declared[11] = 4000, 2000
+        root = _hand_made(repo, blocks, declared)
+        with pytest.raises(CorruptBlock):
+            repo.load(cidlib.to_cid(root))
+
+
+# -- other ways of loading ---------------------------------------------------------------------
+def test_mmap_and_sub_tree_loads_of_small_blocks(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    state = {"blocks": [{f"p{j}": rng.standard_normal(1500, np.float32) for j in range(60)}
+                        for _ in range(3)]}
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        repo.save(state, ref="main")
+        assert_state_equal(state, repo.load("main", mmap=True))
+        assert_state_equal(state["blocks"][1], repo.load("main", path="blocks.1"))
+        assert repo.load("main", path="blocks.2.p7").tobytes() == state["blocks"][2]["p7"].tobytes()
+
+
+def test_torch_tensors_as_small_blocks(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(1500, generator=gen) for i in range(60)}
+    state["bf16"] = torch.randn(3000, generator=gen).to(torch.bfloat16)
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        repo.save(state, ref="main")
+        assert {layout_of(v) for v in stored_entries(repo)} == {"block"}
+        for loaded in (repo.load("main"), repo.load("main", map_location="cpu")):
+            assert list(loaded) == list(state)
+            for key, tensor in state.items():
+                assert isinstance(loaded[key], torch.Tensor) and loaded[key].dtype == tensor.dtype
+                assert torch.equal(loaded[key], tensor)
+
+
+def test_small_blocks_on_s3(s3_url: str) -> None:
+    """A store that cannot map: batches go through get_many_into (coalesced ranged reads)."""
+    rng = np.random.default_rng(5)
+    state = {"small": {f"p{i}": rng.standard_normal(int(rng.integers(257, 4097)), np.float32)
+                       for i in range(150)}}
+    with cas_ckpt.open(s3_url) as repo:
+        repo.save(state, ref="main")
+        for key in list(state["small"])[::7]:
+            state["small"][key] += 1.0
+        repo.save(state, ref="main")
+    with cas_ckpt.open(s3_url) as repo:
+        assert_state_equal(state, repo.load("main"))
+
+
+# -- the encodings written by hand ---------------------------------------------------------------
+headers_st = st.fixed_dictionaries(
+    {"dtype": st.sampled_from(["<f4", "|u1", ">i8", "bfloat16"]),
+     "shape": st.lists(st.integers(0, 2**40), max_size=4)},
+    optional={"order": st.just("F"), "kind": st.sampled_from(["torch", "x" * 40])},
+)
+
+
+@given(header=headers_st, chunk_size=st.integers(4096, 1 << 20),
+       digest=st.binary(min_size=32, max_size=32), code=st.sampled_from([cidlib.RAW]))
+def test_one_chunk_array_encodes_like_the_codec(
+    header: dict[str, Any], chunk_size: int, digest: bytes, code: int
+) -> None:
+    cid = cidlib.prefix(code, cidlib.SHA2_256) + digest
+    expected = codec.encode(Tagged(NDARRAY, {**header, "chunk_size": chunk_size,
+                                             "chunks": [Link(cid)]}))
+    assert _small.one_chunk_array(NDARRAY, header, chunk_size, cid, codec.packer()) == expected
+
+
+@given(code=st.integers(0, 127), payload=st.one_of(
+    st.binary(max_size=300),
+    st.sampled_from([0, 1, 2, 4, 8, 16, 255, 256, 65535, 65536, 70000]).map(lambda n: b"\x07" * n)))
+def test_ext_encodes_like_msgpack(code: int, payload: bytes) -> None:
+    assert codec.ext(code, payload) == msgpack.packb(msgpack.ExtType(code, payload))
+
+
+def _reference_valid(data: bytes) -> bool:
+    """What check_binary accepts, decided by multiformats: see cas_ckpt.cid's docstring."""
+    try:
+        cid = CID.decode(data)
+    except Exception:
+        return False
+    return (cid.version == 1 and cid.codec.name in ("raw", "messagepack")
+            and cid.hashfun.name in ("sha2-256", "blake3") and len(cid.raw_digest) == 32
+            and bytes(cid) == data)
+
+
+@given(data=st.one_of(
+    st.binary(max_size=40),
+    st.tuples(st.sampled_from(sorted(cidlib._PREFIXES)), st.binary(min_size=30, max_size=34),
+              st.integers(0, 35), st.integers(0, 255)).map(
+        lambda t: bytearray(t[0] + t[1]) if t[2] >= len(t[0] + t[1]) else
+        _flip(bytearray(t[0] + t[1]), t[2], t[3]))))
+def test_cid_check_agrees_with_multiformats(data: bytes) -> None:
+    data = bytes(data)
+    try:
+        accepted = cidlib.check_binary(data) == data
+    except InvalidCID:
+        accepted = False
+    assert accepted == _reference_valid(data)
+
+
+def _flip(data: bytearray, at: int, value: int) -> bytearray:
+    data[at] = value
+    return data
+
+
+def test_a_container_of_small_blocks_is_a_node_of_its_own() -> None:
+    """Its descriptors are ~2 KiB, under the 64 KiB that gives a container a node; it gets one
+    anyway, so loading it reads it alone (and its parent stays small)."""
+    heavy = {f"p{i}": np.full(1024, i, np.float32) for i in range(20)}  # 20 x 4 KiB = 80 KiB
+    light = {f"q{i}": np.full(1024, i, np.float32) for i in range(15)}  # 60 KiB: stays inline
+    with cas_ckpt.open("memory://") as repo:
+        repo.save({"heavy": heavy, "light": light, "step": 1}, ref="main")
+        tree = cidlib.to_bytes(next(iter(repo.log("main"))).tree)
+        root = codec.decode(repo.blocks.get(tree))
+        assert isinstance(root["heavy"], Link)  # linked though small
+        assert len(repo.blocks.get(root["heavy"].cid)) < 4 * KiB  # descriptors only
+        assert isinstance(root["light"], dict)  # under 64 KiB encoded: inside its parent
+        assert len(repo.blocks.get(tree)) > 60 * KiB  # with its bytes inline
+        assert_state_equal(heavy, repo.load("main", path="heavy"))
+
+
+def test_one_tree_writer_for_many_states_gives_each_its_own_cids() -> None:
+    """A writer reused (as the DCP integration does) marks nothing across writes."""
+    from cas_ckpt.tree import TreeWriter
+
+    rng = np.random.default_rng(2)
+    states: list[Any] = []
+    for i in range(20):  # heavy and light containers in turn: freed ids get reused
+        count = 40 if i % 2 else 3
+        states.append({"c": {f"p{j}": rng.standard_normal(2000, np.float32) for j in range(count)}})
+    with cas_ckpt.open("memory://") as repo, repo.blocks.writer() as batch:
+        shared = TreeWriter(batch, repo.hasher, repo.pool)
+        reused = [shared.write(s) for s in states]
+        fresh = [TreeWriter(batch, repo.hasher, repo.pool).write(s) for s in states]
+    assert reused == fresh
