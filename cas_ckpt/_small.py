@@ -29,7 +29,7 @@ BATCH_BYTES = 512 * 1024  # bytes of small arrays hashed (or read) by one pool t
 Digest = tuple[bytes, "Stored | None"]  # a block's CID, and its encoding for a compressing writer
 
 class SmallArray:
-    """An array small enough to be inline: stays so, or (``cids`` set) becomes one block."""
+    """An array small enough to be inline: stays so, or (``batch`` set) becomes one block."""
 
     __slots__ = ("batch", "data", "header", "index")
 
