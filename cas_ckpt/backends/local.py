@@ -51,16 +51,20 @@ class LocalSink(Sink):
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _fs.O_NOFOLLOW, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until published: see clean_temp
         self._fd: int | None = fd
-        self._buffer = bytearray()
+        self._buffer = memoryview(bytearray(SMALL_WRITE))  # filled in place: no realloc per write
+        self._buffered = 0
         self._size = 0
         self._written_back = 0
 
     def write(self, data: bytes | memoryview) -> None:
-        size = memoryview(data).nbytes
+        view = memoryview(data)
+        size = view.nbytes
         if size < SMALL_WRITE:
-            self._buffer += data
-            if len(self._buffer) >= SMALL_WRITE:
+            if self._buffered + size > SMALL_WRITE:
                 self._flush()
+            flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+            self._buffer[self._buffered : self._buffered + size] = flat
+            self._buffered += size
         else:
             self._flush()
             self._write(data)
@@ -75,9 +79,9 @@ class LocalSink(Sink):
             _fs.write_all(self._fd, data)
 
     def _flush(self) -> None:
-        if self._buffer:
-            self._write(self._buffer)
-            self._buffer.clear()
+        if self._buffered:
+            self._write(self._buffer[: self._buffered])
+            self._buffered = 0
 
     def _seal(self) -> Path:
         """Write what is buffered, fsync and close; the temp file is complete and durable."""

@@ -93,7 +93,7 @@ class PackWriter(BlockWriter):
         return Stored(*encoded) if encoded else Stored(CODEC_NONE, data)
 
     def _append(self, cid: bytes, stored: Stored, size: int) -> None:
-        length = memoryview(stored.data).nbytes
+        length = size if stored.codec == CODEC_NONE else memoryview(stored.data).nbytes
         if self._sink is not None and self._offset + length > self._packed.pack_size and self._entries:
             self._seal()
         if self._sink is None:
