@@ -1,8 +1,13 @@
-"""Exact comparison of states: type, dtype, shape, layout and bits, recursively."""
+"""Exact comparison of states (type, dtype, shape, layout and bits, recursively), and running a
+training script until a step to SIGKILL it there."""
 
 from __future__ import annotations
 
+import signal
 import struct
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,3 +58,56 @@ def _assert_array_equal(expected: np.ndarray[Any, Any], actual: np.ndarray[Any, 
     assert np.ascontiguousarray(actual).tobytes() == np.ascontiguousarray(expected).tobytes(), (
         f"{path}: array bytes differ"
     )
+
+
+def run_training_script(
+    script: Path, work: Path, *args: str, pause_at: int | None = None, timeout: float = 300
+) -> str:
+    """Run ``script work *args``; with ``pause_at``, SIGKILL it once it prints ``REACHED <step>``.
+
+    Returns its output (up to the ``REACHED`` line when killed).
+    """
+    cmd = [sys.executable, str(script), str(work), *args]
+    if pause_at is None:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+    proc = subprocess.Popen([*cmd, "--pause-at", str(pause_at)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: list[str] = []
+        while not lines or not lines[-1].startswith("REACHED"):
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line, "".join(lines) + proc.stderr.read()[-3000:]  # type: ignore[union-attr]
+            lines.append(line)
+        assert lines[-1].strip() == f"REACHED {pause_at}", lines[-1]
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.communicate()
+    return "".join(lines)
+
+
+def assert_bit_identical(a: Any, b: Any, path: str = "") -> None:
+    """Same structure, same types, same bytes (NaN payloads and -0.0 included)."""
+    assert type(a) is type(b), path
+    if isinstance(a, dict):
+        assert list(a) == list(b), path
+        for key in a:
+            assert_bit_identical(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bit_identical(x, y, f"{path}.{i}")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif type(a).__module__.startswith("torch"):
+        import torch
+
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, float):
+        assert a.hex() == b.hex(), path
+    else:
+        assert a == b, path

@@ -5,13 +5,11 @@ mid-run whose resume from the repository ends bit for bit where an uninterrupted
 from __future__ import annotations
 
 import pickle
-import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import assert_bit_identical, run_training_script
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -33,26 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::U
 
 
 def run_script(work: Path, *args: str, pause_at: int | None = None) -> str:
-    cmd = [sys.executable, str(SCRIPT), str(work), *args]
-    if pause_at is None:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout
-    proc = subprocess.Popen([*cmd, "--pause-at", str(pause_at)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        while not lines or not lines[-1].startswith("REACHED"):
-            line = proc.stdout.readline()
-            assert line, "".join(lines) + proc.stderr.read()[-3000:]
-            lines.append(line)
-        assert lines[-1].strip() == f"REACHED {pause_at}"
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        proc.kill()
-        proc.communicate()
-    return "".join(lines)
+    return run_training_script(SCRIPT, work, *args, pause_at=pause_at, timeout=300)
 
 
 def test_sigkill_then_resume_from_the_repository_matches_an_uninterrupted_run(tmp_path: Path) -> None:
@@ -123,29 +102,11 @@ def test_every_file_comes_back_and_nothing_is_unpickled(tmp_path: Path) -> None:
     weights, back = load_file(original / "model.safetensors"), load_file(restored / "model.safetensors")
     assert list(back) == list(weights) and all(torch.equal(back[k], weights[k]) for k in weights)
     for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
-        assert_same(load_torch_state(original / name), load_torch_state(restored / name), name)
+        assert_bit_identical(load_torch_state(original / name), load_torch_state(restored / name), name)
     # The Trainer resumes from the restored folder (model, optimizer, scheduler, RNG, state).
     resumed = trainer(tmp_path / "again", CasCheckpointCallback(tmp_path / "repo2", ref="run"), max_steps=6)
     resumed.train(resume_from_checkpoint=str(restored))
     assert resumed.state.global_step == 6
-
-
-def assert_same(a: object, b: object, path: str) -> None:
-    assert type(a) is type(b), path
-    if isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{path}.{i}")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), path
-    elif hasattr(a, "tobytes"):
-        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
-    else:
-        assert a == b, path
 
 
 def test_frozen_weights_are_stored_once_and_keep_best_ranks_by_eval_loss(tmp_path: Path) -> None:

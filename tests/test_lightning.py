@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import assert_state_equal
+from helpers import assert_state_equal, run_training_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,23 +35,7 @@ pytestmark = pytest.mark.filterwarnings(  # Lightning's own deprecation and tips
 
 
 def run_script(work: Path, *args: str, pause_at: int | None = None) -> str:
-    """Run the training script; with ``pause_at``, SIGKILL it once it reports that step."""
-    cmd = [sys.executable, str(SCRIPT), str(work), *args]
-    if pause_at is None:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout
-    proc = subprocess.Popen([*cmd, "--pause-at", str(pause_at)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.strip() == f"REACHED {pause_at}", line + proc.stderr.read()[-3000:]
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        proc.kill()
-        proc.communicate()
-    return line
+    return run_training_script(SCRIPT, work, *args, pause_at=pause_at, timeout=180)
 
 
 def final_weights(work: Path) -> bytes:

@@ -12,10 +12,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
+from helpers import assert_bit_identical
 
 import cas_ckpt
 
@@ -77,30 +77,6 @@ def run_both(script: str, tmp_path: Path) -> tuple[cas_ckpt.Repository, cas_ckpt
 def retained_steps(repo: cas_ckpt.Repository) -> list[int]:
     with cas_ckpt.CheckpointManager(repo, "run") as manager:  # one manager per run at a time
         return manager.steps()
-
-
-def assert_bit_identical(a: Any, b: Any, path: str = "") -> None:
-    """Same structure, same types, same bytes (NaN payloads and -0.0 included)."""
-    assert type(a) is type(b), path
-    if isinstance(a, dict):
-        assert list(a) == list(b), path
-        for key in a:
-            assert_bit_identical(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_bit_identical(x, y, f"{path}.{i}")
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
-    elif type(a).__module__.startswith("torch"):
-        import torch
-
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
-    elif isinstance(a, float):
-        assert a.hex() == b.hex(), path
-    else:
-        assert a == b, path
 
 
 def compare_runs(straight: cas_ckpt.Repository, resumed: cas_ckpt.Repository) -> None:

@@ -193,17 +193,16 @@ def _read_file(path: Path, name: str) -> dict[str, Any]:
 def load_torch_state(path: str | os.PathLike[str]) -> Any:
     """``torch.load(path, weights_only=True)`` allowing the numpy types an RNG state holds, as
     the Trainer does: tensors and plain data only, no code runs."""
-    import pickle
-
     import torch
 
     allowed = [np.dtype, np.ndarray, type(np.dtype(np.uint32)), _np_reconstruct()]
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        raise CheckpointFileError(path, f"holds more than tensors and plain data (only pickle could "
-                                        f"read it): {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # the weights-only loader refused it (or the file is damaged)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointFileError(path, f"is not only tensors and plain data (only pickle could "
+                                        f"read it, or it is damaged): {first}") from None
 
 
 def _np_reconstruct() -> Any:

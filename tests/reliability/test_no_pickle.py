@@ -110,11 +110,9 @@ FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "job
 # - on the save path, torch DCP hands non-tensor values over as bytes its planner pickled in memory
 #   a moment before; without the planner's object they are read back;
 # - the HF Trainer writes its optimizer, scheduler and RNG state as .pt files; the callback reads
-#   them once, as the issue allows, to store them as msgpack (`pickle` is named there only for
-#   its UnpicklingError, which the weights-only loader raises).
+#   them once, as the issue allows, to store them as msgpack.
 # Nothing read from storage is ever unpickled.
 ALLOWED = {("dcp.py", "_item_value", "torch.load"), ("transformers.py", "load_torch_state", "torch.load")}
-ALLOWED_NAMES = {("transformers.py", "load_torch_state", "pickle")}
 
 
 def _functions(tree: ast.AST) -> dict[ast.AST, str]:
@@ -134,18 +132,11 @@ def _allowed(path: Path, owner: dict[ast.AST, str], node: ast.Call, func: str) -
     return isinstance(value, ast.Constant) and value.value is True
 
 
-def _named_here(path: Path, owner: dict[ast.AST, str], node: ast.Import | ast.Name) -> bool:
-    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.id]
-    return all((path.name, owner.get(node, ""), name) in ALLOWED_NAMES for name in names)
-
-
 def _problems(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     owner = _functions(tree)
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.Name)) and _named_here(path, owner, node):
-            continue
         if isinstance(node, ast.Import):
             found += [f"imports {a.name}" for a in node.names if a.name.split(".")[0] in FORBIDDEN_MODULES]
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in FORBIDDEN_MODULES:
