@@ -176,6 +176,13 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
 def pread_into(fd: int, out: memoryview, offset: int) -> int:
     """Fill ``out`` from ``offset``; return the bytes read (short only at end of file)."""
     view = out.cast("B") if out.format != "B" or out.ndim != 1 else out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -599,6 +600,20 @@ class BackendTests:
         sink.replace("a.pack")  # the explicit repair does
         assert backend.read("a.pack", 0, 5) == b"other"
         assert [i.name for i in backend.list()] == ["a.pack"]
+
+    def test_kept_writes_on_a_pool_land_in_write_order(self, backend: Backend) -> None:
+        """Large kept writes may be copied on the pool while later writes are placed after
+        them; the published object is the writes in the order they were made."""
+        rng = random.Random(7)
+        pieces = [bytes([i]) * rng.choice((3, 5000, 300_000, 1 << 20)) for i in range(40)]
+        with ThreadPoolExecutor(2) as pool:
+            sink = backend.create(pool)
+            for i, piece in enumerate(pieces):
+                sink.write(memoryview(piece) if i % 3 else piece, keep=i % 2 == 0)
+            assert sink.publish("kept.pack") is True
+        whole = b"".join(pieces)
+        assert backend.read("kept.pack", 0, len(whole)) == whole
+        assert [(i.name, i.size) for i in backend.list()] == [("kept.pack", len(whole))]
 
     def test_abort_leaves_nothing(self, backend: Backend) -> None:
         sink = backend.create()

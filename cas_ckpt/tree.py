@@ -24,6 +24,7 @@ code  name        payload
 
 from __future__ import annotations
 
+import collections
 import difflib
 import itertools
 import math
@@ -31,7 +32,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
@@ -63,6 +64,7 @@ PAGE_LIMIT = MAX_CHUNK - 64  # nodes are cut into pages below this size
 MAX_LINKS = 16384  # chunk links kept in one descriptor before they move into link pages
 MAX_DEPTH = 256
 FILLS_IN_FLIGHT = 4  # arrays being read at once during a load
+HASH_AHEAD = 8 * 1024 * 1024  # chunk bytes hashed ahead of the one being written (see _HashAhead)
 # Node reads allowed for one load. A tree cas_ckpt writes reads each node about once (a node holds
 # at least 64 KiB of structure, or a page of ~1 MiB); a hostile DAG whose nodes each link twice to
 # the one below would otherwise expand to 2**depth reads (a "billion laughs").
@@ -147,8 +149,50 @@ class _Chunked:
 
     header: dict[str, Any]
     chunks: list[memoryview]
-    hashes: list[Future[tuple[bytes, Stored | None]]]
+    float_size: int = 0
     owner: Any = None  # keeps the array (or a contiguous copy) alive until written
+    hashes: list[Future[tuple[bytes, Stored | None]]] = field(default_factory=list)  # in order
+
+
+class _HashAhead:
+    """Queues chunk hashes on the pool at most ``window`` bytes ahead of the chunk being written.
+
+    On two cores, hashing far ahead takes the CPU from the thread writing; the writes then lag
+    behind and end in a backlog with a core idle. A bounded lead keeps both busy to the end, and
+    each chunk is still in the CPU cache when written. Chunks are consumed in the order they were
+    queued (both walks visit the state in one order); one consumed early is submitted then.
+    """
+
+    def __init__(self, pool: Executor, digest: Callable[..., Any], window: int) -> None:
+        self.pool, self.digest, self.window = pool, digest, window
+        self.queued: collections.deque[tuple[_Chunked, int]] = collections.deque()
+        self.ahead = 0  # bytes submitted and not yet consumed
+
+    def add(self, plan: _Chunked) -> None:
+        self.queued.extend((plan, i) for i in range(len(plan.chunks)))
+        self.fill()  # hashing starts while the first walk goes on
+
+    def next(self, plan: _Chunked, i: int) -> Future[tuple[bytes, Stored | None]]:
+        """The hash of chunk ``i`` of ``plan``, which is being consumed now."""
+        while len(plan.hashes) <= i:
+            self._submit_one()
+        self.ahead -= plan.chunks[i].nbytes
+        self.fill()
+        return plan.hashes[i]
+
+    def fill(self) -> None:
+        while self.queued and self.ahead < self.window:
+            self._submit_one()
+
+    def _submit_one(self) -> None:
+        plan, i = self.queued.popleft()
+        chunk = plan.chunks[i]
+        plan.hashes.append(self.pool.submit(self.digest, chunk, plan.float_size))
+        self.ahead += chunk.nbytes
+
+    def clear(self) -> None:
+        self.queued.clear()
+        self.ahead = 0
 
 
 class TreeWriter:
@@ -171,14 +215,22 @@ class TreeWriter:
         self.logical_bytes = 0
         self._packer = codec.packer()
         self._own_node: set[int] = set()  # ids of prepared containers of many small arrays
+        self._hashing = _HashAhead(pool, self._digest, HASH_AHEAD)
 
     def write(self, state: Any) -> bytes:
         """Store the whole state; return the binary CID of its root node."""
         self._own_node.clear()
-        plan = self._prepare(state, "", 0)
         try:
-            return self._put_node(self._body(plan, ""))
+            plan = self._prepare(state, "", 0)
         except BaseException:
+            self._hashing.clear()
+            raise
+        try:
+            root = self._put_node(self._body(plan, ""))
+            self.writer.settle()  # the state's memory is the caller's again when this returns
+            return root
+        except BaseException:
+            self._hashing.clear()
             _release(plan)
             raise
         finally:
@@ -304,9 +356,10 @@ class TreeWriter:
         self, header: dict[str, Any], chunks: list[memoryview], owner: Any, *, blob: bool = False,
         float_size: int = 0,
     ) -> _Chunked:
-        hashes = [self.pool.submit(self._digest, chunk, float_size) for chunk in chunks]
         header["_blob"] = blob
-        return _Chunked(header, chunks, hashes, owner)
+        plan = _Chunked(header, chunks, float_size, owner)
+        self._hashing.add(plan)
+        return plan
 
     # -- second walk: encode bottom-up, write ---------------------------------------------------
     def _encode(self, value: Any, path: str) -> bytes:
@@ -373,9 +426,9 @@ class TreeWriter:
 
     def _write_chunked(self, plan: _Chunked) -> bytes:
         cids = []
-        for chunk, future in zip(plan.chunks, plan.hashes, strict=True):
-            cid, stored = future.result()
-            self.writer.put(cid, chunk, stored=stored)
+        for i, chunk in enumerate(plan.chunks):
+            cid, stored = self._hashing.next(plan, i).result()
+            self.writer.put(cid, chunk, stored=stored, keep=True)  # the state is not changed meanwhile
             cids.append(cid)
         header = dict(plan.header)
         blob = header.pop("_blob")

@@ -51,6 +51,21 @@ class TestLocalBackend(BackendTests):
         yield backend
         backend.close()
 
+    def test_listing_sees_a_pack_replaced_under_its_name(self, backend: Backend) -> None:
+        """Sizes and ages are looked up once per file: a new file under a listed name (a repair)
+        is a new inode, looked up again."""
+        assert isinstance(backend, LocalBackend)
+        sink = backend.create()
+        sink.write(b"x" * 100)
+        assert sink.publish("a.pack")
+        assert [(i.name, i.size) for i in backend.list()] == [("a.pack", 100)]
+        other = backend.tmp_dir / "b.tmp"
+        other.write_bytes(b"y" * 40)
+        os.replace(other, backend.pack_dir / "a.pack")
+        assert [(i.name, i.size) for i in backend.list()] == [("a.pack", 40)]
+        (backend.pack_dir / "a.pack").unlink()
+        assert backend.list() == []
+
     def test_a_sink_left_by_a_dead_writer_is_cleaned(self, backend: Backend) -> None:
         assert isinstance(backend, LocalBackend)
         (backend.tmp_dir / "0123.pack.tmp").write_bytes(b"half a pack")  # nobody holds its flock
@@ -162,3 +177,26 @@ def test_corrupted_block_in_a_repository_on_disk(tmp_path: Path) -> None:
         repo.load(root, path="model.w")
     with cas_ckpt.open(tmp_path / "repo", verify=False) as repo:
         assert (repo.load(root, path="model.w") != array).sum() == 1
+
+
+def test_each_arrays_chunks_lie_back_to_back_and_load_mapped(tmp_path: Path) -> None:
+    """Chunks are copied on the pool threads, but placed in order: every array's chunks lie
+    back to back in one pack, so ``mmap=True`` maps each array instead of copying it."""
+    rng = np.random.default_rng(3)
+    state = {f"w{i}": rng.random(int(rng.integers(1, 5)) * 300_000 + i) for i in range(12)}
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        repo.save(state)
+        store = repo.blocks
+        assert isinstance(store, LocalStore)
+        for key, array in state.items():
+            data = memoryview(array).cast("B")
+            size = 1024 * 1024
+            cids = [repo.hasher.raw(data[i : i + size]) for i in range(0, data.nbytes, size)]
+            where = [store.locate(c) for c in cids]
+            assert len({pack for pack, _, _ in where}) == 1, key
+            ends = [offset + length for _, offset, length in where]
+            assert [offset for _, offset, _ in where[1:]] == ends[:-1], key
+        loaded = repo.load(mmap=True)
+        for key, array in state.items():
+            assert not loaded[key].flags.writeable and not loaded[key].flags.owndata, key
+            assert np.array_equal(loaded[key], array)

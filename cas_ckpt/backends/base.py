@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import NamedTuple
@@ -43,8 +44,13 @@ class Sink(ABC):
     """
 
     @abstractmethod
-    def write(self, data: bytes | memoryview) -> None:
-        """Append ``data``. The caller may reuse its buffer as soon as this returns."""
+    def write(self, data: bytes | memoryview, *, keep: bool = False) -> None:
+        """Append ``data``. The caller may reuse its buffer as soon as this returns, unless
+        ``keep``: then it leaves the bytes unchanged until the sink is published or aborted, and
+        a sink created with a pool may copy them later, on one of its threads."""
+
+    def settle(self) -> None:  # noqa: B027 - only sinks that copy on a pool wait here
+        """Wait until every kept write is copied: the callers' buffers are free again."""
 
     @abstractmethod
     def publish(self, name: str) -> bool:
@@ -156,8 +162,11 @@ class Backend(ABC):
         return False
 
     @abstractmethod
-    def create(self) -> Sink:
-        """A new, private object to write (a temp file, a spool): see :class:`Sink`."""
+    def create(self, pool: Executor | None = None) -> Sink:
+        """A new, private object to write (a temp file, a spool): see :class:`Sink`.
+
+        ``pool``: threads the sink may copy kept writes on (``Sink.write(keep=True)``).
+        """
 
     @abstractmethod
     def delete(self, name: str) -> None:

@@ -11,6 +11,7 @@ stays open until no read is in flight, so its number is never reused under a rea
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -19,6 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,7 +28,7 @@ from cas_ckpt import _fs
 from cas_ckpt.backends.base import Backend, ObjectInfo, Sink
 from cas_ckpt.errors import CorruptStore
 
-WRITEBACK_STEP = 32 * 1024 * 1024  # start disk writeback every this many bytes of a sink
+WRITEBACK_STEP = 4 * 1024 * 1024  # start disk writeback every this many bytes of a sink
 SMALL_WRITE = 256 * 1024  # writes below this are gathered before the write syscall
 SUFFIX = ".pack"
 TEMP_SUFFIX = ".pack.tmp"
@@ -43,20 +45,26 @@ def open_regular(path: Path) -> int:
 
 
 class LocalSink(Sink):
-    """A temp file under ``tmp/``, published by linking it into ``packs/``."""
+    """A temp file under ``tmp/``, published by linking it into ``packs/``.
 
-    def __init__(self, backend: LocalBackend) -> None:
+    Every write lands at an offset fixed when it is made (``pwrite``), so a large kept write can
+    be copied on a pool thread while later ones are placed after it; sealing waits for all of them.
+    """
+
+    def __init__(self, backend: LocalBackend, pool: Executor | None = None) -> None:
         self._backend = backend
+        self._pool = pool
         self.path: Path | None = _fs.temp_name(backend.tmp_dir, TEMP_SUFFIX)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _fs.O_NOFOLLOW, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until published: see clean_temp
         self._fd: int | None = fd
         self._buffer = memoryview(bytearray(SMALL_WRITE))  # filled in place: no realloc per write
         self._buffered = 0
-        self._size = 0
+        self._size = 0  # where the next write goes
         self._written_back = 0
+        self._copies: collections.deque[Future[None]] = collections.deque()  # in flight on the pool
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | memoryview, *, keep: bool = False) -> None:
         view = memoryview(data)
         size = view.nbytes
         if size < SMALL_WRITE:
@@ -65,27 +73,59 @@ class LocalSink(Sink):
             flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
             self._buffer[self._buffered : self._buffered + size] = flat
             self._buffered += size
+            self._size += size
         else:
             self._flush()
-            self._write(data)
-        self._size += size
-        if self._size - self._written_back >= WRITEBACK_STEP and self._fd is not None:
-            _fs.start_writeback(self._fd, self._written_back, self._size - self._written_back)
+            offset, self._size = self._size, self._size + size
+            if keep and self._pool is not None:
+                self._check_copies()
+                self._copies.append(self._pool.submit(self._copy, offset, data))
+                return
+            self._write_at(offset, data)
+        if self._size - self._written_back >= WRITEBACK_STEP:
+            self._write_back(self._written_back, self._size - self._written_back)
             self._written_back = self._size
 
-    def _write(self, data: bytes | memoryview) -> None:
+    def _copy(self, offset: int, data: bytes | memoryview) -> None:
+        """A kept write, on a pool thread: the bytes, then their writeback starts at once."""
+        self._write_at(offset, data)
+        self._write_back(offset, memoryview(data).nbytes)
+
+    def _write_at(self, offset: int, data: bytes | memoryview) -> None:
         assert self._fd is not None, "sink is closed"
         with _fs.naming(self.path):
-            _fs.write_all(self._fd, data)
+            _fs.pwrite_all(self._fd, data, offset)
+
+    def _write_back(self, offset: int, length: int) -> None:
+        if self._fd is not None:
+            _fs.start_writeback(self._fd, offset, length)
 
     def _flush(self) -> None:
         if self._buffered:
-            self._write(self._buffer[: self._buffered])
+            self._write_at(self._size - self._buffered, self._buffer[: self._buffered])
             self._buffered = 0
+
+    def _check_copies(self) -> None:
+        """Raise the error of a finished copy (a full disk) at the next write, not only at the end."""
+        while self._copies and self._copies[0].done():
+            self._copies.popleft().result()
+
+    def settle(self) -> None:
+        self._wait_copies()
+
+    def _wait_copies(self) -> None:
+        """Wait for every copy in flight; raise the first error once all have ended."""
+        first = None
+        while self._copies:
+            error = self._copies.popleft().exception()
+            first = first or error
+        if first is not None:
+            raise first
 
     def _seal(self) -> Path:
         """Write what is buffered, fsync and close; the temp file is complete and durable."""
         self._flush()
+        self._wait_copies()
         assert self._fd is not None and self.path is not None, "sink is closed"
         with _fs.naming(self.path):
             os.fsync(self._fd)
@@ -119,6 +159,8 @@ class LocalSink(Sink):
             self.path = None
 
     def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._wait_copies()  # never close the descriptor under a copy still writing to it
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -143,6 +185,7 @@ class LocalBackend(Backend):
         self._maps: dict[str, mmap.mmap] = {}
         self._readers = 0  # reads in flight (see _reading)
         self._retired: list[int] = []  # descriptors of forgotten objects, closed when no read is
+        self._listed: dict[str, tuple[int, int, float]] = {}  # name -> inode, size, mtime
 
     def describe(self) -> str:
         return str(self.root)
@@ -159,14 +202,21 @@ class LocalBackend(Backend):
                 entries = list(listing)
         except FileNotFoundError:
             return []
+        known, self._listed = self._listed, {}
         for entry in entries:
             if not entry.name.endswith(SUFFIX):
                 continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            found.append(ObjectInfo(entry.name, st.st_size, now - st.st_mtime))
+            # A published pack never changes, so its size and mtime are looked up once per
+            # file (the inode comes with the directory entry): a save lists packs/ each time.
+            seen = known.get(entry.name)
+            if seen is None or seen[0] != entry.inode():
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                seen = (st.st_ino, st.st_size, st.st_mtime)
+            self._listed[entry.name] = seen
+            found.append(ObjectInfo(entry.name, seen[1], now - seen[2]))
         return found
 
     @contextlib.contextmanager
@@ -266,8 +316,8 @@ class LocalBackend(Backend):
         return st.f_bavail * st.f_frsize
 
     # -- writes --------------------------------------------------------------------------------
-    def create(self) -> LocalSink:
-        return LocalSink(self)
+    def create(self, pool: Executor | None = None) -> LocalSink:
+        return LocalSink(self, pool)
 
     def delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Executor
 
 from cas_ckpt.backends.base import Backend, ObjectInfo, Sink
 from cas_ckpt.errors import CorruptStore
@@ -14,7 +15,7 @@ class MemorySink(Sink):
         self._backend = backend
         self._data: bytearray | None = bytearray()
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | memoryview, *, keep: bool = False) -> None:
         assert self._data is not None, "sink is closed"
         self._data += data  # a copy: the caller may reuse its buffer
 
@@ -67,7 +68,7 @@ class MemoryBackend(Backend):
         out.cast("B")[:] = memoryview(data)[offset : offset + out.nbytes]
         return True
 
-    def create(self) -> MemorySink:
+    def create(self, pool: Executor | None = None) -> MemorySink:
         return MemorySink(self)
 
     def delete(self, name: str) -> None:

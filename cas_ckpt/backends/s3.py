@@ -27,7 +27,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -602,7 +602,7 @@ class S3Sink(Sink):
         self._file: Any = os.fdopen(fd, "wb", buffering=1024 * 1024)
         self.path: Path | None = Path(name)
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | memoryview, *, keep: bool = False) -> None:
         self._file.write(data)
 
     def _sealed(self) -> Path:
@@ -717,7 +717,7 @@ class S3Backend(Backend):
         if self.cache is not None:
             self.cache.drop(name)
 
-    def create(self) -> S3Sink:
+    def create(self, pool: Executor | None = None) -> S3Sink:
         return S3Sink(self)
 
     def delete(self, name: str) -> None:

@@ -71,11 +71,15 @@ class BlockWriter(ABC):
         bytes. Runs on the caller's thread, outside the writer's lock."""
         return None
 
-    def put(self, cid: bytes, data: bytes | memoryview, *, stored: Stored | None = None) -> bool:
+    def put(
+        self, cid: bytes, data: bytes | memoryview, *, stored: Stored | None = None, keep: bool = False
+    ) -> bool:
         """Add a block; return False (and write nothing) if it is already stored.
 
         ``stored``: its encoding from :meth:`encode`; without one a compressing writer encodes
-        it here.
+        it here. ``keep``: the caller leaves ``data`` unchanged until the writer commits or
+        aborts, so it may be copied to the medium later, on the writer's pool (``bytes`` are
+        always kept: they cannot change).
         """
         size = memoryview(data).nbytes
         if stored is None and self.compresses:
@@ -88,10 +92,13 @@ class BlockWriter(ABC):
                 self.stats.bytes_reused += size
                 return False
             self._pending.add(cid)
-            self._append(cid, stored or Stored(0, data), size)
+            self._append(cid, stored or Stored(0, data), size, keep)
             self.stats.blocks_written += 1
             self.stats.bytes_written += size
             return True
+
+    def settle(self) -> None:  # noqa: B027 - a writer that copies nothing later has nothing to wait for
+        """Wait until the blocks put with ``keep=True`` are copied: their buffers are free again."""
 
     def has(self, cid: bytes) -> bool:
         """True if the block is stored or already in this batch."""
@@ -103,8 +110,9 @@ class BlockWriter(ABC):
         return self._store._has(cid)
 
     @abstractmethod
-    def _append(self, cid: bytes, stored: Stored, size: int) -> None:
-        """Write one new block of raw ``size`` bytes into the batch (with the writer's lock held)."""
+    def _append(self, cid: bytes, stored: Stored, size: int, keep: bool = False) -> None:
+        """Write one new block of raw ``size`` bytes into the batch (with the writer's lock held);
+        ``keep`` as for :meth:`put`."""
 
     @abstractmethod
     def commit(self) -> None:
@@ -237,13 +245,16 @@ class BlockStore(ABC):
 
     # -- writes --------------------------------------------------------------------------------
     @abstractmethod
-    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> BlockWriter:
+    def writer(
+        self, *, verify_existing: bool = False, compression: str = "none", pool: Executor | None = None
+    ) -> BlockWriter:
         """Start a batch of writes.
 
         ``verify_existing``: before reusing a stored copy of a block, read it back and check its
         hash; a damaged copy is then replaced by the one being written (an import that repairs).
         ``compression``: ``"none"`` or ``"zstd"`` (``blocks.compression``); what a block is
-        named by never depends on it.
+        named by never depends on it. ``pool``: threads that may copy kept blocks to the medium
+        (``put(keep=True)``) while the caller goes on; the writer waits for them before commit.
         """
 
     def put(self, cid: cidlib.CIDLike, data: bytes) -> bool:

@@ -64,10 +64,11 @@ class PackWriter(BlockWriter):
 
     def __init__(
         self, store: PackedBlockStore, *, verify_existing: bool = False, compression: str = "none",
-        version: int = 1,
+        version: int = 1, pool: Executor | None = None,
     ) -> None:
         super().__init__(store)
         self._packed = store
+        self._pool = pool
         self.verify_existing = verify_existing
         self._compressor = Compressor(compression)
         self.version = 2 if self._compressor.enabled else version
@@ -92,18 +93,23 @@ class PackWriter(BlockWriter):
         encoded = self._compressor.encode(data, float_size)
         return Stored(*encoded) if encoded else Stored(CODEC_NONE, data)
 
-    def _append(self, cid: bytes, stored: Stored, size: int) -> None:
+    def _append(self, cid: bytes, stored: Stored, size: int, keep: bool = False) -> None:
         length = size if stored.codec == CODEC_NONE else memoryview(stored.data).nbytes
         if self._sink is not None and self._offset + length > self._packed.pack_size and self._entries:
             self._seal()
         if self._sink is None:
-            self._sink = self._packed.backend.create()
+            self._sink = self._packed.backend.create(self._pool)
             self._sink.write(MAGICS[self.version])
             self._offset = len(PACK_MAGIC)
-        self._sink.write(stored.data)
+        self._sink.write(stored.data, keep=keep or type(stored.data) is bytes)
         self._entries.append(Entry(cid, self._offset, length, stored.codec, size))
         self._offset += length
         self.stats.bytes_stored += length
+
+    def settle(self) -> None:
+        with self._lock:
+            if self._sink is not None:
+                self._sink.settle()
 
     def add_copy(self, cid: bytes, data: bytes | memoryview, *, stored: Stored | None = None) -> None:
         """Write a block again even though the store has it (GC moving live blocks), as
@@ -534,9 +540,11 @@ class PackedBlockStore(BlockStore):
         return damaged
 
     # -- writes --------------------------------------------------------------------------------
-    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> PackWriter:
+    def writer(
+        self, *, verify_existing: bool = False, compression: str = "none", pool: Executor | None = None
+    ) -> PackWriter:
         self._check_writable()
-        return PackWriter(self, verify_existing=verify_existing, compression=compression)
+        return PackWriter(self, verify_existing=verify_existing, compression=compression, pool=pool)
 
     @property
     def _publisher(self) -> ThreadPoolExecutor:

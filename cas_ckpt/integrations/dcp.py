@@ -241,7 +241,7 @@ class Writer(StorageWriter):
 class _DryWriter(BlockWriter):
     """A batch that keeps nothing: hashing a value to its node CID without storing it."""
 
-    def _append(self, cid: bytes, stored: Stored, size: int) -> None:
+    def _append(self, cid: bytes, stored: Stored, size: int, keep: bool = False) -> None:
         pass
 
     def commit(self) -> None:

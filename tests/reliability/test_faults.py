@@ -1,6 +1,6 @@
 """Disk full and I/O errors at every write step: a clear error, nothing half done, then recovery.
 
-The ``os`` calls that write (``write``, ``fsync``, ``link``, ``replace``, ``rename``) are wrapped
+The ``os`` calls that write (``write``, ``pwrite``, ``fsync``, ``link``, ``replace``, ``rename``) are wrapped
 in-process so that the Nth call of a category raises ``OSError(ENOSPC)`` or ``OSError(EIO)`` (for
 writes also: a short write, then the error, as a filling disk does). Categories: the pack data, the
 pack's fsync, the pack publish (link into packs/, directory fsync), the ref update (lock, temp file,
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -86,23 +87,32 @@ class Fault:
         raise OSError(self.err, os.strerror(self.err), os.fsdecode(src), None, path)
 
     def install(self, mp: pytest.MonkeyPatch) -> None:
-        real = {name: getattr(os, name) for name in ("write", "fsync", "link", "replace", "rename")}
+        names = ("write", "pwrite", "fsync", "link", "replace", "rename")
+        real = {name: getattr(os, name) for name in names}
         fault = self
         pending_short: list[str] = []
+        lock = threading.Lock()  # pack data is also written on the pool's threads
+
+        def written(fd: int, data: Any, do: Callable[[Any], int]) -> int:
+            path = _fd_path(fd)
+            with lock:
+                if pending_short and pending_short[0] == path:
+                    pending_short.clear()
+                    fault._raise("write", path)
+                if fault._hit("write", path):
+                    size = memoryview(data).nbytes
+                    if fault.short and size > 1:
+                        pending_short.append(path)
+                        fault.calls = -(10**9)  # the next write to this file fails instead
+                        return do(memoryview(data).cast("B")[: size // 2])
+                    fault._raise("write", path)
+            return do(data)
 
         def write(fd: int, data: Any) -> int:
-            path = _fd_path(fd)
-            if pending_short and pending_short[0] == path:
-                pending_short.clear()
-                fault._raise("write", path)
-            if fault._hit("write", path):
-                size = memoryview(data).nbytes
-                if fault.short and size > 1:
-                    pending_short.append(path)
-                    fault.calls = -(10**9)  # the next write to this file fails instead
-                    return real["write"](fd, memoryview(data).cast("B")[: size // 2])
-                fault._raise("write", path)
-            return real["write"](fd, data)
+            return written(fd, data, lambda d: real["write"](fd, d))
+
+        def pwrite(fd: int, data: Any, offset: int) -> int:
+            return written(fd, data, lambda d: real["pwrite"](fd, d, offset))
 
         def fsync(fd: int) -> None:
             path = _fd_path(fd)
@@ -120,6 +130,7 @@ class Fault:
             return call
 
         mp.setattr(os, "write", write)
+        mp.setattr(os, "pwrite", pwrite)
         mp.setattr(os, "fsync", fsync)
         for name in ("link", "replace", "rename"):
             mp.setattr(os, name, two(name))
