@@ -18,7 +18,7 @@ import msgpack
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
-from cas_ckpt.blocks.base import BlockStore, Stored
+from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
 from cas_ckpt.errors import CorruptBlock
 
 TINY_LIMIT = 1024  # arrays up to this size stay inline even among many small ones
@@ -43,9 +43,16 @@ class SmallArray:
         """The CID of this array's block (waits for its batch to be hashed)."""
         return self._digest()[0]
 
-    def stored(self) -> Stored | None:
-        """This array's block as a compressing writer stores it (None: not compressing)."""
-        return self._digest()[1]
+    def put_batch(self, writer: BlockWriter) -> None:
+        """Put the blocks of this array's whole batch, once, in one call (they are written
+        together, in order: one container's arrays)."""
+        batch = self.batch
+        assert batch is not None, "not given a block"
+        if not batch.written:
+            blocks = [(cid, data, stored) for (cid, stored), data in zip(batch.results(), batch.data,
+                                                                        strict=True)]
+            writer.put_many(blocks, keep=True)
+            batch.written = True
 
     def _digest(self) -> Digest:
         assert self.batch is not None, "not given a block"
@@ -90,10 +97,12 @@ def give_blocks(
 class _Batch:
     """The CIDs (and encodings) of a batch of small arrays being hashed on the pool."""
 
-    __slots__ = ("_results", "future")
+    __slots__ = ("_results", "data", "future", "written")
 
-    def __init__(self, future: Future[list[Digest]]) -> None:
+    def __init__(self, future: Future[list[Digest]], data: list[memoryview]) -> None:
         self.future = future
+        self.data = data  # each array's bytes, in order
+        self.written = False  # all its blocks put (by the first of its arrays to be written)
         self._results: list[Digest] | None = None
 
     def results(self) -> list[Digest]:
@@ -105,7 +114,8 @@ class _Batch:
 def _submit(
     items: list[SmallArray], pool: Executor, digest: Callable[[memoryview, dict[str, Any]], Digest]
 ) -> None:
-    batch = _Batch(pool.submit(_digest_all, digest, [(x.data, x.header) for x in items]))
+    batch = _Batch(pool.submit(_digest_all, digest, [(x.data, x.header) for x in items]),
+                   [x.data for x in items])
     for i, item in enumerate(items):
         item.batch, item.index = batch, i
 

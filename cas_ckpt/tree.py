@@ -106,6 +106,19 @@ _PARSED = {**{n: np.dtype(n) for n in _NAMES}, **ML_DTYPES}
 
 def dtype_name(dtype: np.dtype[Any]) -> str | None:
     """The stored name of a dtype, or None if it cannot be saved."""
+    seen = _NAME_OF.get(id(dtype))
+    if seen is not None and seen[0] is dtype:  # numpy reuses one dtype object per type
+        return seen[1]
+    name = _dtype_name(dtype)
+    if len(_NAME_OF) < 256:  # the object is kept alive with its entry, so its id stays its own
+        _NAME_OF[id(dtype)] = (dtype, name)
+    return name
+
+
+_NAME_OF: dict[int, tuple[np.dtype[Any], str | None]] = {}
+
+
+def _dtype_name(dtype: np.dtype[Any]) -> str | None:
     if dtype in _ML_BY_DTYPE:
         return _ML_BY_DTYPE[dtype]
     name = _NAMES.get(dtype.str)
@@ -444,8 +457,8 @@ class TreeWriter:
     def _write_small(self, value: SmallArray) -> bytes:
         if value.batch is None:
             return self._pack(Tagged(NDARRAY, value.inline()))
+        value.put_batch(self.writer)  # the state is not changed meanwhile: kept, not copied
         cid = value.cid()
-        self.writer.put(cid, value.data, stored=value.stored())
         return _small.one_chunk_array(NDARRAY, value.header, self.chunk_size, cid, self._packer)
 
     def _put_node(self, data: bytes) -> bytes:

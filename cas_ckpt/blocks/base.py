@@ -97,6 +97,30 @@ class BlockWriter(ABC):
             self.stats.bytes_written += size
             return True
 
+    def put_many(
+        self, blocks: list[tuple[bytes, bytes | memoryview, Stored | None]], *, keep: bool = False
+    ) -> int:
+        """:meth:`put` for many (cid, data, stored) blocks under one lock; how many were new."""
+        if self.compresses:
+            blocks = [(c, d, s if s is not None else self.encode(c, d)) for c, d, s in blocks]
+        new = 0
+        with self._lock:
+            if self.closed:
+                raise RepositoryError("block writer is already closed")
+            stats, pending = self.stats, self._pending
+            for cid, data, stored in blocks:
+                size = memoryview(data).nbytes
+                if cid in pending or self._stored(cid):
+                    stats.blocks_reused += 1
+                    stats.bytes_reused += size
+                    continue
+                pending.add(cid)
+                self._append(cid, stored or Stored(0, data), size, keep)
+                stats.blocks_written += 1
+                stats.bytes_written += size
+                new += 1
+        return new
+
     def settle(self) -> None:  # noqa: B027 - a writer that copies nothing later has nothing to wait for
         """Wait until the blocks put with ``keep=True`` are copied: their buffers are free again."""
 

@@ -1,10 +1,11 @@
 """Disk full and I/O errors at every write step: a clear error, nothing half done, then recovery.
 
-The ``os`` calls that write (``write``, ``pwrite``, ``fsync``, ``link``, ``replace``, ``rename``) are wrapped
-in-process so that the Nth call of a category raises ``OSError(ENOSPC)`` or ``OSError(EIO)`` (for
-writes also: a short write, then the error, as a filling disk does). Categories: the pack data, the
-pack's fsync, the pack publish (link into packs/, directory fsync), the ref update (lock, temp file,
-rename, directory fsync), the reflog append, GC's repacking, and creating a repository.
+The ``os`` calls that write (``write``, ``pwrite``, ``fsync``, ``link``, ``replace``, ``rename``) are
+wrapped in-process so that the Nth call of a category raises ``OSError(ENOSPC)`` or
+``OSError(EIO)`` (for writes also: a short write, then the error, as a filling disk does).
+Categories: the pack data (written on the pool's threads too), the pack's fsync, the pack publish
+(link into packs/, directory fsync), the ref update (lock, temp file, rename, directory fsync), the
+reflog append, GC's repacking, and creating a repository.
 For every N until the operation gets through, the failed operation must:
 
 * raise ``OSError`` with that errno, naming the file it concerns (``filename``);
