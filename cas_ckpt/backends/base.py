@@ -89,7 +89,7 @@ class Backend(ABC):
     * ``read_coalesce``: bytes one ranged read of neighbouring blocks may span (0: read each block
       on its own; a remote medium wants few large requests);
     * ``publish_in_background``: publishing costs a transfer, so a full pack publishes on a
-      thread while the next one is written;
+      thread while the next ones are written, up to ``publish_workers`` at once;
     * ``min_grace``: GC never deletes an object younger than this many seconds (a medium whose
       listing lags, or whose writers cannot be locked out, needs one);
     * ``pack_size``: the size past which a writer starts a new pack.
@@ -97,6 +97,7 @@ class Backend(ABC):
 
     can_mmap = False
     pack_size = 256 * 1024 * 1024
+    publish_workers = 2
     read_coalesce = 0
     publish_in_background = False
     min_grace = 0.0

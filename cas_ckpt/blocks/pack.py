@@ -137,14 +137,15 @@ def _entry(row: object, version: int) -> Entry:
 
 
 def plan_sweep(
-    packs: dict[str, tuple[list[Entry], int, float]], cids: set[bytes], min_age: float
+    packs: dict[str, tuple[list[Entry], int, float]], cids: set[bytes], min_age: float, *,
+    small_size: int = SMALL_PACK,
 ) -> dict[str, list[Entry]]:
     """Which packs a sweep touches: pack -> its surviving entries (empty: delete it whole).
 
     ``packs`` maps each pack to (entries, size in bytes, age in seconds). Packs younger than
     ``min_age`` are left alone. A pack losing blocks is rewritten with its survivors (or deleted,
-    when none survive); small packs (under ``SMALL_PACK``) are merged along when at least two packs
-    would be written anyway.
+    when none survive); small packs (under ``small_size`` bytes: a store with small packs, as S3's,
+    passes half its pack size) are merged along when at least two packs would be written anyway.
     """
     doomed: dict[str, list[Entry]] = {}
     small: dict[str, list[Entry]] = {}
@@ -154,7 +155,7 @@ def plan_sweep(
         live = [e for e in entries if e.cid not in cids]
         if len(live) < len(entries):
             doomed[name] = live
-        elif size < SMALL_PACK:
+        elif size < small_size:
             small[name] = live
     if len(small) + sum(1 for live in doomed.values() if live) >= 2:
         doomed.update(small)  # worth merging: fewer files for every later open and read

@@ -36,6 +36,7 @@ from cas_ckpt.blocks.pack import (
     INDEX_READ,
     MAGICS,
     PACK_MAGIC,
+    SMALL_PACK,
     SUFFIX,
     VERSIONS,
     Entry,
@@ -551,7 +552,8 @@ class PackedBlockStore(BlockStore):
         """Publishes sealed packs while the next one is written (media where that is a transfer)."""
         with self._lock:
             if self._publisher_pool is None:
-                self._publisher_pool = ThreadPoolExecutor(2, thread_name_prefix="cas_ckpt-publish")
+                self._publisher_pool = ThreadPoolExecutor(
+                    self.backend.publish_workers, thread_name_prefix="cas_ckpt-publish")
             return self._publisher_pool
 
     def _publish(
@@ -621,7 +623,8 @@ class PackedBlockStore(BlockStore):
         with self._lock:
             packs = {name: (list(entries), self._info[name].size, self._info[name].age)
                      for name, entries in self._packs.items() if name in self._info}
-        plan = plan_sweep(packs, cids, max(min_age, self.backend.min_grace))
+        plan = plan_sweep(packs, cids, max(min_age, self.backend.min_grace),
+                          small_size=min(SMALL_PACK, self.pack_size // 2))
         dead = [name for name, live in plan.items() if not live]
         merge = {name: live for name, live in plan.items() if live}
         if before_unlink is not None and plan:
