@@ -231,6 +231,16 @@ class BlockStoreTests:
         assert writer.stats.bytes_reused == len(old_data) + len(new_data)
         assert store.get(new) == new_data
 
+    def test_put_many_is_put_for_each_block(self, store: BlockStore) -> None:
+        blocks = [raw_block(i, 300 + i) for i in range(20, 30)]
+        store.put(*blocks[0])
+        with store.writer() as writer:
+            assert writer.put_many([(c, memoryview(d), None) for c, d in blocks + blocks[3:5]],
+                                   keep=True) == 9
+        assert (writer.stats.blocks_written, writer.stats.blocks_reused) == (9, 3)
+        assert writer.stats.bytes_written == sum(len(d) for _, d in blocks[1:])
+        assert all(store.get(c) == d for c, d in blocks)
+
     def test_writer_accepts_memoryviews_and_copies_them(self, store: BlockStore) -> None:
         cid, data = raw_block(8, 5000)
         buffer = bytearray(data)

@@ -51,25 +51,14 @@ def test_fast_path_equals_multiformats(data: bytes, codec: str, hash_name: str) 
     assert cidlib.matches(binary, data)
     assert cidlib.is_node(binary) == (codec == "messagepack")
     assert cidlib.codec_of(binary) == (cidlib.RAW if codec == "raw" else cidlib.MSGPACK)
-
-
-@given(
-    data=st.binary(max_size=256),
-    codec=st.sampled_from(CODECS),
-    hash_name=st.sampled_from(HASHES),
-)
-def test_to_cid_builds_what_multiformats_decodes(data: bytes, codec: str, hash_name: str) -> None:
-    """to_cid skips multiformats' runtime checks: the object must be the one decode gives."""
-    binary = fast_cid(data, codec, hash_name)
+    # to_cid skips multiformats' runtime checks: the object must be the one decode gives.
     built, decoded = cidlib.to_cid(binary), CID.decode(binary).set(base="base32")
-    assert type(built) is CID
-    assert built == decoded and hash(built) == hash(decoded)
+    assert type(built) is CID and hash(built) == hash(decoded)
     assert (built.base, built.version, built.codec, built.hashfun, built.digest, built.raw_digest) == (
         decoded.base, decoded.version, decoded.codec, decoded.hashfun, decoded.digest,
         decoded.raw_digest)
     assert (str(built), repr(built), bytes(built)) == (str(decoded), repr(decoded), bytes(decoded))
     assert built.set(base="base58btc") == decoded.set(base="base58btc")
-    assert str(cidlib.to_cid(str(decoded))) == str(decoded)
 
 
 @given(data=st.binary(min_size=1, max_size=256), hash_name=st.sampled_from(HASHES))
