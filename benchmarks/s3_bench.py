@@ -39,6 +39,9 @@ import numpy as np
 
 import cas_ckpt
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import Meter  # the sibling runner's peak-memory meter
+
 MiB = 1024 * 1024
 
 
@@ -79,17 +82,18 @@ def timed(run: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - started, result
 
 
-def bench_cas(url: str, state: dict[str, Any], cache: str) -> dict[str, float]:
-    with cas_ckpt.open(url) as repo:
-        save, _ = timed(lambda: repo.save(state))
-    seconds: dict[str, float] = {"cas_ckpt save": save}
+def bench_cas(url: str, state: dict[str, Any], cache: str) -> tuple[dict[str, float], Meter]:
+    """Seconds per operation, and the save's meter (its peak memory above the state)."""
+    with cas_ckpt.open(url) as repo, Meter() as meter:
+        repo.save(state)
+    seconds: dict[str, float] = {"cas_ckpt save": meter.seconds}
     with cas_ckpt.open(url, create=False, storage_options={"cache_dir": cache}) as repo:
         seconds["cas_ckpt load"], loaded = timed(repo.load)
         assert all(np.array_equal(loaded[k], v) for k, v in state.items())
     with cas_ckpt.open(url, create=False, storage_options={"cache_dir": cache}) as repo:
         seconds["cas_ckpt load, cache warm"], loaded = timed(repo.load)
         assert all(np.array_equal(loaded[k], v) for k, v in state.items())
-    return seconds
+    return seconds, meter
 
 
 def bench_boto3(bucket: str, state: dict[str, Any]) -> dict[str, float]:
@@ -156,15 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     with s3_server() as endpoint, tempfile.TemporaryDirectory() as cache:
         bucket = f"bench-{uuid.uuid4().hex[:12]}"
         boto3.client("s3").create_bucket(Bucket=bucket)
-        seconds = bench_cas(f"s3://{bucket}/cas", state, cache)
+        seconds, save = bench_cas(f"s3://{bucket}/cas", state, cache)
         seconds.update(bench_boto3(bucket, state))
     print(f"{nbytes / MiB:.0f} MiB in {len(state)} arrays, endpoint {endpoint}, "
           f"{os.cpu_count()} CPUs, Python {platform.python_version()}")
     print(report(seconds, nbytes))
+    print(f"cas_ckpt save: peak memory {save.peak / MiB:.0f} MiB above the state ({save.method})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bytes": nbytes, "arrays": len(state), "endpoint": endpoint,
-                       "cpus": os.cpu_count(), "seconds": seconds}, f, indent=2)
+                       "cpus": os.cpu_count(), "seconds": seconds, "save_peak_bytes": save.peak},
+                      f, indent=2)
     return 0
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from cas_ckpt import _fs
 from cas_ckpt.backends.base import Backend, ObjectInfo, Read, Sink
@@ -348,7 +348,9 @@ class S3Bucket:
         return bool(self.list(prefix, limit=1))
 
     # -- writes --------------------------------------------------------------------------------
-    def put(self, key: str, body: bytes, *, create: bool = False, match: str | None = None) -> str | None:
+    def put(
+        self, key: str, body: bytes | BinaryIO, *, create: bool = False, match: str | None = None
+    ) -> str | None:
         """Write an object: only if absent (``create``) or only if its ETag is ``match``.
 
         Returns the new ETag, or None when the condition failed.
@@ -398,7 +400,8 @@ class S3Bucket:
         """
         size = path.stat().st_size
         if size <= part_size:
-            return self._created(key, self.put(key, path.read_bytes(), create=create))
+            with open(path, "rb") as body:  # streamed (and rewound for a retry), not read whole
+                return self._created(key, self.put(key, body, create=create))
         upload = self._call("create_multipart_upload", key, Key=self.prefix + key)["UploadId"]
         try:
             count = -(-size // part_size)
