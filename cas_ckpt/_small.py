@@ -5,7 +5,8 @@ container whose inline arrays hold more than ``SMALL_SPLIT`` bytes (10,000 small
 dict), that made every node ~850 KiB, so a change to one tensor in ten rewrote all of them. There
 the arrays above ``TINY_LIMIT`` are stored as ordinary one-chunk arrays instead: their own raw
 block each, found again by a re-save that leaves them alone. Hashing one block per pool task, and
-reading one per task, cost more in Python than the hashing itself, so both go in batches.
+reading one per task, cost more in Python than the hashing itself, so both go in batches; a batch
+is hashed on the saving thread as it is written (see :func:`give_blocks`).
 """
 
 from __future__ import annotations
@@ -64,14 +65,19 @@ class SmallArray:
 
 
 def give_blocks(
-    items: Iterable[Any], pool: Executor, digest: Callable[[memoryview, dict[str, Any]], Digest],
-    chunk_size: int,
+    items: Iterable[Any], digest: Callable[[memoryview, dict[str, Any]], Digest], chunk_size: int,
+    pool: Executor | None = None,
 ) -> bool:
-    """If the small arrays among ``items`` hold more than ``SMALL_SPLIT`` bytes, start hashing
-    each of them as a block of its own (``digest(data, header)``: its CID, and its encoding for a
-    compressing writer), in batches of about ``BATCH_BYTES`` per pool task, and
-    return True: their container then gets a node of its own, however small (a sub-tree load
-    reads it alone, not its parent's other children with it).
+    """If the small arrays among ``items`` hold more than ``SMALL_SPLIT`` bytes, give each of
+    them a block of its own and return True: their container then gets a node of its own,
+    however small (a sub-tree load reads it alone, not its parent's other children with it).
+
+    The blocks are hashed (``digest(data, header)``: the CID, and the encoding for a compressing
+    writer) in batches of about ``BATCH_BYTES``: on ``pool`` from now on if one is given, else
+    each on the saving thread when it is written. Hashing a small block takes about 5 us, less
+    than handing the GIL to a pool thread and back, and a pool thread hashing beside a busy
+    saving thread gets the GIL once per switch interval (5 ms): only a compressing writer, whose
+    encoding takes ten times longer outside the GIL, gains from the pool.
 
     An array larger than ``chunk_size`` (a repository cutting chunks below 16 KiB) stays inline:
     one chunk must not be larger than the chunk size its array records.
@@ -87,43 +93,41 @@ def give_blocks(
         batch.append(item)
         size += item.data.nbytes
         if size >= BATCH_BYTES:
-            _submit(batch, pool, digest)
+            _Batch(batch, digest, pool)
             batch, size = [], 0
     if batch:
-        _submit(batch, pool, digest)
+        _Batch(batch, digest, pool)
     return True
 
 
 class _Batch:
-    """The CIDs (and encodings) of a batch of small arrays being hashed on the pool."""
+    """The CIDs (and encodings) of a batch of small arrays, hashed on a pool or when needed."""
 
-    __slots__ = ("_results", "data", "future", "written")
+    __slots__ = ("_digest", "_future", "_results", "data", "headers", "written")
 
-    def __init__(self, future: Future[list[Digest]], data: list[memoryview]) -> None:
-        self.future = future
-        self.data = data  # each array's bytes, in order
+    def __init__(self, arrays: list[SmallArray], digest: Callable[[memoryview, dict[str, Any]], Digest],
+                 pool: Executor | None) -> None:
+        self.data = [x.data for x in arrays]  # each array's bytes, in order
+        self.headers = [x.header for x in arrays]
         self.written = False  # all its blocks put (by the first of its arrays to be written)
+        self._digest = digest
         self._results: list[Digest] | None = None
+        self._future = None if pool is None else pool.submit(self._digest_all)
+        for i, array in enumerate(arrays):
+            array.batch, array.index = self, i
 
     def results(self) -> list[Digest]:
-        if self._results is None:  # one wait on the future per batch, not one per array
-            self._results = self.future.result()
+        if self._results is None:  # one wait (or one hashing run) per batch, not one per array
+            self._results = self._digest_all() if self._future is None else self._future.result()
         return self._results
 
+    def cancel(self) -> None:
+        if self._future is not None:
+            self._future.cancel()
 
-def _submit(
-    items: list[SmallArray], pool: Executor, digest: Callable[[memoryview, dict[str, Any]], Digest]
-) -> None:
-    batch = _Batch(pool.submit(_digest_all, digest, [(x.data, x.header) for x in items]),
-                   [x.data for x in items])
-    for i, item in enumerate(items):
-        item.batch, item.index = batch, i
-
-
-def _digest_all(
-    digest: Callable[[memoryview, dict[str, Any]], Digest], items: list[tuple[memoryview, dict[str, Any]]]
-) -> list[Digest]:
-    return [digest(data, header) for data, header in items]
+    def _digest_all(self) -> list[Digest]:
+        digest = self._digest
+        return [digest(data, header) for data, header in zip(self.data, self.headers, strict=True)]
 
 
 def one_chunk_array(
@@ -132,15 +136,33 @@ def one_chunk_array(
     """The encoding of ext ``code`` holding ``header`` plus ``chunk_size`` and one chunk link.
 
     Byte for byte ``codec.encode(Tagged(code, {**header, "chunk_size": chunk_size,
-    "chunks": [Link(cid)]}))``: the map is packed by the writer's ``packer`` without the link
-    (no Python callback, no ``ExtType`` per array), then given one entry more.
+    "chunks": [Link(cid)]}))``, without a Python callback or an ``ExtType`` per array: the usual
+    header (dtype, then shape) from encodings kept per dtype and chunk size, any other packed by
+    the writer's ``packer`` and given one entry more.
     """
+    name = header.get("dtype")
+    if len(header) == 2 and type(name) is str and "shape" in header and next(iter(header)) == "dtype":
+        around = _AROUND_SHAPE.get((name, chunk_size))
+        if around is None:
+            around = _around_shape(name, chunk_size, packer)
+        body = b"".join((around[0], packer.pack(header["shape"]), around[1], codec.link(cid)))
+        return codec.ext(code, body)
     head = packer.pack({**header, "chunk_size": chunk_size})
     if not 0x80 <= head[0] < 0x8F:  # not a fixmap with room for one more entry: never for ours
         raise ValueError(f"ndarray header of {len(header)} entries")
     return codec.ext(code, b"".join((bytes((head[0] + 1,)), head[1:], _CHUNKS_ONE, codec.link(cid))))
 
 
+def _around_shape(name: str, chunk_size: int, packer: msgpack.Packer) -> tuple[bytes, bytes]:
+    """The encoding of a one-chunk ndarray map before its shape, and after it up to the link."""
+    before = b"\x84" + packer.pack("dtype") + packer.pack(name) + packer.pack("shape")
+    after = packer.pack("chunk_size") + packer.pack(chunk_size) + _CHUNKS_ONE
+    if len(_AROUND_SHAPE) < 1024:  # a few dtypes, one chunk size per repository
+        _AROUND_SHAPE[(name, chunk_size)] = (before, after)
+    return before, after
+
+
+_AROUND_SHAPE: dict[tuple[str, int], tuple[bytes, bytes]] = {}
 _CHUNKS_ONE = msgpack.packb("chunks") + b"\x91"  # the key, then an array of one item
 
 

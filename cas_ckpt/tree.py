@@ -283,7 +283,10 @@ class TreeWriter:
                     raise StateTypeError(join_path(path, key[:40]), "dict key is too long")
                 if type(key) is int and not _INT64_MIN <= key <= _UINT64_MAX:
                     raise StateTypeError(join_path(path, key), "int dict keys must fit 64 bits")
-                out[key] = self._prepare(item, join_path(path, key), depth + 1)
+                if type(item) is np.ndarray:  # a state dict's usual value: no dispatch per tensor
+                    out[key] = self._prepare_array(item, join_path(path, key), "numpy")
+                else:
+                    out[key] = self._prepare(item, join_path(path, key), depth + 1)
             return self._mark(out, out.values())
         if kind in (list, tuple):
             items = [self._prepare(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
@@ -303,7 +306,8 @@ class TreeWriter:
 
     def _mark(self, container: Any, items: Any) -> Any:
         """``container``, noted to get a node of its own if its small arrays get blocks."""
-        if _small.give_blocks(items, self.pool, self._digest_small, self.chunk_size):
+        pool = self.pool if self.writer.compresses else None  # see give_blocks
+        if _small.give_blocks(items, self._digest_small, self.chunk_size, pool):
             self._own_node.add(id(container))  # the plan holds it until written: the id stays
         return container
 
@@ -342,7 +346,12 @@ class TreeWriter:
             order, flat = "F", array.T
         else:
             flat = np.ascontiguousarray(array)  # strided views: the one unavoidable copy
-        data = memoryview(flat.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+        if not array.size:
+            data = memoryview(b"")
+        elif name in _NAMES:  # numpy's own dtypes export a buffer: a byte view in one call
+            data = memoryview(flat).cast("B")
+        else:  # ml_dtypes' (bfloat16...) have no buffer format
+            data = memoryview(flat.reshape(-1).view(np.uint8))
         header: dict[str, Any] = {"dtype": name, "shape": list(array.shape)}
         if order == "F":
             header["order"] = "F"
@@ -385,11 +394,14 @@ class TreeWriter:
 
     def _body(self, value: Any, path: str) -> bytes:
         if isinstance(value, dict):
-            items = [self._pack(k) + self._encode(v, join_path(path, k)) for k, v in value.items()]
+            pack, small = self._pack, self._write_small
+            items = [pack(k) + (small(v) if type(v) is SmallArray else self._encode(v, join_path(path, k)))
+                     for k, v in value.items()]
             return self._container(items, "map")
         if isinstance(value, list):
             return self._container(
-                [self._encode(v, join_path(path, i)) for i, v in enumerate(value)], "list"
+                [self._write_small(v) if type(v) is SmallArray else self._encode(v, join_path(path, i))
+                 for i, v in enumerate(value)], "list"
             )
         if isinstance(value, Tagged) and value.code == TUPLE:
             return self._container(
@@ -435,6 +447,8 @@ class TreeWriter:
         return cid, self.writer.encode(cid, chunk, float_size) if self.writer.compresses else None
 
     def _digest_small(self, data: memoryview, header: dict[str, Any]) -> tuple[bytes, Stored | None]:
+        if not self.writer.compresses:
+            return self.hasher.raw(data), None
         return self._digest(data, float_size(header["dtype"]))
 
     def _write_chunked(self, plan: _Chunked) -> bytes:
@@ -477,7 +491,7 @@ def _release(plan: Any) -> None:
                 f.cancel()
         elif type(item) is SmallArray:
             if item.batch is not None:
-                item.batch.future.cancel()
+                item.batch.cancel()
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, list):
