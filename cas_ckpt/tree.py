@@ -755,7 +755,10 @@ class TreeReader:
         key = None
         try:
             for key, item in value.items():
-                out[key] = self._load(item, depth + 1)
+                if type(item) is Tagged and item.code == NDARRAY and type(item.value) is dict:
+                    out[key] = self._load_array(item.value)  # a state dict's usual value, direct
+                else:
+                    out[key] = self._load(item, depth + 1)
         except MapLocationError as exc:
             exc.inside(key)
             raise
@@ -765,7 +768,10 @@ class TreeReader:
         out: list[Any] = []
         try:
             for item in value:
-                out.append(self._load(item, depth + 1))
+                if type(item) is Tagged and item.code == NDARRAY and type(item.value) is dict:
+                    out.append(self._load_array(item.value))
+                else:
+                    out.append(self._load(item, depth + 1))
         except MapLocationError as exc:
             exc.inside(len(out))  # the index of the item that failed
             raise
@@ -852,7 +858,7 @@ class TreeReader:
             mapping = self.mmap
             # Allocate first: a declared size the process cannot hold fails here, before any
             # chunk link page is read (one chunk repeated can declare terabytes in a small node).
-            out = None if mapping else _allocate(nbytes, f"an array of shape {shape}")
+            out = None if mapping else _allocate(nbytes, shape)
             cids = self._chunk_links(header)
             if out is not None and len(cids) == 1 and nbytes <= INLINE_LIMIT and self._small \
                     and (kind == "numpy" or (self.tensor_factory is None and self.map_location is None)):
@@ -870,7 +876,7 @@ class TreeReader:
                 self.mapped += 1
             else:
                 self.copied += mapping
-                flat = out if out is not None else _allocate(nbytes, f"an array of shape {shape}")
+                flat = out if out is not None else _allocate(nbytes, shape)
                 # A tensor moved to map_location is copied at once: its bytes must be there.
                 later = kind == "numpy" or (self.tensor_factory is None and self.map_location is None)
                 self._fill(cids, sizes, memoryview(flat), later=later)
@@ -943,11 +949,11 @@ class _Pages:
         return page
 
 
-def _allocate(nbytes: int, what: str) -> np.ndarray[Any, Any]:
+def _allocate(nbytes: int, shape: list[int]) -> np.ndarray[Any, Any]:
     try:
         return np.empty(nbytes, dtype=np.uint8)
-    except MemoryError:
-        raise OutOfMemory(f"cannot allocate {nbytes} bytes for {what}") from None
+    except MemoryError:  # the message is made only here: once per array it cost a microsecond
+        raise OutOfMemory(f"cannot allocate {nbytes} bytes for an array of shape {shape}") from None
 
 
 def _valid_shape(shape: Any) -> bool:

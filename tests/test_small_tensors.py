@@ -25,7 +25,7 @@ import cas_ckpt
 from cas_ckpt import _small, codec
 from cas_ckpt import cid as cidlib
 from cas_ckpt.codec import Link, Tagged
-from cas_ckpt.errors import CorruptBlock, DecodeError, InvalidCID
+from cas_ckpt.errors import CorruptBlock, DecodeError, InvalidCID, OutOfMemory
 from cas_ckpt.tree import INLINE_LIMIT, NDARRAY, TreeReader
 
 KiB = 1024
@@ -242,6 +242,14 @@ def test_a_block_shorter_than_its_array_is_an_error(tmp_path: Path, verify: bool
         blocks = [bytes([i]) * 3000 for i in range(30)]
         root = _hand_made(repo, blocks, [3000] * 29 + [4000])
         with pytest.raises((CorruptBlock, DecodeError)):
+            repo.load(cidlib.to_cid(root))
+
+
+def test_an_array_larger_than_memory_is_refused_naming_its_shape(tmp_path: Path) -> None:
+    """One small block declared as a petabyte: OutOfMemory with the size and shape, no crash."""
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        root = _hand_made(repo, [b"x" * 3000] * 30, [3000] * 29 + [2**50])
+        with pytest.raises(OutOfMemory, match=rf"{2**50} bytes for an array of shape \[{2**50}\]"):
             repo.load(cidlib.to_cid(root))
 
 
