@@ -2,7 +2,8 @@
 
 A sink is a temp file in ``tmp/``, held under an ``flock`` until it is published (so cleaning never
 removes a live writer's file). Small writes are gathered before the syscall, and the kernel is asked
-to start writeback every few tens of MiB so the final ``fsync`` is short. Publishing fsyncs the
+to start writeback every ``WRITEBACK_STEP`` so the final ``fsync`` is short (from a pool thread when
+the sink has one: the request blocks while the disk's queue is full). Publishing fsyncs the
 file, links it into ``packs/`` (a link never replaces an existing file) and fsyncs the directory:
 only then is the object visible, and durable. Reads go through one descriptor per object, opened
 without following links and only for regular files; a descriptor of an object deleted meanwhile
@@ -83,7 +84,11 @@ class LocalSink(Sink):
                 return
             self._write_at(offset, data)
         if self._size - self._written_back >= WRITEBACK_STEP:
-            self._write_back(self._written_back, self._size - self._written_back)
+            offset, length = self._written_back, self._size - self._written_back
+            if self._pool is not None:  # the hint blocks while the disk's queue is full
+                self._copies.append(self._pool.submit(self._write_back, offset, length))
+            else:
+                self._write_back(offset, length)
             self._written_back = self._size
 
     def _copy(self, offset: int, data: bytes | memoryview) -> None:
