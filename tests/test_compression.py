@@ -6,6 +6,7 @@ CIDs name the raw bytes, so every test that compresses also checks that nothing 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import sys
@@ -14,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import ml_dtypes
+import msgpack
 import numpy as np
 import pytest
 from helpers import assert_state_equal
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from strategies import states
 
@@ -31,7 +33,15 @@ from cas_ckpt.blocks.compression import (
     decode,
     decode_into,
 )
-from cas_ckpt.blocks.pack import PACK_MAGIC, PACK_MAGIC_V2, Entry, encode_index, parse_index
+from cas_ckpt.blocks.pack import (
+    FOOTER,
+    FOOTER_MAGIC,
+    PACK_MAGIC,
+    PACK_MAGIC_V2,
+    Entry,
+    encode_index,
+    parse_index,
+)
 from cas_ckpt.errors import CorruptStore, RepositoryError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,6 +152,57 @@ def test_pack_indexes_round_trip(data: st.DataObject, version: int) -> None:
     if entries:
         with pytest.raises(CorruptStore, match="index entry"):
             parse_index(tail, end + len(tail), "p", 3 - version)  # the other version's arity
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=40)
+    | st.text(max_size=5) | cids,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+position = st.integers(-10, 10**6) | st.booleans() | st.none()
+near_rows = (st.tuples(cids | st.binary(max_size=40), position, position)
+             | st.tuples(cids, position, position, st.integers(-1, 3), position)).map(list)
+
+
+_A_CID = cas_ckpt.cid.Hasher("sha2-256").raw(b"x")
+
+
+@settings(max_examples=300)  # microseconds each
+@example(rows=[[_A_CID, None, 5]], version=1, size=1000)  # each field of the wrong type, once
+@example(rows=[[_A_CID, 9, 5.0]], version=1, size=1000)
+@example(rows=[[_A_CID, 9, 5, 0, "5"]], version=2, size=1000)
+@example(rows=[[_A_CID, 9, 5, None, 5]], version=2, size=1000)
+@given(rows=st.lists(near_rows, min_size=1, max_size=6)
+       | st.lists(msgpack_values | near_rows | st.lists(msgpack_values, min_size=3, max_size=5),
+                  max_size=6)
+       | msgpack_values,
+       version=st.sampled_from([1, 2]), size=st.integers(0, 10**6))
+def test_a_hostile_index_is_corrupt_store_or_entries_inside_the_pack(
+    rows: Any, version: int, size: int
+) -> None:
+    """Any msgpack value under a valid footer: CorruptStore, or entries that lie inside the pack."""
+    index = msgpack.packb(rows, use_bin_type=True)
+    tail = index + FOOTER.pack(len(index), hashlib.sha256(index).digest(), FOOTER_MAGIC)
+    size = max(size, len(tail))
+    try:
+        entries = parse_index(tail, size, "p", version)
+    except CorruptStore:
+        return
+    for e in entries:
+        assert (type(e.cid), type(e.offset), type(e.length), type(e.size)) == (bytes, int, int, int)
+        assert len(PACK_MAGIC) <= e.offset
+        assert e.length >= 0 and e.offset + e.length <= size - len(tail)
+
+
+@pytest.mark.parametrize("rows", [{}, "", b"", 0, None])
+def test_an_index_that_is_not_an_array_is_corrupt(rows: Any) -> None:
+    index = msgpack.packb(rows, use_bin_type=True)
+    tail = index + FOOTER.pack(len(index), hashlib.sha256(index).digest(), FOOTER_MAGIC)
+    with pytest.raises(CorruptStore, match="not an array"):
+        parse_index(tail, 1000, "p", 1)
 
 
 def test_a_version_1_index_cannot_hold_compressed_blocks() -> None:

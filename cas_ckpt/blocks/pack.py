@@ -113,12 +113,29 @@ def parse_index(tail: bytes, size: int, where: object, version: int = 1) -> list
     if hashlib.sha256(index).digest() != digest:
         raise CorruptStore(where, "pack index checksum mismatch")
     try:
-        entries = [_entry(e, version) for e in msgpack.unpackb(index, raw=False, use_list=False)]
+        entries = _entries(msgpack.unpackb(index, raw=False, use_list=False), version)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise CorruptStore(where, f"unreadable pack index: {exc}") from None
     for e in entries:
         if e.offset < len(PACK_MAGIC) or e.length < 0 or e.offset + e.length > start:
             raise CorruptStore(where, "pack index points outside the pack")
+    return entries
+
+
+def _entries(rows: object, version: int) -> list[Entry]:
+    if type(rows) is not tuple:
+        raise ValueError("pack index is not an array")
+    if version != 1:
+        return [_entry(row, version) for row in rows]
+    entries = []
+    check = cidlib.check_binary
+    for row in rows:  # _entry, inlined: every save and open parses indexes of many blocks
+        if type(row) is not tuple or len(row) != 3:
+            raise ValueError("index entry is not a 3-item array")
+        cid, offset, length = row
+        if type(cid) is not bytes or type(offset) is not int or type(length) is not int:
+            raise ValueError("index entry has the wrong types")
+        entries.append(Entry(check(cid), offset, length, CODEC_NONE, length))
     return entries
 
 
