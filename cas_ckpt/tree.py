@@ -283,7 +283,7 @@ class TreeWriter:
                     raise StateTypeError(join_path(path, key[:40]), "dict key is too long")
                 if type(key) is int and not _INT64_MIN <= key <= _UINT64_MAX:
                     raise StateTypeError(join_path(path, key), "int dict keys must fit 64 bits")
-                if type(item) is np.ndarray:  # a state dict's usual value: no dispatch per tensor
+                if type(item) is np.ndarray and depth < MAX_DEPTH:  # no dispatch per tensor
                     out[key] = self._prepare_array(item, join_path(path, key), "numpy")
                 else:
                     out[key] = self._prepare(item, join_path(path, key), depth + 1)
@@ -755,7 +755,8 @@ class TreeReader:
         key = None
         try:
             for key, item in value.items():
-                if type(item) is Tagged and item.code == NDARRAY and type(item.value) is dict:
+                if type(item) is Tagged and item.code == NDARRAY and type(item.value) is dict \
+                        and depth < MAX_DEPTH:
                     out[key] = self._load_array(item.value)  # a state dict's usual value, direct
                 else:
                     out[key] = self._load(item, depth + 1)
@@ -768,7 +769,8 @@ class TreeReader:
         out: list[Any] = []
         try:
             for item in value:
-                if type(item) is Tagged and item.code == NDARRAY and type(item.value) is dict:
+                if type(item) is Tagged and item.code == NDARRAY and type(item.value) is dict \
+                        and depth < MAX_DEPTH:
                     out.append(self._load_array(item.value))
                 else:
                     out.append(self._load(item, depth + 1))

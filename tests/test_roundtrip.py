@@ -16,6 +16,9 @@ from strategies import DTYPES, NUMPY_DTYPES, arrays, states
 
 import cas_ckpt
 from cas_ckpt import cid as cidlib
+from cas_ckpt import codec
+from cas_ckpt.codec import Tagged
+from cas_ckpt.tree import MAX_DEPTH, NDARRAY
 
 FEWER = settings(max_examples=max(10, settings().max_examples // 3))
 MiB = 1024 * 1024
@@ -315,6 +318,40 @@ def test_too_deep_state_is_a_state_type_error() -> None:
         state = [state]
     with cas_ckpt.open("memory://") as repo, pytest.raises(cas_ckpt.errors.StateTypeError, match="deeper"):
         repo.save(state)
+
+
+@pytest.mark.parametrize("container", [dict, list])
+def test_the_depth_limit_holds_for_arrays_as_for_any_value(container: type) -> None:
+    """An array is a value like any other: at the deepest level allowed it saves and loads, one
+    level deeper it is refused, whether its parent is a dict or a list."""
+    def nest(levels: int) -> Any:
+        state: Any = np.arange(3, dtype=np.float32)
+        for _ in range(levels):
+            state = {"k": state} if container is dict else [state]
+        return state
+
+    with cas_ckpt.open("memory://") as repo:
+        loaded = repo.load(repo.save(nest(MAX_DEPTH)))
+        for _ in range(MAX_DEPTH):
+            loaded = loaded["k"] if container is dict else loaded[0]
+        assert loaded.tolist() == [0.0, 1.0, 2.0]
+        with pytest.raises(cas_ckpt.errors.StateTypeError, match="deeper"):
+            repo.save(nest(MAX_DEPTH + 1))
+
+
+@pytest.mark.parametrize("container", [dict, list])
+def test_a_node_nesting_an_array_too_deep_is_refused_on_load(container: type) -> None:
+    """What no save writes, a hand-made node: the reader refuses it too, before the array."""
+    state: Any = Tagged(NDARRAY, {"dtype": "<f4", "shape": [1], "data": b"\0\0\0\0"})
+    for _ in range(MAX_DEPTH + 1):
+        state = {"k": state} if container is dict else [state]
+    node = codec.encode(state)
+    with cas_ckpt.open("memory://") as repo:
+        root = repo.hasher.node(node)
+        with repo.blocks.writer() as writer:
+            writer.put(root, node)
+        with pytest.raises(cas_ckpt.errors.DecodeError, match="deeper"):
+            repo.load(cidlib.to_cid(root))
 
 
 def test_deeply_nested_tuples_within_the_limit_round_trip() -> None:
