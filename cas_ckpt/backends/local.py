@@ -6,8 +6,9 @@ to start writeback every ``WRITEBACK_STEP`` so the final ``fsync`` is short (fro
 the sink has one: the request blocks while the disk's queue is full). Publishing fsyncs the
 file, links it into ``packs/`` (a link never replaces an existing file) and fsyncs the directory:
 only then is the object visible, and durable. Reads go through one descriptor per object, opened
-without following links and only for regular files; a descriptor of an object deleted meanwhile
-stays open until no read is in flight, so its number is never reused under a read.
+without following links and only for regular files, at most ``OPEN_LIMIT`` kept open (and
+``MAP_LIMIT`` mappings); a descriptor evicted, or of an object deleted, while a read uses it
+stays open until that read is done, so its number is never reused under a read.
 """
 
 from __future__ import annotations
@@ -20,19 +21,22 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import TypeVar
 
 from cas_ckpt import _fs
 from cas_ckpt.backends.base import Backend, ObjectInfo, Sink
+from cas_ckpt.backends.descriptors import OpenFiles
 from cas_ckpt.errors import CorruptStore
 
 WRITEBACK_STEP = 4 * 1024 * 1024  # start disk writeback every this many bytes of a sink
 SMALL_WRITE = 256 * 1024  # writes below this are gathered before the write syscall
 SUFFIX = ".pack"
 TEMP_SUFFIX = ".pack.tmp"
+MAP_LIMIT = 64  # mappings of packs kept for reuse, the least recently used dropped first
 T = TypeVar("T")
 
 
@@ -186,10 +190,9 @@ class LocalBackend(Backend):
             _fs.makedirs(_fs.refuse_links(self.root, self.pack_dir))
             _fs.makedirs(_fs.refuse_links(self.root, self.tmp_dir))
         self._lock = threading.RLock()
-        self._fds: dict[str, int] = {}
-        self._maps: dict[str, mmap.mmap] = {}
-        self._readers = 0  # reads in flight (see _reading)
-        self._retired: list[int] = []  # descriptors of forgotten objects, closed when no read is
+        self._files = OpenFiles()
+        # Each mapping holds a descriptor of its own (mmap duplicates it): as few are kept.
+        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()  # least recently used first
         self._listed: dict[str, tuple[int, int, float]] = {}  # name -> inode, size, mtime
 
     def describe(self) -> str:
@@ -224,32 +227,9 @@ class LocalBackend(Backend):
             found.append(ObjectInfo(entry.name, seen[1], now - seen[2]))
         return found
 
-    @contextlib.contextmanager
-    def _reading(self) -> Iterator[None]:
-        """Mark a read in flight: descriptors forgotten meanwhile stay open until it ends."""
-        with self._lock:
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._readers -= 1
-                self._close_retired()
-
-    def _close_retired(self) -> None:
-        if not self._readers:
-            for fd in self._retired:
-                os.close(fd)
-            self._retired.clear()
-
-    def _fd(self, name: str) -> int:
-        fd = self._fds.get(name)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(name)
-                if fd is None:
-                    fd = self._fds[name] = open_regular(self.pack_dir / name)
-        return fd
+    def _open(self, name: str) -> contextlib.AbstractContextManager[int]:
+        """The object's descriptor, never closed while the ``with`` block uses it."""
+        return self._files.use(name, lambda: open_regular(self.pack_dir / name))
 
     def read_into(self, name: str, offset: int, out: memoryview) -> bool:
         done = self._pread(name, lambda fd: _fs.pread_into(fd, out, offset))
@@ -266,12 +246,11 @@ class LocalBackend(Backend):
 
     def _pread(self, name: str, read: Callable[[int], T]) -> T | None:
         """``read(fd)`` on the object's descriptor, held open meanwhile; None if it is gone."""
-        with self._reading():
-            try:
-                fd = self._fd(name)
-            except FileNotFoundError:
-                return None
-            return read(fd)
+        try:
+            with self._open(name) as fd:
+                return read(fd)
+        except FileNotFoundError:
+            return None
 
     def _check_length(self, name: str, offset: int, asked: int, got: int) -> None:
         if got != asked:
@@ -279,25 +258,26 @@ class LocalBackend(Backend):
                                f"truncated: {asked} bytes at {offset} asked, the file ends after {got}")
 
     def map(self, name: str) -> memoryview | None:
-        mapped = self._maps.get(name)
-        if mapped is None:
-            with self._lock:
-                mapped = self._maps.get(name)
-                if mapped is None:
-                    try:
-                        mapped = mmap.mmap(self._fd(name), 0, access=mmap.ACCESS_READ)
-                    except (FileNotFoundError, ValueError):
-                        return None
-                    self._maps[name] = mapped
-        return memoryview(mapped)
+        with self._lock:
+            mapped = self._maps.get(name)
+            if mapped is not None:
+                self._maps.move_to_end(name)
+                return memoryview(mapped)
+            try:
+                with self._open(name) as fd:
+                    mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            except (FileNotFoundError, ValueError):
+                return None
+            self._maps[name] = mapped
+            if len(self._maps) > MAP_LIMIT:
+                self._maps.popitem(last=False)  # arrays still viewing it keep it alive
+            return memoryview(mapped)
 
     def map_private(self, name: str, offset: int, length: int) -> memoryview | None:
         start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets are page-aligned
         try:
-            with self._reading():
-                mapped = mmap.mmap(
-                    self._fd(name), length + offset - start, access=mmap.ACCESS_COPY, offset=start
-                )
+            with self._open(name) as fd:
+                mapped = mmap.mmap(fd, length + offset - start, access=mmap.ACCESS_COPY, offset=start)
         except (FileNotFoundError, ValueError):
             return None
         # A mapping of its own (not the shared read-only one): writes to it touch no other view.
@@ -306,12 +286,7 @@ class LocalBackend(Backend):
     def forget(self, name: str) -> None:
         with self._lock:
             self._maps.pop(name, None)  # arrays still viewing it keep the mapping alive
-            fd = self._fds.pop(name, None)
-            if fd is not None:
-                # Another thread may be reading through it right now: closing it could hand its
-                # number to a new file under that read. Closed once no read is in flight.
-                self._retired.append(fd)
-                self._close_retired()
+        self._files.forget(name)  # a read using the descriptor right now keeps it until done
 
     def free_space(self) -> int | None:
         try:
@@ -351,9 +326,6 @@ class LocalBackend(Backend):
         return removed
 
     def close(self) -> None:
+        self._files.close()
         with self._lock:
-            for fd in [*self._fds.values(), *self._retired]:
-                os.close(fd)
-            self._fds.clear()
-            self._retired.clear()
             self._maps.clear()  # mappings close when the last array viewing them goes

@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 from cas_ckpt import _fs
 from cas_ckpt.backends.base import Backend, ObjectInfo, Read, Sink
+from cas_ckpt.backends.descriptors import OpenFiles
 from cas_ckpt.errors import CorruptStore, RepositoryError
 
 SCHEME = "s3://"
@@ -522,7 +523,7 @@ class PackCache:
         self.root = Path(root)
         _fs.makedirs(self.root)
         self._have: dict[str, set[int]] = {}
-        self._fds: dict[str, int] = {}
+        self._files = OpenFiles()  # a bounded number, none closed under a read or write
         self._lock = threading.Lock()
 
     def _offsets(self, pack: str) -> set[int]:
@@ -535,11 +536,9 @@ class PackCache:
             have = self._have[pack] = {int(x) for x in text.split() if x.isdigit()}
         return have
 
-    def _fd(self, pack: str) -> int:
-        fd = self._fds.get(pack)
-        if fd is None:
-            fd = self._fds[pack] = _fs.open_nofollow(self.root / pack, os.O_RDWR | os.O_CREAT)
-        return fd
+    def _open(self, pack: str, *, create: bool) -> contextlib.AbstractContextManager[int]:
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)  # a read never makes a dropped copy again
+        return self._files.use(pack, lambda: _fs.open_nofollow(self.root / pack, flags))
 
     def read_into(self, pack: str, offset: int, out: memoryview, starts: list[int]) -> bool:
         """Fill ``out`` from ``offset`` if every block starting at ``starts`` is held."""
@@ -548,20 +547,19 @@ class PackCache:
                 have = self._offsets(pack)
                 if not all(start in have for start in starts):
                     return False
-                fd = self._fd(pack)
-            return _fs.pread_into(fd, out, offset) == out.nbytes
+            with self._open(pack, create=False) as fd:
+                return _fs.pread_into(fd, out, offset) == out.nbytes
         except (OSError, CorruptStore):
             return False
 
     def write(self, pack: str, offset: int, data: memoryview, blocks: list[int]) -> None:
         """Keep ``data`` (from ``offset`` in ``pack``), holding the blocks starting at ``blocks``."""
         try:
-            with self._lock:
-                fd = self._fd(pack)
             view = data.cast("B") if data.format != "B" else data
-            while view.nbytes:
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
+            with self._open(pack, create=True) as fd:
+                while view.nbytes:
+                    n = os.pwrite(fd, view, offset)
+                    view, offset = view[n:], offset + n
             have = _fs.open_nofollow(self.root / f"{pack}.have", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             try:
                 _fs.write_all(have, "".join(f"{o}\n" for o in blocks).encode("ascii"))
@@ -585,18 +583,13 @@ class PackCache:
         """Forget a pack that left the store."""
         with self._lock:
             self._have.pop(pack, None)
-            fd = self._fds.pop(pack, None)
-            if fd is not None:
-                os.close(fd)
+            self._files.forget(pack)  # a read or write using it right now keeps it until done
             for name in (pack, f"{pack}.have"):
                 with contextlib.suppress(FileNotFoundError):
                     (self.root / name).unlink()
 
     def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        self._files.close()
 
 
 class S3Sink(Sink):
