@@ -477,13 +477,17 @@ class PackedBlockStore(BlockStore):
     def map_blocks(self, cids: list[bytes], *, private: bool = False) -> memoryview | None:
         if not self.backend.can_mmap or not cids:
             return None
-        locations = [self._locate(c) for c in cids]
-        if not all(locations):
-            return None
-        first = locations[0][0]
+        # The copy reads try first; with none known damaged, that is the index's, looked up
+        # without the lock (a batch of small arrays maps thousands of blocks per load).
+        found = None if self._bad else list(map(self._index.get, cids))
+        if found is None or None in found:
+            copies = [self._locate(c) for c in cids]
+            if not all(copies):
+                return None
+            found = [c[0] for c in copies]
+        first = found[0]
         end = first.offset
-        for copies in locations:
-            loc = copies[0]
+        for loc in found:
             if loc.pack != first.pack or loc.offset != end or loc.codec != CODEC_NONE:
                 return None  # mapped loads apply to raw blocks only
             end += loc.length
