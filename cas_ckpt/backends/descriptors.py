@@ -3,9 +3,10 @@
 A backend reads each pack through one descriptor, opened once. Keeping one per pack for the life
 of the process ran out of descriptors: a repository with more packs than ``ulimit -n`` (1024 on
 many systems) could not even be opened, its index being read from every pack. :class:`OpenFiles`
-keeps at most ``limit`` descriptors, closing the least recently used first, and never closes one
-under a read or write that is using it: closing it could hand its number to another file in the
-middle of that call (a pread would return, a pwrite would change, another file's bytes).
+keeps at most ``limit`` descriptors (by default :func:`open_limit`), closing the least recently
+used first, and never closes one under a read or write that is using it: closing it could hand
+its number to another file in the middle of that call (a pread would return, a pwrite would
+change, another file's bytes).
 """
 
 from __future__ import annotations
@@ -16,7 +17,18 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-OPEN_LIMIT = 64  # descriptors one backend keeps open for reuse (plus those in use)
+
+def open_limit() -> int:
+    """How many descriptors (and as many mappings) one backend keeps open for reuse: an eighth
+    of the process's soft ``RLIMIT_NOFILE``, between 8 and 512, read when the backend is made."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return 64
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 512
+    return max(8, min(512, soft // 8))
 
 
 class _Open:
@@ -36,10 +48,10 @@ class OpenFiles:
     is done. Thread-safe.
     """
 
-    def __init__(self, limit: int = OPEN_LIMIT) -> None:
-        if limit < 1:
+    def __init__(self, limit: int | None = None) -> None:
+        if limit is not None and limit < 1:
             raise ValueError("limit must be at least 1")
-        self.limit = limit
+        self.limit = open_limit() if limit is None else limit
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, _Open] = OrderedDict()  # least recently used first
 

@@ -6,9 +6,9 @@ to start writeback every ``WRITEBACK_STEP`` so the final ``fsync`` is short (fro
 the sink has one: the request blocks while the disk's queue is full). Publishing fsyncs the
 file, links it into ``packs/`` (a link never replaces an existing file) and fsyncs the directory:
 only then is the object visible, and durable. Reads go through one descriptor per object, opened
-without following links and only for regular files, at most ``OPEN_LIMIT`` kept open (and
-``MAP_LIMIT`` mappings); a descriptor evicted, or of an object deleted, while a read uses it
-stays open until that read is done, so its number is never reused under a read.
+without following links and only for regular files, a bounded number kept open (and as many
+mappings: ``descriptors.open_limit``); a descriptor evicted, or of an object deleted, while a read
+uses it stays open until that read is done, so its number is never reused under a read.
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ from typing import TypeVar
 
 from cas_ckpt import _fs
 from cas_ckpt.backends.base import Backend, ObjectInfo, Sink
-from cas_ckpt.backends.descriptors import OpenFiles
+from cas_ckpt.backends.descriptors import OpenFiles, open_limit
 from cas_ckpt.errors import CorruptStore
 
 WRITEBACK_STEP = 4 * 1024 * 1024  # start disk writeback every this many bytes of a sink
 SMALL_WRITE = 256 * 1024  # writes below this are gathered before the write syscall
 SUFFIX = ".pack"
 TEMP_SUFFIX = ".pack.tmp"
-MAP_LIMIT = 64  # mappings of packs kept for reuse, the least recently used dropped first
 T = TypeVar("T")
 
 
@@ -191,8 +190,9 @@ class LocalBackend(Backend):
             _fs.makedirs(_fs.refuse_links(self.root, self.tmp_dir))
         self._lock = threading.RLock()
         self._files = OpenFiles()
-        # Each mapping holds a descriptor of its own (mmap duplicates it): as few are kept.
+        # Each mapping holds a descriptor of its own (mmap duplicates it): as many are kept.
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()  # least recently used first
+        self._map_limit = open_limit()
         self._listed: dict[str, tuple[int, int, float]] = {}  # name -> inode, size, mtime
 
     def describe(self) -> str:
@@ -269,7 +269,7 @@ class LocalBackend(Backend):
             except (FileNotFoundError, ValueError):
                 return None
             self._maps[name] = mapped
-            if len(self._maps) > MAP_LIMIT:
+            if len(self._maps) > self._map_limit:
                 self._maps.popitem(last=False)  # arrays still viewing it keep it alive
             return memoryview(mapped)
 
