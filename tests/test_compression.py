@@ -36,10 +36,12 @@ from cas_ckpt.blocks.compression import (
 from cas_ckpt.blocks.pack import (
     FOOTER,
     FOOTER_MAGIC,
+    MAX_INDEX,
     PACK_MAGIC,
     PACK_MAGIC_V2,
     Entry,
     encode_index,
+    index_length,
     parse_index,
 )
 from cas_ckpt.errors import CorruptStore, RepositoryError
@@ -175,6 +177,17 @@ _A_CID = cas_ckpt.cid.Hasher("sha2-256").raw(b"x")
 @example(rows=[[_A_CID, 9, 5.0]], version=1, size=1000)
 @example(rows=[[_A_CID, 9, 5, 0, "5"]], version=2, size=1000)
 @example(rows=[[_A_CID, 9, 5, None, 5]], version=2, size=1000)
+@example(rows=[[_A_CID, 0, 5]], version=1, size=1000)  # an offset inside the pack's header
+@example(rows=[[_A_CID, 7, 5, 0, 5]], version=2, size=1000)
+@example(rows=[[_A_CID, 9, -1]], version=1, size=1000)  # a negative length
+@example(rows=[[_A_CID, 9, 10**6]], version=1, size=1000)  # a block past the index
+@example(rows=[[_A_CID, 9, 5, 7, 5]], version=2, size=1000)  # an unknown codec
+@example(rows=[[_A_CID, 9, 5, 1, -1]], version=2, size=1000)  # a negative raw length
+@example(rows=[[_A_CID, 9, 5, 0, 6]], version=2, size=1000)  # a raw block whose sizes differ
+@example(rows=[[_A_CID, 9, 5, False, 5]], version=2, size=1000)  # a boolean codec
+@example(rows=[[b"not a cid", 9, 5, 0, 5]], version=2, size=1000)
+@example(rows=[[list(_A_CID), 9, 5, 0, 5]], version=2, size=1000)  # a CID as an array of ints
+@example(rows=[dict.fromkeys("abcde", 0)], version=2, size=1000)  # a 5-item map, not an array
 @given(rows=st.lists(near_rows, min_size=1, max_size=6)
        | st.lists(msgpack_values | near_rows | st.lists(msgpack_values, min_size=3, max_size=5),
                   max_size=6)
@@ -191,10 +204,13 @@ def test_a_hostile_index_is_corrupt_store_or_entries_inside_the_pack(
         entries = parse_index(tail, size, "p", version)
     except CorruptStore:
         return
+    assert [list(e[:3]) if version == 1 else list(e) for e in entries] == rows  # exactly as stored
     for e in entries:
-        assert (type(e.cid), type(e.offset), type(e.length), type(e.size)) == (bytes, int, int, int)
+        assert tuple(map(type, e)) == (bytes, int, int, int, int)
+        assert cas_ckpt.cid.check_binary(e.cid) == e.cid
         assert len(PACK_MAGIC) <= e.offset
         assert e.length >= 0 and e.offset + e.length <= size - len(tail)
+        assert e.codec in CODECS and e.size >= 0 and (e.codec != CODEC_NONE or e.size == e.length)
 
 
 @pytest.mark.parametrize("rows", [{}, "", b"", 0, None])
@@ -203,6 +219,37 @@ def test_an_index_that_is_not_an_array_is_corrupt(rows: Any) -> None:
     tail = index + FOOTER.pack(len(index), hashlib.sha256(index).digest(), FOOTER_MAGIC)
     with pytest.raises(CorruptStore, match="not an array"):
         parse_index(tail, 1000, "p", 1)
+
+
+def _footer(length: int, index: bytes = b"") -> bytes:
+    return FOOTER.pack(length, hashlib.sha256(index).digest(), FOOTER_MAGIC)
+
+
+def test_a_file_too_short_for_a_header_and_footer_is_not_a_pack() -> None:
+    smallest = len(PACK_MAGIC) + FOOTER.size
+    for footer, size in ((_footer(0)[1:], 1000), (_footer(0), smallest - 1)):
+        with pytest.raises(CorruptStore, match=r"corrupt packs/a\.pack: not a cas_ckpt pack \(too short\)"):
+            index_length(footer, size, "packs/a.pack")
+    with pytest.raises(CorruptStore, match="too short"):
+        parse_index(b"", 1000, "packs/a.pack")
+    assert index_length(_footer(0), smallest, "packs/a.pack") == FOOTER.size
+
+
+def test_a_footer_claiming_an_index_past_the_header_or_over_the_limit_is_corrupt() -> None:
+    for length, size in ((945, 1000), (MAX_INDEX + 1, 4 * MAX_INDEX)):  # 945: one byte into the header
+        with pytest.raises(CorruptStore, match=rf"corrupt packs/a\.pack: .*an index of {length} bytes"):
+            index_length(_footer(length), size, "packs/a.pack")
+    assert index_length(_footer(944), 1000, "packs/a.pack") == 944 + FOOTER.size
+    assert index_length(_footer(MAX_INDEX), 4 * MAX_INDEX, "packs/a.pack") == MAX_INDEX + FOOTER.size
+
+
+def test_a_tail_shorter_than_the_index_its_footer_claims_is_truncated() -> None:
+    index = msgpack.packb([[_A_CID, 8, 10]], use_bin_type=True)
+    # The footer claims twice the index and a footer more: sliced without the length check, the
+    # tail's first bytes would be taken for the whole index, and their checksum matches.
+    tail = index + _footer(2 * len(index) + FOOTER.size, index)
+    with pytest.raises(CorruptStore, match=r"corrupt packs/a\.pack: pack is truncated"):
+        parse_index(tail, 10_000, "packs/a.pack")
 
 
 def test_a_version_1_index_cannot_hold_compressed_blocks() -> None:
