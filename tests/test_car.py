@@ -319,7 +319,7 @@ def test_every_truncation_is_rejected(small_car: bytes, memory_repo: Any) -> Non
     [
         (b"\x00", "section length 0 is out of bounds"),
         (b"\x05abc", "truncated"),
-        (b"\xff" * 12, "longer than"),
+        (b"\xff" * 12, "longer than 9 bytes"),
         (uvarint(2**62), "out of bounds"),
         (uvarint(car.MAX_SECTION + 1) + b"\x01" * 64, "out of bounds"),
         (b"\x80\x00", "non-minimal"),
@@ -327,6 +327,7 @@ def test_every_truncation_is_rejected(small_car: bytes, memory_repo: Any) -> Non
         (uvarint(40) + b"\x01\x70\x12\x20" + bytes(36), "not one cas_ckpt stores"),
         (uvarint(40) + b"\x02\x55\x12\x20" + bytes(36), "version 2"),
         (uvarint(10) + b"\x01\x55\x12\x20" + bytes(6), "runs past"),
+        (uvarint(3) + b"\x01\x55\x12", "truncated varint in block CID digest length"),
     ],
 )
 def test_trailing_garbage_and_hostile_sections(
@@ -337,6 +338,9 @@ def test_trailing_garbage_and_hostile_sections(
 
 def _header_case(cbor: bytes) -> bytes:
     return uvarint(len(cbor)) + cbor
+
+
+_ROOT = b"\xd8\x2a\x58\x25\x00" + cidlib.Hasher().raw(b"root")  # tag 42, 37 bytes: 0x00 and a CID
 
 
 @pytest.mark.parametrize(
@@ -356,10 +360,33 @@ def _header_case(cbor: bytes) -> bytes:
         (_header_case(b"\xa2\x65roots\x80\x67version\x01\x00"), "trailing bytes"),
         (_header_case(b"\xa2\x65roots\x81\xd8\x2a\x45\x00\x01\x55\x12\x20\x67version\x01"), "root CID"),
         (_header_case(b"\xa2\x65roots\x81\xd8\x2a\x43\x01\x02\x03\x67version\x01"), "0x00"),
+        (_header_case(b"\xa2\x65roots\x81\xd8\x2a\x01\x67version\x01"), "tag-42 CID"),  # an int
+        (_header_case(b"\xa2\x65roots" + _ROOT + b"\x67version\x01"), "non-empty list of CIDs"),
+        (_header_case(b"\xa1\x65roo"), "truncated CAR header"),  # a text longer than the header
+        (_header_case(b"\xa2\x79\x00\x05roots\x80\x67version\x01"), "minimally"),  # 2-byte length 5
+        (_header_case(b"\xa2\x65roots" + b"\x81" * 100_000 + b"\x80\x67version\x01"), "nests too deeply"),
+        (_header_case(b"\xa1\x62\xff\xfe\x01"), "invalid UTF-8"),
+        (_header_case(b"\xa2\x65roots\x80\x67version\xf9\x3c\x00"), r"major type 7"),  # version 1.0
+        (_header_case(b"\xa1\x01\x01"), "key is not a string"),
+        (_header_case(b"\xa3\x65roots\x81" + _ROOT + b"\x65roots\x81" + _ROOT + b"\x67version\x01"),
+         "order or repeat"),
     ],
 )
 def test_hostile_headers(data: bytes, match: str, memory_repo: Any) -> None:
     assert_rejected(memory_repo, data, match)
+
+
+def test_a_header_holds_at_most_max_roots_roots() -> None:
+    roots = [cidlib.Hasher().raw(b"%d" % i) for i in range(car.MAX_ROOTS + 1)]
+    assert car.decode_header(car.encode_header(roots[:-1])) == roots[:-1]
+    with pytest.raises(cas_ckpt.errors.CarError, match=f"array of {car.MAX_ROOTS + 1} items exceeds"):
+        car.decode_header(car.encode_header(roots))
+
+
+def test_a_node_that_hashes_right_but_does_not_decode_is_a_car_error(memory_repo: Any) -> None:
+    root = cidlib.Hasher().node(b"\xc1")  # 0xc1: a byte msgpack never uses
+    data = rebuild(car.encode_header([root]), [uvarint(len(root) + 1) + root + b"\xc1"])
+    assert_rejected(memory_repo, data, rf"malformed msgpack node.*{cidlib.to_str(root)}.*\(at byte \d+\)")
 
 
 def test_header_from_reference_roots_round_trips() -> None:
