@@ -221,6 +221,53 @@ def test_deep_ext_nesting_never_crashes_the_interpreter() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr)
 
 
+EXACT_DEPTH = textwrap.dedent(
+    """
+    import sys
+    import msgpack
+    import cas_ckpt
+    from cas_ckpt import codec
+
+    # An application may raise the recursion limit (the default stops a bomb a little before
+    # MAX_DEPTH, as RecursionError): the limit itself must still hold, at exactly MAX_DEPTH.
+    sys.setrecursionlimit(50_000)
+    def bomb(depth):
+        inner = b"\\xc0"
+        for _ in range(depth):
+            inner = msgpack.packb(msgpack.ExtType(7, inner))
+        return inner
+
+    codec.decode(bomb(codec.MAX_DEPTH))
+    try:
+        codec.decode(bomb(codec.MAX_DEPTH + 1))
+    except cas_ckpt.errors.DecodeError as exc:
+        assert f"nesting deeper than {codec.MAX_DEPTH}" in str(exc), exc
+    else:
+        raise SystemExit("decoded a node nested past MAX_DEPTH")
+    print("ok")
+    """
+)
+
+
+def test_the_ext_nesting_limit_is_exact_even_under_a_raised_recursion_limit() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", EXACT_DEPTH], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr)
+
+
+def test_sibling_tagged_values_do_not_add_up_to_the_nesting_limit() -> None:
+    value = [Tagged(1, [i]) for i in range(codec.MAX_DEPTH + 1)]
+    assert codec.decode(codec.encode(value)) == value
+
+
+def test_a_bad_link_is_a_decode_error_that_says_so_and_names_the_block() -> None:
+    block = HASHER.node(b"x")
+    data = msgpack.packb([msgpack.ExtType(42, b"\x01\x71\x12\x20" + bytes(32))])
+    with pytest.raises(cas_ckpt.errors.DecodeError, match=rf"^bad link: .*\(block {cidlib.to_str(block)}\)$"):
+        codec.decode(data, cid=block)
+
+
 @given(st.binary(max_size=300))
 def test_fuzz_random_bytes(data: bytes) -> None:
     _decode_or_decode_error(data)
