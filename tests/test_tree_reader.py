@@ -1,0 +1,155 @@
+"""Hand-made nodes no save writes: the tree reader refuses each malformed field clearly.
+
+Each case breaks one check of ``cas_ckpt.tree.TreeReader`` (its name says which); a reader without
+that check would crash with a non-library error, or load the node as if it were valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+
+import cas_ckpt
+from cas_ckpt import cid as cidlib
+from cas_ckpt import codec, tree
+from cas_ckpt.codec import Link, Tagged
+from cas_ckpt.errors import DecodeError
+from cas_ckpt.tree import BIGINT, BLOB, CID_VALUE, MAX_DEPTH, NDARRAY, PAGES, SCALAR
+
+HASHER = cidlib.Hasher()
+CHUNK = b"\x01" * 8
+NOT_UTF8 = b"\xff\xfe" * 4
+CHUNK_LINK, NOT_UTF8_LINK = Link(HASHER.raw(CHUNK)), Link(HASHER.raw(NOT_UTF8))
+
+Put = Callable[[Any], Link]  # stores a node, returns a link to it
+
+
+@pytest.fixture
+def repo() -> Iterator[cas_ckpt.Repository]:
+    with cas_ckpt.open("memory://") as repository:
+        with repository.blocks.writer() as writer:
+            for data in (CHUNK, NOT_UTF8):
+                writer.put(HASHER.raw(data), data)
+        yield repository
+
+
+def _put(repo: cas_ckpt.Repository) -> Put:
+    def put(value: Any) -> Link:
+        node = codec.encode(value)
+        cid = repo.hasher.node(node)
+        with repo.blocks.writer() as writer:
+            writer.put(cid, node)
+        return Link(cid)
+    return put
+
+
+def _array(**header: Any) -> Tagged:
+    return Tagged(NDARRAY, {"dtype": "<f4", "shape": [1], **header})
+
+
+def _pages(kind: str, put: Put, *pages: Any) -> Tagged:
+    return Tagged(PAGES, {"kind": kind, "pages": [put(p) for p in pages]})
+
+
+def _chain(put: Put, links: int) -> Link:
+    link = put(1)
+    for _ in range(links):
+        link = put(link)  # a node that is only a link to the next
+    return link
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+CASES: dict[str, tuple[Callable[[Put], Any], str]] = {
+    # _load_array and _valid_shape
+    "a negative dimension": (lambda put: _array(shape=[-1], data=b""), "malformed array shape"),
+    "a float dimension": (lambda put: _array(shape=[1.0], data=bytes(4)), "malformed array shape"),
+    "negative dimensions": (lambda put: _array(shape=[-1, -1], data=bytes(4)), "malformed array shape"),
+    "a boolean dimension": (lambda put: _array(shape=[2, True], data=bytes(8)), "malformed array shape"),
+    "a shape that is a map": (lambda put: _array(shape={}, data=bytes(4)), "malformed array shape"),
+    "an unknown order": (lambda put: _array(order="K", data=bytes(4)), "unknown array order 'K'"),
+    "a shape past any buffer": (lambda put: _array(shape=[2**62, 4], chunks=[CHUNK_LINK]),
+                                "larger than any buffer"),
+    "inline data that is text": (lambda put: _array(data="abcd"), "inline array data does not match"),
+    "inline data too short": (lambda put: _array(data=bytes(3)), "inline array data does not match"),
+    "a zero-size shape that overflows": (lambda put: _array(shape=[0, 2**62, 2**62], data=b""),
+                                         "impossible"),
+    # the stored sizes are checked twice (here, and as the chunks are read): either one is enough
+    "chunks longer than the shape": (lambda put: _array(dtype="|u1", shape=[4], chunks=[CHUNK_LINK] * 2),
+                                     "chunks hold 16 bytes"),
+    "chunks longer than the blob": (lambda put: Tagged(BLOB, {"size": 4, "chunks": [CHUNK_LINK] * 2}),
+                                    "chunks hold 16 bytes"),
+    "chunks that are not links": (lambda put: _array(shape=[2], chunks=[b"x"]), "expected a link"),
+    "a header that is a list": (lambda put: Tagged(NDARRAY, ["<f4", [1]]), "malformed ndarray"),
+    # parse_dtype
+    "a dtype that is a list": (lambda put: _array(dtype=[], data=bytes(4)), r"unknown dtype \[\]"),
+    "a unicode dtype": (lambda put: _array(dtype="<U1", data=bytes(4)), "unknown dtype '<U1'"),
+    "a dtype with a suffix": (lambda put: _array(dtype="<f4x", data=bytes(4)), "unknown dtype '<f4x'"),
+    # _load_blob
+    "a float blob size": (lambda put: Tagged(BLOB, {"size": 8.0, "chunks": [CHUNK_LINK]}),
+                          "malformed blob size"),
+    "a negative blob size": (lambda put: Tagged(BLOB, {"size": -1, "chunks": [CHUNK_LINK]}),
+                             "malformed blob size"),
+    "a blob past any buffer": (lambda put: Tagged(BLOB, {"size": 2**64 - 1, "chunks": [CHUNK_LINK]}),
+                               "larger than any buffer"),
+    "text that is not UTF-8": (lambda put: Tagged(BLOB, {"size": 8, "str": True, "chunks": [NOT_UTF8_LINK]}),
+                               "not UTF-8"),
+    # _load_tagged and _load
+    "a bigint that is an int": (lambda put: Tagged(BIGINT, 5), "malformed bigint"),
+    "an empty bigint": (lambda put: Tagged(BIGINT, b""), "malformed bigint"),
+    "scalar data that is text": (lambda put: Tagged(SCALAR, {"dtype": "<f4", "data": "abcd"}),
+                                 "malformed numpy scalar"),
+    "scalar data too short": (lambda put: Tagged(SCALAR, {"dtype": "<f4", "data": bytes(3)}),
+                              "malformed numpy scalar"),
+    "a CID value that is bytes": (lambda put: Tagged(CID_VALUE, CHUNK_LINK.cid), "expected a link"),
+    "an unknown extension": (lambda put: Tagged(99, 1), "unknown extension type 99"),
+    "a timestamp": (lambda put: msgpack.Timestamp(0), "unexpected Timestamp in a state node"),
+    "lists nested too deep inline": (lambda put: _nested(MAX_DEPTH + 2),
+                                     f"state nested deeper than {MAX_DEPTH}"),
+    "a chain of links too long": (lambda put: _chain(put, MAX_DEPTH + 2),
+                                  f"links nested deeper than {MAX_DEPTH}"),
+    # _join_pages
+    "a page set that is a list": (lambda put: Tagged(PAGES, [put([1])]), "malformed page set"),
+    "a page set of an unknown kind": (lambda put: _pages("set", put, [1]), "malformed page set"),
+    "pages that are not a list": (lambda put: Tagged(PAGES, {"kind": "list", "pages": None}),
+                                  "malformed pages: expected a list"),
+    "a page that is not a link": (lambda put: Tagged(PAGES, {"kind": "list", "pages": [b"x"]}),
+                                  "expected a link"),
+    "a map page that is a list": (lambda put: _pages("map", put, {"a": 1}, [1, 2]), "map page is not a map"),
+    "a key in two map pages": (lambda put: _pages("map", put, {"a": 1}, {"a": 2}),
+                               "'a' appears in two pages"),
+    "a list page that is a map": (lambda put: _pages("list", put, [1], {"a": 1}), "list page is not a list"),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_a_malformed_node_is_a_decode_error_that_says_what_is_wrong(
+    repo: cas_ckpt.Repository, case: tuple[Callable[[Put], Any], str]
+) -> None:
+    build, match = case
+    put = _put(repo)
+    root = put({"x": build(put)})
+    with pytest.raises(DecodeError, match=match):
+        repo.load(cidlib.to_cid(root.cid))
+
+
+def test_a_dag_that_multiplies_its_node_reads_is_refused(
+    repo: cas_ckpt.Repository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each node links twice to the one below: 2**12 reads from 12 nodes (a "billion laughs")."""
+    monkeypatch.setattr(tree, "MAX_NODE_READS", 1000)
+    put = _put(repo)
+    link = put([1])
+    for _ in range(12):
+        link = put([link, link])
+    with pytest.raises(DecodeError, match="over 1000 node reads") as info:
+        repo.load(cidlib.to_cid(link.cid))
+    assert info.value.cid is not None and info.value.cid.startswith("b")
