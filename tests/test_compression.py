@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -18,6 +19,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
+import zstandard
 from helpers import assert_state_equal
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -127,6 +129,15 @@ def test_a_damaged_stream_or_frame_is_corrupt_store() -> None:
             decode(codec, cut, len(data), "pack p")
     with pytest.raises(CorruptStore, match="unknown codec"):
         decode(9, stored, len(data), "pack p")
+
+
+def test_a_zstd_frame_declaring_more_than_its_block_is_corrupt_before_it_is_inflated() -> None:
+    # decompress() sizes its output by the content size a frame header declares, whatever
+    # max_output_size says: a 16-byte frame declaring 1 TiB was a bare MemoryError.
+    huge = struct.pack("<IBQ", 0xFD2FB528, 0xE0, 2**40) + (1).to_bytes(3, "little")  # one empty block
+    for frame, declared in ((huge, 2**40), (zstandard.ZstdCompressor().compress(b"x" * 5), 5)):
+        with pytest.raises(CorruptStore, match=rf"corrupt pack p: .*declares {declared} bytes, not 4"):
+            decode(CODEC_ZSTD, frame, 4, "pack p")
 
 
 # -- the pack index, versions 1 and 2 -------------------------------------------------------------

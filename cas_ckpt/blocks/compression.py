@@ -140,7 +140,12 @@ def decode(codec: int, stored: bytes | memoryview, size: int, where: object) -> 
 
 
 def _unzstd(frame: bytes | memoryview, size: int) -> bytes:
-    # max_output_size bounds the work on a hostile frame; one byte more catches a longer one.
+    # decompress() sizes its output by the content size a frame declares, ignoring
+    # max_output_size: a frame declaring another size is refused before anything is allocated.
+    declared = zstandard.frame_content_size(frame)
+    if declared not in (-1, size):  # -1: not declared
+        raise ValueError(f"zstd frame declares {declared} bytes, not {size}")
+    # max_output_size bounds the work on a frame that declares no size; one byte more catches a longer one.
     raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size + 1)
     if len(raw) != size:
         raise ValueError(f"zstd frame holds {len(raw)} bytes, not {size}")
