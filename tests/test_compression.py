@@ -111,6 +111,8 @@ def test_incompressible_and_tiny_blocks_stay_raw() -> None:
     assert ZSTD.encode(b"\0" * 100_000)[0] == CODEC_ZSTD  # type: ignore[index]
 
 
+@example(stored=b"", codec=CODEC_GROUPED, size=8)  # no element size: ValueError inside
+@example(stored=b"junk", codec=CODEC_ZSTD, size=4)  # not a frame: ZstdError inside
 @given(stored=st.binary(max_size=300), codec=st.sampled_from(CODECS), size=st.integers(0, 4000))
 def test_garbage_never_decodes_to_anything_but_its_size(stored: bytes, codec: int, size: int) -> None:
     out = bytearray(size)
@@ -129,6 +131,29 @@ def test_a_damaged_stream_or_frame_is_corrupt_store() -> None:
             decode(codec, cut, len(data), "pack p")
     with pytest.raises(CorruptStore, match="unknown codec"):
         decode(9, stored, len(data), "pack p")
+
+
+def _grouped(*streams: tuple[int, int, bytes]) -> bytes:
+    """A grouped block of 2-byte elements, by hand: (method, declared length, body) per stream."""
+    heads = b"".join(struct.pack("<BI", method, n) for method, n, _ in streams)
+    return bytes([2]) + heads + b"".join(body for _, _, body in streams)
+
+
+_ONE_BYTE = zstandard.ZstdCompressor(write_content_size=False).compress(b"b")  # declares no size
+GROUPED_DAMAGE = {  # each one numpy would broadcast into the block unchecked
+    "a raw stream too short": (_grouped((0, 1, b"a"), (0, 4, b"bbbb")), "raw stream of 1 bytes, not 4"),
+    "a stream past the block": (_grouped((0, 4, b"aaaa"), (0, 4, b"b")), "stream runs past the block"),
+    "an unknown stream method": (_grouped((0, 4, b"aaaa"), (7, 4, b"bbbb")), "unknown stream method 7"),
+    "a zstd stream too short": (_grouped((0, 4, b"aaaa"), (1, len(_ONE_BYTE), _ONE_BYTE)),
+                                "zstd frame holds 1 bytes, not 4"),
+}
+
+
+@pytest.mark.parametrize(("stored", "match"), GROUPED_DAMAGE.values(), ids=GROUPED_DAMAGE.keys())
+def test_a_damaged_grouped_block_is_corrupt_store(stored: bytes, match: str) -> None:
+    assert decode(CODEC_GROUPED, _grouped((0, 4, b"aaaa"), (0, 4, b"bbbb")), 8, "pack p") == b"ab" * 4
+    with pytest.raises(CorruptStore, match=f"corrupt pack p: stored block does not decode: {match}"):
+        decode(CODEC_GROUPED, stored, 8, "pack p")
 
 
 def test_a_zstd_frame_declaring_more_than_its_block_is_corrupt_before_it_is_inflated() -> None:
