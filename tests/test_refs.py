@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import cas_ckpt
 from cas_ckpt import cid as cidlib
 from cas_ckpt.refs import check_ref_name
+from cas_ckpt.refs.base import describe_holder
 
 HASHER = cidlib.Hasher()
 A, B, C = (HASHER.node(bytes([i])) for i in range(3))
@@ -255,6 +256,53 @@ def test_a_huge_reflog_message_is_cut_to_fit_a_line(tmp_path: Path) -> None:
     assert store.add_if_new("main", A, message="\U0001f600" * 100_000)  # 12 bytes each, escaped
     assert store.set_if_equals("main", A, B, message="short")
     assert [(e.message, e.new) for e in store.reflog("main")] == [("\U0001f600" * 4096, A), ("short", B)]
+
+
+def _store_with_a_reflog(tmp_path: Path) -> tuple[cas_ckpt.refs.LocalRefStore, Path]:
+    store = cas_ckpt.refs.LocalRefStore(tmp_path / "repo")
+    store.ensure_dirs()
+    assert store.add_if_new("main", A)
+    return store, tmp_path / "repo" / "logs" / "main"
+
+
+WRONG_SHAPES = {
+    "a missing field": b'{"new": null, "time": 0, "message": ""}\n',
+    "an array": b"[1]\n",
+    "a null time": b'{"old": null, "new": null, "time": null, "message": ""}\n',
+}
+
+
+@pytest.mark.parametrize("line", WRONG_SHAPES.values(), ids=WRONG_SHAPES.keys())
+def test_a_reflog_line_of_the_wrong_shape_is_corrupt_naming_the_file_and_line(
+    tmp_path: Path, line: bytes
+) -> None:
+    store, log = _store_with_a_reflog(tmp_path)
+    log.write_bytes(log.read_bytes() + line)
+    with pytest.raises(cas_ckpt.errors.CorruptStore, match=r"logs/main: line 2: ") as info:
+        store.reflog("main")
+    assert info.value.path == str(log)
+
+
+def test_blank_reflog_lines_are_skipped(tmp_path: Path) -> None:
+    store, log = _store_with_a_reflog(tmp_path)
+    log.write_bytes(b"\n" + log.read_bytes() + b"  \n" + log.read_bytes())
+    assert [e.new for e in store.reflog("main")] == [A, A]
+
+
+def test_a_torn_first_reflog_line_is_dropped_by_the_next_update(tmp_path: Path) -> None:
+    store, log = _store_with_a_reflog(tmp_path)
+    log.write_bytes(b'{"old": null, "new": "bag')  # the first append, cut short
+    assert store.reflog("main") == []
+    assert store.set_if_equals("main", A, B)
+    assert [(e.old, e.new) for e in store.reflog("main")] == [(A, B)]
+
+
+@pytest.mark.parametrize("data", [None, b"", b"junk", b"[1]", b"{}", b'{"time": 0, "pid": "x", "host": "h"}',
+                                  b'{"time": 1e300, "pid": 1, "host": "h"}'])
+def test_a_lease_holder_that_does_not_parse_is_another_writer(data: bytes | None) -> None:
+    assert describe_holder(data) == "another writer (its lease does not say who)"
+    valid = b'{"time": 0, "pid": 12, "host": "h"}'
+    assert describe_holder(valid) == "pid 12 on host h since 1970-01-01T00:00:00Z"
 
 
 def test_every_update_is_in_the_reflog(repo: cas_ckpt.Repository) -> None:

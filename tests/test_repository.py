@@ -87,8 +87,12 @@ def test_newer_format_version_is_refused(tmp_path: Path) -> None:
         ({"hash": "md5"}, cas_ckpt.errors.RepositoryError),
         ({"chunk_size": 10}, cas_ckpt.errors.RepositoryError),
         ({"chunk_size": 2 * 1024 * 1024}, cas_ckpt.errors.RepositoryError),
+        ({"chunk_size": 8192.0}, cas_ckpt.errors.RepositoryError),
+        ({"chunk_size": "8192"}, cas_ckpt.errors.RepositoryError),
+        ({"version": 2, "compression": "lz4"}, cas_ckpt.errors.RepositoryError),
     ],
-    ids=["format", "version type", "hash", "tiny chunks", "chunks over 1 MiB"],
+    ids=["format", "version type", "hash", "tiny chunks", "chunks over 1 MiB", "float chunks",
+         "text chunks", "unknown compression"],
 )
 def test_bad_config_is_refused(tmp_path: Path, change: dict[str, Any], error: type) -> None:
     path = tmp_path / "repo"
@@ -97,6 +101,15 @@ def test_bad_config_is_refused(tmp_path: Path, change: dict[str, Any], error: ty
     (path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(error):
         cas_ckpt.open(path)
+
+
+def test_a_config_that_is_not_utf8_is_a_corrupt_store(tmp_path: Path) -> None:
+    path = tmp_path / "repo"
+    cas_ckpt.open(path).close()
+    (path / "config.json").write_bytes(b'{"format": "\xff"}')
+    with pytest.raises(cas_ckpt.errors.CorruptStore, match=r"config\.json: not UTF-8 text") as info:
+        cas_ckpt.open(path)
+    assert info.value.path == str(path / "config.json")
 
 
 def test_unreadable_config_is_a_corrupt_store(tmp_path: Path) -> None:
