@@ -122,6 +122,8 @@ INVALID_BINARY = {
     "prefix only": b"\x01\x55\x12\x20",
     "codec only": b"\x01\x55",
     "msgpack codec cut": b"\x01\x81",
+    "msgpack codec, hash code only": b"\x01\x81\x04\x12",  # no digest length byte
+    "digest length byte wrong": b"\x01\x55\x12\x21" + _SHA,  # declares 33, holds 32
 }
 
 
