@@ -540,6 +540,11 @@ CASES = {  # header text, data after it
     "surrogate in metadata": (obj('"__metadata__":{"k":"\\udfff"}', T), b"\0" * 4),
     "not an object": ('{"a":[1]}', b""),
     "2 offsets expected": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4,4]}}', b"\0" * 4),
+    "float offset": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4.0]}}', b"\0" * 4),
+    "two negative dims": ('{"a":{"dtype":"F32","shape":[-1,-1],"data_offsets":[0,4]}}', b"\0" * 4),
+    "F4 odd, size rounded down": ('{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,1]}}', b"\0"),
+    "metadata list": (obj('"__metadata__":[]', T), b"\0" * 4),
+    "deeply nested": ("[" * 100_000 + "]" * 100_000, b""),
 }
 
 
@@ -582,6 +587,8 @@ def test_header_limits(tmp_path: Path) -> None:
         hf.parse_header((100_000_001).to_bytes(8, "little") + b"{}", 100_000_020, "f")
     with pytest.raises(SafetensorsError, match="too short"):
         hf.parse_header(b"\0\0", 2, "f")
+    with pytest.raises(SafetensorsError, match="f: header length 1000 runs past the end of the file"):
+        hf.parse_header((1000).to_bytes(8, "little") + b"{}", 10, "f")
 
 
 def test_a_bad_file_names_file_and_tensor_and_commits_nothing(tmp_path: Path) -> None:
