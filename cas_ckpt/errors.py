@@ -6,6 +6,8 @@ Lookup failures also subclass KeyError and parse failures ValueError, so generic
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "AmbiguousCID",
     "AncestorNotFound",
@@ -64,11 +66,33 @@ class AmbiguousCID(InvalidCID):
 
 
 class DecodeError(CasCkptError, ValueError):
-    """A stored node could not be decoded: malformed msgpack, unknown type, or over a limit."""
+    """A stored node could not be decoded: malformed msgpack, unknown type, or over a limit.
 
-    def __init__(self, message: str, *, cid: str | None = None) -> None:
-        super().__init__(f"{message} (block {cid})" if cid else message)
+    Names the node (``cid``) and, from a load, the path of the malformed value inside the state
+    (``path``, added one level at a time on the way out, like :class:`MapLocationError`'s).
+    """
+
+    def __init__(self, message: str, *, cid: str | None = None, path: str = "") -> None:
+        super().__init__(message)
+        self.message = message
         self.cid = cid
+        self.path = path
+
+    def __str__(self) -> str:
+        text = f"{self.path}: {self.message}" if self.path else self.message
+        return f"{text} (block {self.cid})" if self.cid else text
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a copy from another process keeps every field
+        return (_decode_error, (self.message, self.cid, self.path))
+
+    def inside(self, key: object) -> DecodeError:
+        """Put ``key`` in front of the path (the reader adds each level on the way out)."""
+        self.path = f"{key}.{self.path}" if self.path else str(key)
+        return self
+
+
+def _decode_error(message: str, cid: str | None, path: str) -> DecodeError:
+    return DecodeError(message, cid=cid, path=path)
 
 
 class OutOfMemory(CasCkptError, MemoryError):

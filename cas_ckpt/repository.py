@@ -417,7 +417,7 @@ class Repository:
                     reader.copied, reader.copied + reader.mapped, cidlib.to_str(root),
                 )
             return loaded if dtype is None else cast_floats(loaded, dtype)
-        except MapLocationError as exc:  # the reader named the tensor's path below ``path``
+        except (MapLocationError, DecodeError) as exc:  # the reader named the path below ``path``
             if path:
                 exc.inside(path if isinstance(path, str) else ".".join(map(str, path)))
             raise

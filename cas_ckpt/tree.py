@@ -729,21 +729,27 @@ class TreeReader:
     def _load(self, value: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise DecodeError(f"state nested deeper than {MAX_DEPTH}")
-        value = self.resolve(value, depth)
+        node = value.cid if type(value) is Link else None  # a malformed value inside names it
         try:
-            if isinstance(value, dict):
-                return self._flushed(self._load_map(value, depth))
-            if isinstance(value, list):
-                return self._flushed(self._load_list(value, depth))
-        except MemoryError as exc:
-            if isinstance(exc, OutOfMemory):
-                raise
-            raise OutOfMemory(f"no memory for a container of {len(value)} items") from None
-        if isinstance(value, Tagged):
-            return self._load_tagged(value, depth)
-        if value is None or isinstance(value, (bool, int, float, str, bytes)):
-            return value
-        raise DecodeError(f"unexpected {type(value).__name__} in a state node")
+            value = self.resolve(value, depth)
+            try:
+                if isinstance(value, dict):
+                    return self._flushed(self._load_map(value, depth))
+                if isinstance(value, list):
+                    return self._flushed(self._load_list(value, depth))
+            except MemoryError as exc:
+                if isinstance(exc, OutOfMemory):
+                    raise
+                raise OutOfMemory(f"no memory for a container of {len(value)} items") from None
+            if isinstance(value, Tagged):
+                return self._load_tagged(value, depth)
+            if value is None or isinstance(value, (bool, int, float, str, bytes)):
+                return value
+            raise DecodeError(f"unexpected {type(value).__name__} in a state node")
+        except DecodeError as exc:  # one frame per level, not two: deep states stay loadable
+            if node is not None and exc.cid is None:
+                exc.cid = cidlib.to_str(node)
+            raise
 
     def _flushed(self, container: Any) -> Any:
         """``container``, its small arrays' reads started: one batch holds one container's."""
@@ -751,7 +757,8 @@ class TreeReader:
             self._small.flush()
         return container
 
-    # A MapLocationError learns the tensor's path inside the state on its way out, one level each.
+    # A MapLocationError or DecodeError learns the path inside the state on its way out, one
+    # level each.
     def _load_map(self, value: dict[Any, Any], depth: int) -> dict[Any, Any]:
         out: dict[Any, Any] = {}
         key = None
@@ -762,7 +769,7 @@ class TreeReader:
                     out[key] = self._load_array(item.value)  # a state dict's usual value, direct
                 else:
                     out[key] = self._load(item, depth + 1)
-        except MapLocationError as exc:
+        except (MapLocationError, DecodeError) as exc:
             exc.inside(key)
             raise
         return out
@@ -776,7 +783,7 @@ class TreeReader:
                     out.append(self._load_array(item.value))
                 else:
                     out.append(self._load(item, depth + 1))
-        except MapLocationError as exc:
+        except (MapLocationError, DecodeError) as exc:
             exc.inside(len(out))  # the index of the item that failed
             raise
         return out

@@ -136,9 +136,37 @@ def test_a_malformed_node_is_a_decode_error_that_says_what_is_wrong(
 ) -> None:
     build, match = case
     put = _put(repo)
-    root = put({"x": build(put)})
-    with pytest.raises(DecodeError, match=match):
+    value = build(put)
+    root = put({"x": value})
+    with pytest.raises(DecodeError, match=match) as info:
         repo.load(cidlib.to_cid(root.cid))
+    # It names where: the path inside the state, and the node holding the malformed value.
+    holder = value if isinstance(value, Link) else root
+    assert info.value.path.partition(".")[0] == "x" and info.value.cid == cidlib.to_str(holder.cid)
+    text = str(info.value)
+    assert text.startswith(info.value.path + ": ") and text.endswith(f"(block {info.value.cid})")
+
+
+def test_a_malformed_value_deep_in_a_state_names_its_path_from_the_root(repo: cas_ckpt.Repository) -> None:
+    """Through a tuple, a list, a node of its own and a sub-tree load's own path."""
+    put = _put(repo)
+    inner = put({"w": _array(shape=[-1], data=b"")})
+    root = put({"model": {"layers": [1, Tagged(1, [2, inner])]}})
+    with pytest.raises(DecodeError, match="malformed array shape") as info:
+        repo.load(cidlib.to_cid(root.cid))
+    assert info.value.path == "model.layers.1.1.w" and info.value.cid == cidlib.to_str(inner.cid)
+    with pytest.raises(DecodeError) as info:
+        repo.load(cidlib.to_cid(root.cid), path="model.layers")
+    assert info.value.path == "model.layers.1.1.w"
+
+
+def test_a_decode_error_keeps_its_fields_across_processes() -> None:
+    import pickle
+
+    error = DecodeError("bad", cid="bafy", path="a.b")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), copy.message, copy.cid, copy.path, str(copy)) == (
+        DecodeError, "bad", "bafy", "a.b", "a.b: bad (block bafy)")
 
 
 def test_a_dag_that_multiplies_its_node_reads_is_refused(
