@@ -848,6 +848,8 @@ def _check_config(config: dict[str, Any], location: str) -> _Config:
     if config.get("format") != FORMAT:
         raise RepositoryError(f"{location} is not a cas_ckpt repository")
     version = config.get("version")
+    if type(version) is int and version < 1:
+        raise RepositoryError(f"repository {location} has invalid format version {version!r}")
     if type(version) is not int or version > FORMAT_VERSION:
         raise RepositoryError(
             f"repository {location} has format version {version!r}; this cas_ckpt supports up "

@@ -90,9 +90,11 @@ def test_newer_format_version_is_refused(tmp_path: Path) -> None:
         ({"chunk_size": 8192.0}, cas_ckpt.errors.RepositoryError),
         ({"chunk_size": "8192"}, cas_ckpt.errors.RepositoryError),
         ({"version": 2, "compression": "lz4"}, cas_ckpt.errors.RepositoryError),
+        ({"version": 0}, cas_ckpt.errors.RepositoryError),
+        ({"version": -3}, cas_ckpt.errors.RepositoryError),
     ],
     ids=["format", "version type", "hash", "tiny chunks", "chunks over 1 MiB", "float chunks",
-         "text chunks", "unknown compression"],
+         "text chunks", "unknown compression", "version 0", "negative version"],
 )
 def test_bad_config_is_refused(tmp_path: Path, change: dict[str, Any], error: type) -> None:
     path = tmp_path / "repo"
