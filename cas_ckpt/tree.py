@@ -873,7 +873,7 @@ class TreeReader:
             cids = self._chunk_links(header)
             if not mapping and len(cids) == 1 and nbytes <= INLINE_LIMIT and self._small \
                     and (kind == "numpy" or (self.tensor_factory is None and self.map_location is None)):
-                return self._read_small(cids[0], dtype, shape, order, header)
+                return self._read_small(cids[0], dtype, shape, nbytes, order, header)
             sizes = self._sizes(cids)  # the declared size must be what is really stored
             if sum(sizes) != nbytes:
                 raise DecodeError(f"array chunks hold {sum(sizes)} bytes, shape needs {nbytes}")
@@ -893,19 +893,18 @@ class TreeReader:
         return self._shaped(flat, dtype, shape, order, header)
 
     def _read_small(
-        self, cid: bytes, dtype: np.dtype[Any], shape: list[int], order: str, header: dict[str, Any]
+        self, cid: bytes, dtype: np.dtype[Any], shape: list[int], nbytes: int, order: str,
+        header: dict[str, Any],
     ) -> Any:
         """A one-block array, read with its container's others (see ``SmallReads``; the read
         checks the stored size)."""
         assert self._small is not None
-        if order == "C" and id(dtype) in _BUFFER_DTYPES and "kind" not in header:
-            try:  # made in its dtype and shape at once: a third of the cost of view and reshape
-                array = np.empty(shape, dtype)
-            except ValueError as exc:  # e.g. a zero-size shape whose other dimensions overflow
-                raise DecodeError(f"array shape {shape} is impossible: {exc}") from None
+        # A byte view of a zero-size array cannot be made (a hostile node's: saves inline them).
+        if nbytes and order == "C" and id(dtype) in _BUFFER_DTYPES and "kind" not in header:
+            array = np.empty(shape, dtype)  # at once: a third of the cost of view and reshape
             self._small.add(cid, memoryview(array).cast("B"))
             return array
-        flat = _allocate(math.prod(shape) * dtype.itemsize, shape)
+        flat = _allocate(nbytes, shape)
         self._small.add(cid, memoryview(flat))
         return self._shaped(flat, dtype, shape, order, header)
 

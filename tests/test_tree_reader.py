@@ -181,3 +181,15 @@ def test_a_dag_that_multiplies_its_node_reads_is_refused(
     with pytest.raises(DecodeError, match="over 1000 node reads") as info:
         repo.load(cidlib.to_cid(link.cid))
     assert info.value.cid is not None and info.value.cid.startswith("b")
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["memory", "local (mapped batches)"])
+def test_a_zero_size_array_given_a_block_is_refused(tmp_path: Any, local: bool) -> None:
+    """Saves keep empty arrays inline; a node giving one a block of 8 bytes fails its size check."""
+    with cas_ckpt.open(tmp_path / "repo" if local else "memory://") as repo:
+        with repo.blocks.writer() as writer:
+            writer.put(CHUNK_LINK.cid, CHUNK)
+        put = _put(repo)
+        root = put({"x": _array(shape=[0, 3], chunk_size=4096, chunks=[CHUNK_LINK])})
+        with pytest.raises(cas_ckpt.errors.CorruptBlock, match="stored size 8 != expected 0"):
+            repo.load(cidlib.to_cid(root.cid))
