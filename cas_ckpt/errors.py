@@ -6,7 +6,7 @@ Lookup failures also subclass KeyError and parse failures ValueError, so generic
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 __all__ = [
     "AmbiguousCID",
@@ -65,7 +65,18 @@ class AmbiguousCID(InvalidCID):
         self.candidates = candidates
 
 
-class DecodeError(CasCkptError, ValueError):
+class _PathInState:
+    """An error a load names the place of inside the state (``path``), one level at a time."""
+
+    path: str
+
+    def inside(self, key: object) -> Self:
+        """Put ``key`` in front of the path (the reader adds each level on the way out)."""
+        self.path = f"{key}.{self.path}" if self.path else str(key)
+        return self
+
+
+class DecodeError(_PathInState, CasCkptError, ValueError):
     """A stored node could not be decoded: malformed msgpack, unknown type, or over a limit.
 
     Names the node (``cid``) and, from a load, the path of the malformed value inside the state
@@ -84,11 +95,6 @@ class DecodeError(CasCkptError, ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:  # a copy from another process keeps every field
         return (_decode_error, (self.message, self.cid, self.path))
-
-    def inside(self, key: object) -> DecodeError:
-        """Put ``key`` in front of the path (the reader adds each level on the way out)."""
-        self.path = f"{key}.{self.path}" if self.path else str(key)
-        return self
 
 
 def _decode_error(message: str, cid: str | None, path: str) -> DecodeError:
@@ -372,7 +378,7 @@ class UnknownMetric(CasCkptError, ValueError):
         self.reported = reported
 
 
-class MapLocationError(CasCkptError, ValueError):
+class MapLocationError(_PathInState, CasCkptError, ValueError):
     """``map_location`` cannot place a loaded tensor: a device this process cannot use, or a
     malformed mapping. Names the path of the tensor inside the state (and ``device`` when known).
     """
@@ -385,11 +391,6 @@ class MapLocationError(CasCkptError, ValueError):
 
     def __str__(self) -> str:
         return f"{self.path or '<root>'}: {self.message}"
-
-    def inside(self, key: object) -> MapLocationError:
-        """Put ``key`` in front of the path (the reader adds each level on the way out)."""
-        self.path = f"{key}.{self.path}" if self.path else str(key)
-        return self
 
 
 class CheckpointFileError(CasCkptError, ValueError):
