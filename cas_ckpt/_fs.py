@@ -176,11 +176,22 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
-def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
+def pwritev_all(fd: int, pieces: list[bytes | memoryview], offset: int) -> int:
+    """Write ``pieces`` back to back from ``offset`` (one ``pwritev`` when the kernel takes
+    them all, as it does for a regular file); return the bytes written."""
+    views = [view for view in (memoryview(p).cast("B") for p in pieces) if view.nbytes]
+    total = sum(v.nbytes for v in views)
+    done = 0
+    while views:
+        written = os.pwritev(fd, views, offset + done)
+        if not written:
+            raise OSError(errno.EIO, "the write made no progress")
+        done += written
+        while views and written >= views[0].nbytes:
+            written -= views.pop(0).nbytes
+        if views:
+            views[0] = views[0][written:]
+    return total
 
 
 def pread_into(fd: int, out: memoryview, offset: int) -> int:

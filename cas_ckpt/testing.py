@@ -625,6 +625,46 @@ class BackendTests:
         assert backend.read("kept.pack", 0, len(whole)) == whole
         assert [(i.name, i.size) for i in backend.list()] == [("kept.pack", len(whole))]
 
+    @pytest.mark.parametrize("pooled", [False, True])
+    def test_buffers_are_the_callers_again_once_written_or_settled(
+        self, backend: Backend, pooled: bool
+    ) -> None:
+        """A buffer written without ``keep`` may be reused when ``write`` returns, a kept one
+        when ``settle`` returns: the object holds the bytes as they were then."""
+        rng = random.Random(11)
+        sizes = (1, 700, 9000, 200_000, 262_143, 262_144, 600_000)
+        expected, kept = [], []
+        with ThreadPoolExecutor(2) as pool:
+            sink = backend.create(pool if pooled else None)
+            for i in range(123):  # the last few small and kept: a sink that gathers holds them
+                buffer = bytearray(bytes([i % 251]) * (rng.choice(sizes) if i < 120 else 700))
+                expected.append(bytes(buffer))
+                keep = rng.random() < 0.7 or i >= 120
+                sink.write(memoryview(buffer), keep=keep)
+                if keep:
+                    kept.append(buffer)
+                else:
+                    buffer[:] = b"\xff" * len(buffer)  # reused at once
+            sink.settle()
+            for buffer in kept:
+                buffer[:] = b"\xee" * len(buffer)
+            expected.append(b"tail")
+            sink.write(b"tail")
+            assert sink.publish("reused.pack") is True
+        whole = b"".join(expected)
+        assert backend.read("reused.pack", 0, len(whole)) == whole
+
+    def test_list_changes_names_everything_and_describes_the_unknown(self, backend: Backend) -> None:
+        for name in ("a.pack", "b.pack", "c.pack"):
+            self._object(backend, name, name.encode() * 10)
+        names, new = backend.list_changes({"a.pack", "gone.pack"})
+        assert names == {"a.pack", "b.pack", "c.pack"}
+        listed = {info.name: info.size for info in backend.list()}
+        assert sorted((info.name, info.size) for info in new) == [
+            ("b.pack", listed["b.pack"]), ("c.pack", listed["c.pack"])]
+        backend.delete("b.pack")
+        assert backend.list_changes({"a.pack", "b.pack", "c.pack"}) == ({"a.pack", "c.pack"}, [])
+
     def test_abort_leaves_nothing(self, backend: Backend) -> None:
         sink = backend.create()
         sink.write(b"x" * 1000)

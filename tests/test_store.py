@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cas_ckpt
+from cas_ckpt import _fs
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends import Backend, LocalBackend, MemoryBackend
+from cas_ckpt.backends.local import GATHER_BYTES, SMALL_WRITE
 from cas_ckpt.blocks import LocalStore, PackedBlockStore
 from cas_ckpt.testing import BackendTests, PackedStoreTests, raw_block
 
@@ -73,6 +82,101 @@ class TestLocalBackend(BackendTests):
         assert list(backend.tmp_dir.iterdir()) == []
 
 
+WRITES = st.lists(
+    st.tuples(
+        st.one_of(st.integers(0, 2000), st.sampled_from([SMALL_WRITE - 1, SMALL_WRITE, 700_000])),
+        st.booleans(),  # kept
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(writes=WRITES, pooled=st.booleans(), settle_after=st.integers(0, 40))
+def test_a_local_sink_holds_every_write_in_order(
+    writes: list[tuple[int, bool]], pooled: bool, settle_after: int
+) -> None:
+    """Whatever the mix of gathered, direct and pooled writes, the pack is the writes in order,
+    each as it was when its buffer became the caller's again (write, or settle if kept)."""
+    with tempfile.TemporaryDirectory() as root, ThreadPoolExecutor(2) as pool:
+        backend = LocalBackend(root)
+        sink = backend.create(pool if pooled else None)
+        expected, kept = [], []
+        for i, (size, keep) in enumerate(writes):
+            if i == settle_after:
+                sink.settle()
+                for buffer in kept:
+                    buffer[:] = b"\xee" * len(buffer)
+                kept = []
+            buffer = bytearray(os.urandom(size))
+            expected.append(bytes(buffer))
+            sink.write(buffer, keep=keep)
+            if keep:
+                kept.append(buffer)
+            else:
+                buffer[:] = b"\xff" * size
+        assert sink.publish("x.pack")
+        whole = b"".join(expected)
+        assert (backend.pack_dir / "x.pack").read_bytes() == whole
+        backend.close()
+
+
+def test_more_gathered_writes_than_one_call_takes(tmp_path: Path) -> None:
+    """Thousands of tiny writes under ``GATHER_BYTES`` still go out in calls the kernel takes."""
+    backend = LocalBackend(tmp_path / "repo")
+    sink = backend.create()
+    pieces = [i.to_bytes(4, "big") for i in range(5000)]
+    assert sum(map(len, pieces)) < GATHER_BYTES
+    for piece in pieces:
+        sink.write(piece, keep=True)
+    assert sink.publish("many.pack")
+    assert (backend.pack_dir / "many.pack").read_bytes() == b"".join(pieces)
+    backend.close()
+
+
+def test_a_short_write_is_resumed_and_a_stopped_one_raises(tmp_path: Path) -> None:
+    """``pwritev_all`` goes on after a short write and raises when the file can grow no more
+    (here the file size limit: the kernel writes up to it, then refuses)."""
+    script = textwrap.dedent(f"""
+        import errno, os, resource, signal
+        from cas_ckpt import _fs
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))
+        fd = os.open({str(tmp_path / "f")!r}, os.O_WRONLY | os.O_CREAT, 0o644)
+        pieces = [bytes([i]) * 3000 for i in range(5)]
+        try:
+            _fs.pwritev_all(fd, pieces, 0)
+        except OSError as exc:
+            assert exc.errno == errno.EFBIG, exc
+            print("refused at", os.fstat(fd).st_size)
+        assert _fs.pwritev_all(fd, pieces[:2], 1000) == 6000  # within the limit: whole
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "refused at 10000"
+    data = (tmp_path / "f").read_bytes()
+    assert data == b"\x00" * 4000 + b"\x01" * 3000 + b"\x02" * 2000 + b"\x03" * 1000
+
+
+def test_short_writes_are_resumed_where_they_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel may take part of a ``pwritev`` (a signal, a full queue): the rest follows."""
+    real = os.pwritev
+
+    def short(fd: int, views: list[memoryview], offset: int) -> int:
+        return real(fd, [views[0][:777]], offset)  # never more than 777 bytes of the first piece
+
+    monkeypatch.setattr(os, "pwritev", short)
+    pieces = [bytes([i]) * size for i, size in enumerate((1, 5000, 0, 777, 2000))]
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert _fs.pwritev_all(fd, pieces, 10) == 7778
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"\x00" * 10 + b"".join(pieces)
+
+
 class TestMemoryStore(PackedStoreTests):
     @pytest.fixture
     def backend(self) -> Iterator[Backend]:
@@ -102,6 +206,33 @@ class TestLocalStore(PackedStoreTests):
         return sorted(os.listdir(store.backend.tmp_dir))
 
     # -- local only ----------------------------------------------------------------------------
+    def test_gc_sees_the_age_a_pack_has_now_not_when_first_listed(self, tmp_path: Path) -> None:
+        """A save looks only for new packs; GC, which spares young ones, looks up every age."""
+        store = LocalStore(tmp_path / "store")
+        cid, data = raw_block(1, 500)
+        with store.writer() as writer:
+            writer.put(cid, data)
+        store.refresh()  # the pack is seen, a second old
+        assert isinstance(store.backend, LocalBackend)
+        (pack,) = store.backend.pack_dir.iterdir()
+        size, hour_ago = pack.stat().st_size, pack.stat().st_mtime - 3600
+        os.utime(pack, (hour_ago, hour_ago))
+        store.refresh()
+        assert store.delete({cid}, min_age=600) == (1, size)
+        assert not store.has(cid)
+
+    def test_a_refresh_forgets_packs_deleted_by_another_process(self, tmp_path: Path) -> None:
+        store, other = LocalStore(tmp_path / "store"), LocalStore(tmp_path / "store")
+        blocks = [raw_block(i, 300) for i in range(2)]
+        for cid, data in blocks:
+            with store.writer() as writer:
+                writer.put(cid, data)
+        other.refresh()
+        assert all(other.has(cid) for cid, _ in blocks)
+        assert store.delete({blocks[0][0]})[0] == 1
+        other.refresh()
+        assert not other.has(blocks[0][0]) and other.has(blocks[1][0])
+
     def test_blocks_survive_reopening(self, tmp_path: Path) -> None:
         blocks = dict(raw_block(i, 700) for i in range(100))
         store = LocalStore(tmp_path / "store")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
@@ -109,6 +110,16 @@ class Backend(ABC):
     def list(self) -> list[ObjectInfo]:
         """Every published object. MAY lag a publish by another process (the caller re-lists on
         a miss) but MUST include every object this instance published."""
+
+    def list_changes(self, known: AbstractSet[str]) -> tuple[set[str], list[ObjectInfo]]:
+        """Every published object's name, and the ``list`` entries of those not in ``known``:
+        what a caller that has seen ``known`` needs to catch up (the same contract as ``list``).
+
+        The default lists everything once; a medium that names its objects for less than it
+        describes them (a directory: no ``stat`` per file) overrides it.
+        """
+        listing = self.list()
+        return {info.name for info in listing}, [info for info in listing if info.name not in known]
 
     @abstractmethod
     def read_into(self, name: str, offset: int, out: memoryview) -> bool:

@@ -1,9 +1,9 @@
 """Objects in a local directory: ``packs/<name>`` published from ``tmp/`` by a hard link.
 
 A sink is a temp file in ``tmp/``, held under an ``flock`` until it is published (so cleaning never
-removes a live writer's file). Small writes are gathered before the syscall, and the kernel is asked
-to start writeback every ``WRITEBACK_STEP`` so the final ``fsync`` is short (from a pool thread when
-the sink has one: the request blocks while the disk's queue is full). Publishing fsyncs the
+removes a live writer's file). Small writes are gathered into one syscall, and the kernel is asked
+to start writeback after each write so the final ``fsync`` is short (from a pool thread when the
+sink has one: the request blocks while the disk's queue is full). Publishing fsyncs the
 file, links it into ``packs/`` (a link never replaces an existing file) and fsyncs the directory:
 only then is the object visible, and durable. Reads go through one descriptor per object, opened
 without following links and only for regular files, a bounded number kept open (and as many
@@ -23,6 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import TypeVar
@@ -32,8 +33,9 @@ from cas_ckpt.backends.base import Backend, ObjectInfo, Sink
 from cas_ckpt.backends.descriptors import OpenFiles, open_limit
 from cas_ckpt.errors import CorruptStore
 
-WRITEBACK_STEP = 4 * 1024 * 1024  # start disk writeback every this many bytes of a sink
 SMALL_WRITE = 256 * 1024  # writes below this are gathered before the write syscall
+GATHER_BYTES = 4 * 1024 * 1024  # gathered small writes go out in one call of up to this many
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # pieces one pwritev takes
 SUFFIX = ".pack"
 TEMP_SUFFIX = ".pack.tmp"
 T = TypeVar("T")
@@ -51,8 +53,11 @@ def open_regular(path: Path) -> int:
 class LocalSink(Sink):
     """A temp file under ``tmp/``, published by linking it into ``packs/``.
 
-    Every write lands at an offset fixed when it is made (``pwrite``), so a large kept write can
-    be copied on a pool thread while later ones are placed after it; sealing waits for all of them.
+    Every write lands at an offset fixed when it is made (``pwrite``), so a kept write can be
+    copied on a pool thread while later ones are placed after it; sealing waits for all of them.
+    Small writes are gathered into one ``pwritev`` of up to ``GATHER_BYTES``: a kept one by
+    reference (its bytes are copied once, by the kernel), any other copied first. A run of kept
+    writes goes to the pool: the saving thread goes on encoding while the kernel copies it.
     """
 
     def __init__(self, backend: LocalBackend, pool: Executor | None = None) -> None:
@@ -62,56 +67,58 @@ class LocalSink(Sink):
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _fs.O_NOFOLLOW, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until published: see clean_temp
         self._fd: int | None = fd
-        self._buffer = memoryview(bytearray(SMALL_WRITE))  # filled in place: no realloc per write
-        self._buffered = 0
+        self._run: list[bytes | memoryview] = []  # small writes gathered, in file order
+        self._run_bytes = 0
+        self._run_kept = True  # every write in the run is kept: it may be copied on the pool
         self._size = 0  # where the next write goes
-        self._written_back = 0
         self._copies: collections.deque[Future[None]] = collections.deque()  # in flight on the pool
 
     def write(self, data: bytes | memoryview, *, keep: bool = False) -> None:
         view = memoryview(data)
         size = view.nbytes
-        if size < SMALL_WRITE:
-            if self._buffered + size > SMALL_WRITE:
-                self._flush()
-            flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
-            self._buffer[self._buffered : self._buffered + size] = flat
-            self._buffered += size
-            self._size += size
-        else:
+        if size >= SMALL_WRITE:
             self._flush()
-            offset, self._size = self._size, self._size + size
-            if keep and self._pool is not None:
-                self._check_copies()
-                self._copies.append(self._pool.submit(self._copy, offset, data))
-                return
-            self._write_at(offset, data)
-        if self._size - self._written_back >= WRITEBACK_STEP:
-            offset, length = self._written_back, self._size - self._written_back
-            if self._pool is not None:  # the hint blocks while the disk's queue is full
-                self._copies.append(self._pool.submit(self._write_back, offset, length))
-            else:
-                self._write_back(offset, length)
-            self._written_back = self._size
+            self._size += size
+            self._place(self._size - size, [data], keep)
+            return
+        if not keep:
+            data, self._run_kept = bytes(view), False  # the caller may reuse its buffer
+        self._run.append(data)
+        self._run_bytes += size
+        self._size += size
+        if self._run_bytes >= GATHER_BYTES or len(self._run) >= _IOV_MAX:
+            self._flush()
 
-    def _copy(self, offset: int, data: bytes | memoryview) -> None:
-        """A kept write, on a pool thread: the bytes, then their writeback starts at once."""
-        self._write_at(offset, data)
-        self._write_back(offset, memoryview(data).nbytes)
+    def _flush(self) -> None:
+        if self._run:
+            run, offset, kept = self._run, self._size - self._run_bytes, self._run_kept
+            self._run, self._run_bytes, self._run_kept = [], 0, True
+            self._place(offset, run, kept)
 
-    def _write_at(self, offset: int, data: bytes | memoryview) -> None:
+    def _place(self, offset: int, pieces: list[bytes | memoryview], kept: bool) -> None:
+        """Write ``pieces`` from ``offset``: on the pool if they are kept, else now; either way
+        their writeback starts from the pool (the request blocks while the disk's queue is full)."""
+        if self._pool is None:
+            self._write_back(offset, self._write_at(offset, pieces))
+            return
+        self._check_copies()
+        if kept:
+            self._copies.append(self._pool.submit(self._copy, offset, pieces))
+        else:
+            length = self._write_at(offset, pieces)
+            self._copies.append(self._pool.submit(self._write_back, offset, length))
+
+    def _copy(self, offset: int, pieces: list[bytes | memoryview]) -> None:
+        self._write_back(offset, self._write_at(offset, pieces))
+
+    def _write_at(self, offset: int, pieces: list[bytes | memoryview]) -> int:
         assert self._fd is not None, "sink is closed"
         with _fs.naming(self.path):
-            _fs.pwrite_all(self._fd, data, offset)
+            return _fs.pwritev_all(self._fd, pieces, offset)
 
     def _write_back(self, offset: int, length: int) -> None:
         if self._fd is not None:
-            _fs.start_writeback(self._fd, offset, length)
-
-    def _flush(self) -> None:
-        if self._buffered:
-            self._write_at(self._size - self._buffered, self._buffer[: self._buffered])
-            self._buffered = 0
+            _fs.start_writeback(self._fd, offset, length)  # a hint: the final fsync is short
 
     def _check_copies(self) -> None:
         """Raise the error of a finished copy (a full disk) at the next write, not only at the end."""
@@ -119,6 +126,7 @@ class LocalSink(Sink):
             self._copies.popleft().result()
 
     def settle(self) -> None:
+        self._flush()  # a gathered run refers to kept buffers too
         self._wait_copies()
 
     def _wait_copies(self) -> None:
@@ -226,6 +234,25 @@ class LocalBackend(Backend):
             self._listed[entry.name] = seen
             found.append(ObjectInfo(entry.name, seen[1], now - seen[2]))
         return found
+
+    def list_changes(self, known: AbstractSet[str]) -> tuple[set[str], list[ObjectInfo]]:
+        """The names alone from the directory, and a ``stat`` of each name not in ``known``
+        (a save looks for new packs each time: with thousands, describing every one took
+        milliseconds)."""
+        try:
+            names = {n for n in os.listdir(_fs.refuse_links(self.root, self.pack_dir)) if n.endswith(SUFFIX)}
+        except FileNotFoundError:
+            return set(), []
+        now, new = time.time(), []
+        for name in sorted(names - known):
+            try:
+                st = os.stat(self.pack_dir / name, follow_symlinks=False)
+            except FileNotFoundError:  # deleted since the listing
+                names.discard(name)
+                continue
+            self._listed[name] = (st.st_ino, st.st_size, st.st_mtime)
+            new.append(ObjectInfo(name, st.st_size, now - st.st_mtime))
+        return names, new
 
     def _open(self, name: str) -> contextlib.AbstractContextManager[int]:
         """The object's descriptor, never closed while the ``with`` block uses it."""

@@ -203,16 +203,25 @@ class PackedBlockStore(BlockStore):
         return f"<{type(self).__name__} {self.backend.describe()}>"
 
     # -- the index -----------------------------------------------------------------------------
-    def refresh(self) -> None:
+    def refresh(self, *, full: bool = False) -> None:
+        """Take in the packs published since the last look, forget those gone. ``full`` also
+        looks up every pack's size and age again (GC, which spares young packs, asks for it)."""
         with self._refresh_lock:
-            listing = {info.name: info for info in self.backend.list() if info.name.endswith(SUFFIX)}
             with self._lock:
-                for gone in (set(self._packs) | set(self.corrupt_packs)) - set(listing):
+                known = self._packs.keys() | self.corrupt_packs.keys()
+            if full:
+                listing = {info.name: info for info in self.backend.list() if info.name.endswith(SUFFIX)}
+                names = set(listing)
+                infos = [info for name, info in sorted(listing.items()) if name not in known]
+            else:
+                names, changes = self.backend.list_changes(known)
+                infos = sorted((i for i in changes if i.name.endswith(SUFFIX)), key=lambda i: i.name)
+            with self._lock:
+                for gone in known - names:
                     self._drop_pack(gone)
                     self.corrupt_packs.pop(gone, None)
-                self._info.update((name, info) for name, info in listing.items() if name in self._packs)
-                new = sorted(set(listing) - set(self._packs) - set(self.corrupt_packs))
-            infos = [listing[name] for name in new]
+                if full:
+                    self._info.update((name, info) for name, info in listing.items() if name in self._packs)
             for info, result in zip(infos, self._read_indexes(infos), strict=True):
                 if isinstance(result, str):
                     with self._lock:
@@ -623,7 +632,7 @@ class PackedBlockStore(BlockStore):
         disk is compacted step by step. Returns (blocks removed, bytes freed).
         """
         self._check_writable()
-        self.refresh()
+        self.refresh(full=True)
         with self._lock:
             packs = {name: (list(entries), self._info[name].size, self._info[name].age)
                      for name, entries in self._packs.items() if name in self._info}
