@@ -6,7 +6,7 @@ dict), that made every node ~850 KiB, so a change to one tensor in ten rewrote a
 the arrays above ``TINY_LIMIT`` are stored as ordinary one-chunk arrays instead: their own raw
 block each, found again by a re-save that leaves them alone. Hashing one block per pool task, and
 reading one per task, cost more in Python than the hashing itself, so both go in batches; a batch
-is hashed on the saving thread as it is written (see :func:`give_blocks`).
+is hashed on the saving thread as it is written (see :class:`SmallBlocks`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
@@ -27,96 +28,133 @@ SMALL_SPLIT = 64 * 1024  # inline array bytes in one container above which they 
 BATCH_BYTES = 512 * 1024  # bytes of small arrays hashed (or read) by one pool task
 
 
-Digest = tuple[bytes, "Stored | None"]  # a block's CID, and its encoding for a compressing writer
+Encode = Callable[[bytes, memoryview, str], "Stored | None"]  # (CID, bytes, dtype name) -> encoding
+
 
 class SmallArray:
-    """An array small enough to be inline: stays so, or (``batch`` set) becomes one block."""
+    """An array small enough to be inline, with the header its descriptor needs.
 
-    __slots__ = ("batch", "data", "header", "index")
+    A plain one (a numpy dtype, C order, no tensor kind: nearly all of them) stays a bare
+    ``np.ndarray`` in the plan instead: no object per array survives the first walk, so the
+    walk over 10,000 of them no longer sets off the cyclic GC (which took half of its time).
+    """
+
+    __slots__ = ("data", "header", "nbytes")
 
     def __init__(self, header: dict[str, Any], data: memoryview) -> None:
         self.header = header
         self.data = data  # a view of the array: keeps it alive, no copy
-        self.batch: _Batch | None = None  # the batch hashing this array's block
-        self.index = 0  # this array's place in that batch
-
-    def cid(self) -> bytes:
-        """The CID of this array's block (waits for its batch to be hashed)."""
-        return self._digest()[0]
-
-    def put_batch(self, writer: BlockWriter) -> None:
-        """Put the blocks of this array's whole batch, once, in one call (they are written
-        together, in order: one container's arrays)."""
-        batch = self.batch
-        assert batch is not None, "not given a block"
-        if not batch.written:
-            blocks = [(cid, data, stored) for (cid, stored), data in zip(batch.results(), batch.data,
-                                                                        strict=True)]
-            writer.put_many(blocks, keep=True)
-            batch.written = True
-
-    def _digest(self) -> Digest:
-        assert self.batch is not None, "not given a block"
-        return self.batch.results()[self.index]
+        self.nbytes = data.nbytes
 
     def inline(self) -> dict[str, Any]:
         """The ndarray map with the bytes inline (the layout of cas_ckpt 0.1 and 0.2)."""
         return {**self.header, "data": self.data}
 
 
-def give_blocks(
-    items: Iterable[Any], digest: Callable[[memoryview, dict[str, Any]], Digest], chunk_size: int,
-    pool: Executor | None = None,
-) -> bool:
-    """If the small arrays among ``items`` hold more than ``SMALL_SPLIT`` bytes, give each of
-    them a block of its own and return True: their container then gets a node of its own,
-    however small (a sub-tree load reads it alone, not its parent's other children with it).
+class SmallBlocks:
+    """The small arrays of one save that get blocks of their own, hashed in batches.
 
-    The blocks are hashed (``digest(data, header)``: the CID, and the encoding for a compressing
-    writer) in batches of about ``BATCH_BYTES``: on ``pool`` from now on if one is given, else
-    each on the saving thread when it is written. Hashing a small block takes about 5 us, less
-    than handing the GIL to a pool thread and back, and a pool thread hashing beside a busy
-    saving thread gets the GIL once per switch interval (5 ms): only a compressing writer, whose
-    encoding takes ten times longer outside the GIL, gains from the pool.
-
-    An array larger than ``chunk_size`` (a repository cutting chunks below 16 KiB) stays inline:
-    one chunk must not be larger than the chunk size its array records.
+    Batches are hashed (``raw``: a block's CID) on the saving thread when written: hashing a
+    small block takes about 5 us, less than handing the GIL to a pool thread and back, and a pool
+    thread hashing beside a busy saving thread gets the GIL once per switch interval (5 ms). For a
+    compressing writer (``encode``: a block's encoding, ten times longer than hashing, outside the
+    GIL) they go to ``pool`` as they are made. Arrays are found by ``id``: the plan holds each one
+    until it is written. Byte views of the arrays are made only while a batch is hashed and put:
+    a view kept per array from the first walk on set off the cyclic GC, as the array's own
+    object did.
     """
-    small = [x for x in items if type(x) is SmallArray]
-    if not small or sum(x.data.nbytes for x in small) <= SMALL_SPLIT:
-        return False
-    batch: list[SmallArray] = []
-    size = 0
-    for item in small:
-        if item.data.nbytes > chunk_size:
-            continue
-        batch.append(item)
-        size += item.data.nbytes
-        if size >= BATCH_BYTES:
-            _Batch(batch, digest, pool)
-            batch, size = [], 0
-    if batch:
-        _Batch(batch, digest, pool)
-    return True
+
+    def __init__(self, raw: Callable[[memoryview], bytes], encode: Encode | None, pool: Executor | None
+                 ) -> None:
+        self._raw = raw
+        self._encode = encode
+        self._pool = pool if encode is not None else None
+        self._batch_of: dict[int, _Batch] = {}
+        self._index_of: dict[int, int] = {}  # ints only: the dict is not tracked by the GC
+        self._batches: list[_Batch] = []
+
+    def give_blocks(self, items: Iterable[Any], name_of: Callable[[Any], str], chunk_size: int) -> bool:
+        """If the small arrays among ``items`` hold more than ``SMALL_SPLIT`` bytes, give each of
+        them a block of its own and return True: their container then gets a node of its own,
+        however small (a sub-tree load reads it alone, not its parent's other children with it).
+
+        An array larger than ``chunk_size`` (a repository cutting chunks below 16 KiB) stays
+        inline: one chunk must not be larger than the chunk size its array records.
+        """
+        small = [x for x in items if type(x) is np.ndarray or type(x) is SmallArray]
+        if not small or sum(x.nbytes for x in small) <= SMALL_SPLIT:
+            return False
+        batch: list[Any] = []
+        size = 0
+        for item in small:
+            if item.nbytes > chunk_size:
+                continue
+            batch.append(item)
+            size += item.nbytes
+            if size >= BATCH_BYTES:
+                self._add(batch, name_of)
+                batch, size = [], 0
+        if batch:
+            self._add(batch, name_of)
+        return True
+
+    def _add(self, arrays: list[Any], name_of: Callable[[Any], str]) -> None:
+        names = [name_of(x) for x in arrays] if self._encode is not None else None
+        batch = _Batch(arrays, names, self._raw, self._encode, self._pool)
+        self._batches.append(batch)
+        for i, array in enumerate(arrays):
+            self._batch_of[id(array)] = batch
+            self._index_of[id(array)] = i
+
+    def has_block(self, item: Any) -> bool:
+        return id(item) in self._batch_of
+
+    def put(self, item: Any, writer: BlockWriter) -> bytes:
+        """The CID of ``item``'s block, once its whole batch is put (in one call: one
+        container's arrays, written together in order). The state is not changed meanwhile:
+        the blocks are kept, not copied."""
+        batch = self._batch_of[id(item)]
+        if not batch.written:
+            cids, stored = batch.results()
+            views = [bytes_of(x) for x in batch.arrays]
+            writer.put_many(list(zip(cids, views, stored or [None] * len(cids), strict=True)), keep=True)
+            batch.written = True
+        return batch.results()[0][self._index_of[id(item)]]
+
+    def clear(self) -> None:
+        """Cancel the batches still queued (a failed save) and forget them all: ids of freed
+        objects get reused."""
+        for batch in self._batches:
+            batch.cancel()
+        self._batches.clear()
+        self._batch_of.clear()
+        self._index_of.clear()
+
+
+def bytes_of(item: Any) -> memoryview:
+    """The bytes of a small array of the plan (a :class:`SmallArray` or a plain ``np.ndarray``)."""
+    return item.data if type(item) is SmallArray else memoryview(item).cast("B")
+
+
+Results = tuple[list[bytes], "list[Stored | None] | None"]  # the CIDs, and encodings if compressing
 
 
 class _Batch:
     """The CIDs (and encodings) of a batch of small arrays, hashed on a pool or when needed."""
 
-    __slots__ = ("_digest", "_future", "_results", "data", "headers", "written")
+    __slots__ = ("_encode", "_future", "_names", "_raw", "_results", "arrays", "written")
 
-    def __init__(self, arrays: list[SmallArray], digest: Callable[[memoryview, dict[str, Any]], Digest],
-                 pool: Executor | None) -> None:
-        self.data = [x.data for x in arrays]  # each array's bytes, in order
-        self.headers = [x.header for x in arrays]
+    def __init__(self, arrays: list[Any], names: list[str] | None, raw: Callable[[memoryview], bytes],
+                 encode: Encode | None, pool: Executor | None) -> None:
+        self.arrays = arrays  # in order
+        self._names = names  # each array's dtype name, for the encoder
         self.written = False  # all its blocks put (by the first of its arrays to be written)
-        self._digest = digest
-        self._results: list[Digest] | None = None
+        self._raw = raw
+        self._encode = encode
+        self._results: Results | None = None
         self._future = None if pool is None else pool.submit(self._digest_all)
-        for i, array in enumerate(arrays):
-            array.batch, array.index = self, i
 
-    def results(self) -> list[Digest]:
+    def results(self) -> Results:
         if self._results is None:  # one wait (or one hashing run) per batch, not one per array
             self._results = self._digest_all() if self._future is None else self._future.result()
         return self._results
@@ -125,9 +163,15 @@ class _Batch:
         if self._future is not None:
             self._future.cancel()
 
-    def _digest_all(self) -> list[Digest]:
-        digest = self._digest
-        return [digest(data, header) for data, header in zip(self.data, self.headers, strict=True)]
+    def _digest_all(self) -> Results:
+        raw = self._raw
+        cids = [raw(bytes_of(x)) for x in self.arrays]
+        if self._encode is None or self._names is None:
+            return cids, None
+        encode = self._encode
+        stored = [encode(cid, bytes_of(x), name) for cid, x, name in zip(cids, self.arrays, self._names,
+                                                                          strict=True)]
+        return cids, stored
 
 
 def one_chunk_array(
@@ -142,15 +186,22 @@ def one_chunk_array(
     """
     name = header.get("dtype")
     if len(header) == 2 and type(name) is str and "shape" in header and next(iter(header)) == "dtype":
-        around = _AROUND_SHAPE.get((name, chunk_size))
-        if around is None:
-            around = _around_shape(name, chunk_size, packer)
-        body = b"".join((around[0], packer.pack(header["shape"]), around[1], codec.link(cid)))
-        return codec.ext(code, body)
+        return one_chunk_plain(code, name, header["shape"], chunk_size, cid, packer)
     head = packer.pack({**header, "chunk_size": chunk_size})
     if not 0x80 <= head[0] < 0x8F:  # not a fixmap with room for one more entry: never for ours
         raise ValueError(f"ndarray header of {len(header)} entries")
     return codec.ext(code, b"".join((bytes((head[0] + 1,)), head[1:], _CHUNKS_ONE, codec.link(cid))))
+
+
+def one_chunk_plain(
+    code: int, name: str, shape: Any, chunk_size: int, cid: bytes, packer: msgpack.Packer
+) -> bytes:
+    """:func:`one_chunk_array` of the header ``{"dtype": name, "shape": list(shape)}``."""
+    around = _AROUND_SHAPE.get((name, chunk_size))
+    if around is None:
+        around = _around_shape(name, chunk_size, packer)
+    body = b"".join((around[0], packer.pack(shape), around[1], codec.link(cid)))  # a tuple packs as a list
+    return codec.ext(code, body)
 
 
 def _around_shape(name: str, chunk_size: int, packer: msgpack.Packer) -> tuple[bytes, bytes]:

@@ -231,6 +231,9 @@ class TreeWriter:
         self._packer = codec.packer()
         self._own_node: set[int] = set()  # ids of prepared containers of many small arrays
         self._hashing = _HashAhead(pool, self._digest, HASH_AHEAD)
+        self._small = _small.SmallBlocks(
+            hasher.raw, self._encode_small if writer.compresses else None, pool
+        )
 
     def write(self, state: Any) -> bytes:
         """Store the whole state; return the binary CID of its root node."""
@@ -239,6 +242,7 @@ class TreeWriter:
             plan = self._prepare(state, "", 0)
         except BaseException:
             self._hashing.clear()
+            self._small.clear()
             raise
         try:
             root = self._put_node(self._body(plan, ""))
@@ -250,6 +254,7 @@ class TreeWriter:
             raise
         finally:
             self._own_node.clear()  # ids of freed objects get reused: never carry them over
+            self._small.clear()
 
     # -- first walk: check types, start hashing ------------------------------------------------
     def _prepare(self, value: Any, path: str, depth: int) -> Any:
@@ -308,8 +313,7 @@ class TreeWriter:
 
     def _mark(self, container: Any, items: Any) -> Any:
         """``container``, noted to get a node of its own if its small arrays get blocks."""
-        pool = self.pool if self.writer.compresses else None  # see give_blocks
-        if _small.give_blocks(items, self._digest_small, self.chunk_size, pool):
+        if self._small.give_blocks(items, _small_dtype, self.chunk_size):
             self._own_node.add(id(container))  # the plan holds it until written: the id stays
         return container
 
@@ -348,6 +352,10 @@ class TreeWriter:
             order, flat = "F", array.T
         else:
             flat = np.ascontiguousarray(array)  # strided views: the one unavoidable copy
+        if flat is array and order == "C" and type(array) is np.ndarray and kind == "numpy" \
+                and name in _NAMES and _small.TINY_LIMIT < array.nbytes <= INLINE_LIMIT:
+            self.logical_bytes += array.nbytes
+            return array  # plain: described when written (see SmallArray)
         if not array.size:
             data = memoryview(b"")
         elif name in _NAMES:  # numpy's own dtypes export a buffer: a byte view in one call
@@ -397,19 +405,19 @@ class TreeWriter:
     def _body(self, value: Any, path: str) -> bytes:
         if isinstance(value, dict):
             pack, small = self._pack, self._write_small
-            items = [pack(k) + (small(v) if type(v) is SmallArray else self._encode(v, join_path(path, k)))
+            items = [pack(k) + (small(v) if type(v) in _SMALL else self._encode(v, join_path(path, k)))
                      for k, v in value.items()]
             return self._container(items, "map")
         if isinstance(value, list):
             return self._container(
-                [self._write_small(v) if type(v) is SmallArray else self._encode(v, join_path(path, i))
+                [self._write_small(v) if type(v) in _SMALL else self._encode(v, join_path(path, i))
                  for i, v in enumerate(value)], "list"
             )
         if isinstance(value, Tagged) and value.code == TUPLE:
             return self._container(
                 [self._encode(v, join_path(path, i)) for i, v in enumerate(value.value)], "tuple"
             )
-        if type(value) is SmallArray:
+        if type(value) in _SMALL:
             return self._write_small(value)
         if isinstance(value, _Chunked):
             return self._write_chunked(value)
@@ -448,10 +456,8 @@ class TreeWriter:
         cid = self.hasher.raw(chunk)
         return cid, self.writer.encode(cid, chunk, float_size) if self.writer.compresses else None
 
-    def _digest_small(self, data: memoryview, header: dict[str, Any]) -> tuple[bytes, Stored | None]:
-        if not self.writer.compresses:
-            return self.hasher.raw(data), None
-        return self._digest(data, float_size(header["dtype"]))
+    def _encode_small(self, cid: bytes, data: memoryview, dtype: str) -> Stored | None:
+        return self.writer.encode(cid, data, float_size(dtype))
 
     def _write_chunked(self, plan: _Chunked) -> bytes:
         cids = []
@@ -470,12 +476,15 @@ class TreeWriter:
         plan.chunks, plan.hashes, plan.owner = [], [], None
         return codec.encode(Tagged(BLOB if blob else NDARRAY, header))
 
-    def _write_small(self, value: SmallArray) -> bytes:
-        if value.batch is None:
-            return self._pack(Tagged(NDARRAY, value.inline()))
-        value.put_batch(self.writer)  # the state is not changed meanwhile: kept, not copied
-        cid = value.cid()
-        return _small.one_chunk_array(NDARRAY, value.header, self.chunk_size, cid, self._packer)
+    def _write_small(self, value: SmallArray | np.ndarray[Any, Any]) -> bytes:
+        if not self._small.has_block(value):
+            inline = value.inline() if type(value) is SmallArray else _plain_inline(value)
+            return self._pack(Tagged(NDARRAY, inline))
+        cid = self._small.put(value, self.writer)
+        if type(value) is SmallArray:
+            return _small.one_chunk_array(NDARRAY, value.header, self.chunk_size, cid, self._packer)
+        return _small.one_chunk_plain(NDARRAY, _small_dtype(value), value.shape, self.chunk_size, cid,
+                                      self._packer)
 
     def _put_node(self, data: bytes) -> bytes:
         cid = self.hasher.node(data)
@@ -491,15 +500,26 @@ def _release(plan: Any) -> None:
         if isinstance(item, _Chunked):
             for f in item.hashes:
                 f.cancel()
-        elif type(item) is SmallArray:
-            if item.batch is not None:
-                item.batch.cancel()
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
         elif isinstance(item, Tagged):
             stack.append(item.value)
+
+
+_SMALL = (SmallArray, np.ndarray)  # plan values of small arrays (a bare ndarray is a plain one)
+
+
+def _small_dtype(value: SmallArray | np.ndarray[Any, Any]) -> str:
+    """The stored dtype name of a small array of the plan."""
+    if type(value) is SmallArray:
+        return value.header["dtype"]  # type: ignore[no-any-return]
+    return dtype_name(value.dtype)  # type: ignore[return-value]  # checked by the first walk
+
+
+def _plain_inline(array: np.ndarray[Any, Any]) -> dict[str, Any]:
+    return {"dtype": _small_dtype(array), "shape": list(array.shape), "data": memoryview(array).cast("B")}
 
 
 def _utf8(text: str, path: str) -> bytes:

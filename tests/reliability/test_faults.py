@@ -88,7 +88,7 @@ class Fault:
         raise OSError(self.err, os.strerror(self.err), os.fsdecode(src), None, path)
 
     def install(self, mp: pytest.MonkeyPatch) -> None:
-        names = ("write", "pwrite", "fsync", "link", "replace", "rename")
+        names = ("write", "pwrite", "pwritev", "fsync", "link", "replace", "rename")
         real = {name: getattr(os, name) for name in names}
         fault = self
         pending_short: list[str] = []
@@ -115,6 +115,10 @@ class Fault:
         def pwrite(fd: int, data: Any, offset: int) -> int:
             return written(fd, data, lambda d: real["pwrite"](fd, d, offset))
 
+        def pwritev(fd: int, buffers: list[Any], offset: int) -> int:  # one write of their bytes
+            joined = b"".join(memoryview(b).cast("B") for b in buffers)
+            return written(fd, joined, lambda d: real["pwrite"](fd, d, offset))
+
         def fsync(fd: int) -> None:
             path = _fd_path(fd)
             if fault._hit("fsync", path):
@@ -132,6 +136,7 @@ class Fault:
 
         mp.setattr(os, "write", write)
         mp.setattr(os, "pwrite", pwrite)
+        mp.setattr(os, "pwritev", pwritev)
         mp.setattr(os, "fsync", fsync)
         for name in ("link", "replace", "rename"):
             mp.setattr(os, name, two(name))
