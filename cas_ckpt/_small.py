@@ -106,20 +106,20 @@ class SmallBlocks:
             self._batch_of[id(array)] = batch
             self._index_of[id(array)] = i
 
-    def has_block(self, item: Any) -> bool:
-        return id(item) in self._batch_of
-
-    def put(self, item: Any, writer: BlockWriter) -> bytes:
-        """The CID of ``item``'s block, once its whole batch is put (in one call: one
-        container's arrays, written together in order). The state is not changed meanwhile:
-        the blocks are kept, not copied."""
-        batch = self._batch_of[id(item)]
+    def put(self, item: Any, writer: BlockWriter) -> bytes | None:
+        """The CID of ``item``'s block (None if it has none, being inline), once its whole batch
+        is put (in one call: one container's arrays, written together in order). The state is not
+        changed meanwhile: the blocks are kept, not copied."""
+        key = id(item)
+        batch = self._batch_of.get(key)
+        if batch is None:
+            return None
         if not batch.written:
-            cids, stored = batch.results()
             views = [bytes_of(x) for x in batch.arrays]
+            cids, stored = batch.results(views)
             writer.put_many(list(zip(cids, views, stored or [None] * len(cids), strict=True)), keep=True)
             batch.written = True
-        return batch.results()[0][self._index_of[id(item)]]
+        return batch.results()[0][self._index_of[key]]
 
     def clear(self) -> None:
         """Cancel the batches still queued (a failed save) and forget them all: ids of freed
@@ -154,24 +154,25 @@ class _Batch:
         self._results: Results | None = None
         self._future = None if pool is None else pool.submit(self._digest_all)
 
-    def results(self) -> Results:
+    def results(self, views: list[memoryview] | None = None) -> Results:
+        """The CIDs (and encodings); ``views``: the arrays' bytes, if the caller has them."""
         if self._results is None:  # one wait (or one hashing run) per batch, not one per array
-            self._results = self._digest_all() if self._future is None else self._future.result()
+            self._results = self._digest_all(views) if self._future is None else self._future.result()
         return self._results
 
     def cancel(self) -> None:
         if self._future is not None:
             self._future.cancel()
 
-    def _digest_all(self) -> Results:
-        raw = self._raw
-        cids = [raw(bytes_of(x)) for x in self.arrays]
+    def _digest_all(self, views: list[memoryview] | None = None) -> Results:
+        if views is None:
+            views = [bytes_of(x) for x in self.arrays]
+        cids = list(map(self._raw, views))
         if self._encode is None or self._names is None:
             return cids, None
         encode = self._encode
-        stored = [encode(cid, bytes_of(x), name) for cid, x, name in zip(cids, self.arrays, self._names,
-                                                                          strict=True)]
-        return cids, stored
+        names = self._names
+        return cids, [encode(cid, view, name) for cid, view, name in zip(cids, views, names, strict=True)]
 
 
 def one_chunk_array(
@@ -200,8 +201,9 @@ def one_chunk_plain(
     around = _AROUND_SHAPE.get((name, chunk_size))
     if around is None:
         around = _around_shape(name, chunk_size, packer)
-    body = b"".join((around[0], packer.pack(shape), around[1], codec.link(cid)))  # a tuple packs as a list
-    return codec.ext(code, body)
+    link = _LINK_36 + cid if len(cid) == 36 else codec.link(cid)  # 36: the CIDs of both hashes
+    shaped = packer.pack(shape)  # a tuple packs as a list
+    return codec.ext(code, b"".join((around[0], shaped, around[1], link)))
 
 
 def _around_shape(name: str, chunk_size: int, packer: msgpack.Packer) -> tuple[bytes, bytes]:
@@ -215,6 +217,7 @@ def _around_shape(name: str, chunk_size: int, packer: msgpack.Packer) -> tuple[b
 
 _AROUND_SHAPE: dict[tuple[str, int], tuple[bytes, bytes]] = {}
 _CHUNKS_ONE = msgpack.packb("chunks") + b"\x91"  # the key, then an array of one item
+_LINK_36 = codec.link(bytes(36))[:-36]  # the head of a link to a 36-byte CID
 
 
 class SmallReads:

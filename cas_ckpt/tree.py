@@ -477,10 +477,10 @@ class TreeWriter:
         return codec.encode(Tagged(BLOB if blob else NDARRAY, header))
 
     def _write_small(self, value: SmallArray | np.ndarray[Any, Any]) -> bytes:
-        if not self._small.has_block(value):
+        cid = self._small.put(value, self.writer)
+        if cid is None:
             inline = value.inline() if type(value) is SmallArray else _plain_inline(value)
             return self._pack(Tagged(NDARRAY, inline))
-        cid = self._small.put(value, self.writer)
         if type(value) is SmallArray:
             return _small.one_chunk_array(NDARRAY, value.header, self.chunk_size, cid, self._packer)
         return _small.one_chunk_plain(NDARRAY, _small_dtype(value), value.shape, self.chunk_size, cid,
