@@ -9,6 +9,7 @@ import sys
 import tempfile
 import textwrap
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import cas_ckpt
 from cas_ckpt import _fs
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends import Backend, LocalBackend, MemoryBackend
+from cas_ckpt.backends.base import ObjectInfo
 from cas_ckpt.backends.local import GATHER_BYTES, SMALL_WRITE
 from cas_ckpt.blocks import LocalStore, PackedBlockStore
 from cas_ckpt.testing import BackendTests, PackedStoreTests, raw_block
@@ -232,6 +234,23 @@ class TestLocalStore(PackedStoreTests):
         assert store.delete({blocks[0][0]})[0] == 1
         other.refresh()
         assert not other.has(blocks[0][0]) and other.has(blocks[1][0])
+
+    def test_a_pack_published_while_listing_stays_in_the_index(self, tmp_path: Path) -> None:
+        """A refresh racing this process's own publish (another thread committing between the
+        listing and the index update) must not take the new pack for one that is gone."""
+        store = LocalStore(tmp_path / "store")
+        cid, data = raw_block(7, 400)
+        real = store.backend.list_changes
+
+        def list_then_publish(known: AbstractSet[str]) -> tuple[set[str], list[ObjectInfo]]:
+            listed = real(known)
+            with store.writer() as writer:  # commits: the pack joins the index now
+                writer.put(cid, data)
+            return listed
+
+        store.backend.list_changes = list_then_publish  # type: ignore[method-assign]
+        store.refresh()
+        assert store.has(cid) and store.get(cid) == data
 
     def test_blocks_survive_reopening(self, tmp_path: Path) -> None:
         blocks = dict(raw_block(i, 700) for i in range(100))
