@@ -258,7 +258,7 @@ class TestS3Store(PackedStoreTests):
                 for cid, data in blocks.items():
                     writer.put(cid, data)
             first, *_, last = blocks
-            loc = store._index[last]
+            (loc,) = store._copies(last)
             client, bucket = store.bucket.client, store.bucket.bucket
             key = f"{store.bucket.prefix}packs/{loc.pack}"
             whole = client.get_object(Bucket=bucket, Key=key)["Body"].read()

@@ -69,7 +69,7 @@ class Location(NamedTuple):
 
 def pack_version(entries: list[Entry]) -> int:
     """The lowest format version that can hold these entries."""
-    return 2 if any(e.codec != CODEC_NONE for e in entries) else 1
+    return 2 if any(codec != CODEC_NONE for _cid, _offset, _length, codec, _size in entries) else 1
 
 
 def encode_index(entries: list[Entry], version: int = 1) -> tuple[bytes, str]:
@@ -78,9 +78,9 @@ def encode_index(entries: list[Entry], version: int = 1) -> tuple[bytes, str]:
         if pack_version(entries) != 1:
             raise ValueError("a version 1 pack holds raw blocks only")
         rows: list[tuple[bytes, int, int] | tuple[bytes, int, int, int, int]] = [
-            (e.cid, e.offset, e.length) for e in entries]
+            (cid, offset, length) for cid, offset, length, _codec, _size in entries]
     else:
-        rows = [(e.cid, e.offset, e.length, e.codec, e.size) for e in entries]
+        rows = [tuple(e) for e in entries]  # an Entry, or the plain tuple of its fields
     index = msgpack.packb(rows, use_bin_type=True)
     tail = index + FOOTER.pack(len(index), hashlib.sha256(index).digest(), FOOTER_MAGIC)
     return tail, hashlib.sha256(tail).hexdigest() + SUFFIX

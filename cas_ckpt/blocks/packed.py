@@ -52,6 +52,8 @@ from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, Repositor
 REPACK_READ = 16 * 1024 * 1024  # the most GC reads at once when copying live blocks
 SPACE_MARGIN = 1024 * 1024  # GC merges only with this much room left over (indexes, metadata)
 _MAX_MOVES = 16  # a block whose pack GC compacts again and again under a read is followed this often
+_Loc = tuple[str, int, int, int, int]  # a Location's fields
+_Entry = tuple[bytes, int, int, int, int]  # an Entry's fields
 
 
 class PackWriter(BlockWriter):
@@ -74,7 +76,7 @@ class PackWriter(BlockWriter):
         self._compressor = Compressor(compression)
         self.version = 2 if self._compressor.enabled else version
         self._sink: Sink | None = None
-        self._entries: list[Entry] = []
+        self._entries: list[_Entry] = []  # plain tuples: see PackedBlockStore._index
         self._offset = 0
         self._sealed: list[Future[tuple[ObjectInfo, list[Entry]]]] = []
         self.published: list[str] = []
@@ -103,7 +105,7 @@ class PackWriter(BlockWriter):
             self._sink.write(MAGICS[self.version])
             self._offset = len(PACK_MAGIC)
         self._sink.write(stored.data, keep=keep or type(stored.data) is bytes)
-        self._entries.append(Entry(cid, self._offset, length, stored.codec, size))
+        self._entries.append((cid, self._offset, length, stored.codec, size))
         self._offset += length
         self.stats.bytes_stored += length
 
@@ -190,9 +192,12 @@ class PackedBlockStore(BlockStore):
         self.pack_size = pack_size or backend.pack_size
         self._lock = threading.RLock()
         self._refresh_lock = threading.Lock()
-        self._index: dict[bytes, Location] = {}  # the copy reads try first
-        self._extra: dict[bytes, list[Location]] = {}  # further copies (blocks stored twice)
-        self._packs: dict[str, list[Entry]] = {}
+        # Every known block is in these (a repository may hold millions), as plain tuples: the
+        # cyclic GC stops tracking a tuple of atomic values, never a NamedTuple; 2 objects a
+        # block it walked at each full collection set off the next (Location, Entry: the fields).
+        self._index: dict[bytes, _Loc] = {}  # the copy reads try first
+        self._extra: dict[bytes, list[_Loc]] = {}  # further copies (blocks stored twice)
+        self._packs: dict[str, list[_Entry]] = {}
         self._info: dict[str, ObjectInfo] = {}
         self._bad: set[Location] = set()  # copies that failed their hash in this process
         self.corrupt_packs: dict[str, str] = {}  # packs whose index cannot be read, and why
@@ -270,12 +275,13 @@ class PackedBlockStore(BlockStore):
         with self._lock:
             if info.name in self._packs:
                 return
-            self._packs[info.name] = entries
+            self._packs[info.name] = list(map(tuple, entries))
             self._info[info.name] = info
-            for e in entries:
-                loc = Location.of(info.name, e)
-                if self._index.setdefault(e.cid, loc) is not loc:
-                    self._extra.setdefault(e.cid, []).append(loc)
+            name = info.name
+            for cid, offset, length, codec, size in entries:
+                loc = (name, offset, length, codec, size)
+                if self._index.setdefault(cid, loc) is not loc:
+                    self._extra.setdefault(cid, []).append(loc)
 
     def _add_packs(self, packs: list[tuple[ObjectInfo, list[Entry]]]) -> None:
         for info, entries in packs:
@@ -286,9 +292,9 @@ class PackedBlockStore(BlockStore):
         with self._lock:
             entries = self._packs.pop(name, None) or []
             self._info.pop(name, None)
-            for e in entries:
-                cid, loc = e.cid, Location.of(name, e)
-                self._bad.discard(loc)
+            for cid, offset, length, codec, size in entries:
+                loc = (name, offset, length, codec, size)
+                self._bad.discard(loc)  # type: ignore[arg-type]  # a tuple equals its Location
                 others = self._extra.get(cid)
                 if self._index.get(cid) == loc:
                     if others:
@@ -307,7 +313,7 @@ class PackedBlockStore(BlockStore):
             first = self._index.get(cid)
             if first is None:
                 return []
-            copies = [first, *self._extra.get(cid, ())]
+            copies = [Location._make(first), *map(Location._make, self._extra.get(cid, ()))]
         return sorted(copies, key=lambda loc: loc in self._bad) if self._bad else copies
 
     def _locate(self, cid: bytes) -> list[Location]:
@@ -331,7 +337,7 @@ class PackedBlockStore(BlockStore):
             if first is None or first == loc or not others or loc not in others:
                 return
             others[others.index(loc)] = first
-            self._index[cid] = loc
+            self._index[cid] = tuple(loc)  # type: ignore[assignment]
 
     def damaged(self) -> dict[str, str]:
         with self._lock:
@@ -347,7 +353,7 @@ class PackedBlockStore(BlockStore):
         """Each pack's entries (binary CID, offset, stored length, codec, raw length)."""
         self.refresh()
         with self._lock:
-            return {name: list(entries) for name, entries in self._packs.items()}
+            return {name: list(map(Entry._make, entries)) for name, entries in self._packs.items()}
 
     def locate(self, cid: bytes) -> tuple[str, int, int]:
         """Where the copy reads use lies: the pack (its path or URL), offset and stored length."""
@@ -494,16 +500,16 @@ class PackedBlockStore(BlockStore):
             if not all(copies):
                 return None
             found = [c[0] for c in copies]
-        first = found[0]
-        end = first.offset
-        for loc in found:
-            if loc.pack != first.pack or loc.offset != end or loc.codec != CODEC_NONE:
+        pack, start = found[0][0], found[0][1]
+        end = start
+        for loc_pack, offset, length, codec, _size in found:
+            if loc_pack != pack or offset != end or codec != CODEC_NONE:
                 return None  # mapped loads apply to raw blocks only
-            end += loc.length
+            end += length
         if private:
-            return self.backend.map_private(first.pack, first.offset, end - first.offset)
-        mapped = self.backend.map(first.pack)
-        return None if mapped is None else mapped[first.offset : end]
+            return self.backend.map_private(pack, start, end - start)
+        mapped = self.backend.map(pack)
+        return None if mapped is None else mapped[start:end]
 
     def _has(self, cid: bytes) -> bool:
         loc = self._index.get(cid)
@@ -591,6 +597,7 @@ class PackedBlockStore(BlockStore):
     def _pack_intact(self, name: str, entries: list[Entry], version: int) -> bool:
         """True if the object ``name`` is the version ``version`` pack of ``entries``, each block
         passing its hash."""
+        entries = list(map(Entry._make, entries))
         try:
             if self.backend.read(name, 0, len(PACK_MAGIC)) != MAGICS[version]:
                 return False
@@ -634,7 +641,7 @@ class PackedBlockStore(BlockStore):
         self._check_writable()
         self.refresh(full=True)
         with self._lock:
-            packs = {name: (list(entries), self._info[name].size, self._info[name].age)
+            packs = {name: (list(map(Entry._make, entries)), self._info[name].size, self._info[name].age)
                      for name, entries in self._packs.items() if name in self._info}
         plan = plan_sweep(packs, cids, max(min_age, self.backend.min_grace),
                           small_size=min(SMALL_PACK, self.pack_size // 2))
