@@ -252,6 +252,25 @@ class TestLocalStore(PackedStoreTests):
         store.refresh()
         assert store.has(cid) and store.get(cid) == data
 
+    def test_the_block_index_leaves_the_gc_alone(self, tmp_path: Path) -> None:
+        """The index holds every block a store knows (a repository may hold millions). Its
+        entries are plain tuples of atomic values, which the cyclic GC stops tracking, so no
+        full collection of the process walks them: NamedTuples it tracks for ever."""
+        import gc
+
+        store = LocalStore(tmp_path / "store")
+        with store.writer() as writer:
+            for i in range(3000):
+                writer.put(*raw_block(i, 64))
+        reader = LocalStore(tmp_path / "store")  # its index read back from the pack
+        gc.collect()
+        for known in (store, reader):
+            assert len(known._index) == 3000
+            assert not any(gc.is_tracked(loc) for loc in known._index.values())
+            assert not any(gc.is_tracked(e) for pack in known._packs.values() for e in pack)
+            assert all(known.get(cid) == raw_block(i, 64)[1]
+                       for i, cid in enumerate(raw_block(i, 64)[0] for i in range(3000)))
+
     def test_blocks_survive_reopening(self, tmp_path: Path) -> None:
         blocks = dict(raw_block(i, 700) for i in range(100))
         store = LocalStore(tmp_path / "store")
