@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import msgpack
@@ -67,12 +68,15 @@ class Location(NamedTuple):
         return cls(pack, e.offset, e.length, e.codec, e.size)
 
 
-def pack_version(entries: list[Entry]) -> int:
+EntryFields = tuple[bytes, int, int, int, int]  # an Entry's fields, as the store's index keeps them
+
+
+def pack_version(entries: Sequence[EntryFields]) -> int:
     """The lowest format version that can hold these entries."""
     return 2 if any(codec != CODEC_NONE for _cid, _offset, _length, codec, _size in entries) else 1
 
 
-def encode_index(entries: list[Entry], version: int = 1) -> tuple[bytes, str]:
+def encode_index(entries: Sequence[EntryFields], version: int = 1) -> tuple[bytes, str]:
     """The index and footer bytes that end a pack of ``entries``, and the pack's name."""
     if version == 1:
         if pack_version(entries) != 1:

@@ -19,7 +19,7 @@ import errno
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from cas_ckpt.blocks.pack import (
     SUFFIX,
     VERSIONS,
     Entry,
+    EntryFields,
     Location,
     encode_index,
     index_length,
@@ -53,7 +54,6 @@ REPACK_READ = 16 * 1024 * 1024  # the most GC reads at once when copying live bl
 SPACE_MARGIN = 1024 * 1024  # GC merges only with this much room left over (indexes, metadata)
 _MAX_MOVES = 16  # a block whose pack GC compacts again and again under a read is followed this often
 _Loc = tuple[str, int, int, int, int]  # a Location's fields
-_Entry = tuple[bytes, int, int, int, int]  # an Entry's fields
 
 
 class PackWriter(BlockWriter):
@@ -76,9 +76,9 @@ class PackWriter(BlockWriter):
         self._compressor = Compressor(compression)
         self.version = 2 if self._compressor.enabled else version
         self._sink: Sink | None = None
-        self._entries: list[_Entry] = []  # plain tuples: see PackedBlockStore._index
+        self._entries: list[EntryFields] = []  # plain tuples: see PackedBlockStore._index
         self._offset = 0
-        self._sealed: list[Future[tuple[ObjectInfo, list[Entry]]]] = []
+        self._sealed: list[Future[tuple[ObjectInfo, list[EntryFields]]]] = []
         self.published: list[str] = []
 
     def _stored(self, cid: bytes) -> bool:
@@ -137,7 +137,7 @@ class PackWriter(BlockWriter):
         if self._packed.backend.publish_in_background:
             self._sealed.append(self._packed._publisher.submit(publish, sink, info, entries, self.version))
         else:
-            done: Future[tuple[ObjectInfo, list[Entry]]] = Future()
+            done: Future[tuple[ObjectInfo, list[EntryFields]]] = Future()
             done.set_result(publish(sink, info, entries, self.version))
             self._sealed.append(done)
 
@@ -169,7 +169,7 @@ class PackWriter(BlockWriter):
             future.exception()
         self._sealed = []
 
-    def _wait(self) -> list[tuple[ObjectInfo, list[Entry]]]:
+    def _wait(self) -> list[tuple[ObjectInfo, list[EntryFields]]]:
         """Every sealed pack, once all have finished publishing; the first failure raised."""
         results, first = [], None
         for future in self._sealed:
@@ -192,12 +192,12 @@ class PackedBlockStore(BlockStore):
         self.pack_size = pack_size or backend.pack_size
         self._lock = threading.RLock()
         self._refresh_lock = threading.Lock()
-        # Every known block is in these (a repository may hold millions), as plain tuples: the
-        # cyclic GC stops tracking a tuple of atomic values, never a NamedTuple; 2 objects a
-        # block it walked at each full collection set off the next (Location, Entry: the fields).
+        # Every known block is in these (a repository may hold millions), as plain tuples of a
+        # Location's and an Entry's fields: the cyclic GC stops tracking a tuple of atomic values,
+        # never a NamedTuple, and every full collection of the process walked those.
         self._index: dict[bytes, _Loc] = {}  # the copy reads try first
         self._extra: dict[bytes, list[_Loc]] = {}  # further copies (blocks stored twice)
-        self._packs: dict[str, list[_Entry]] = {}
+        self._packs: dict[str, list[EntryFields]] = {}
         self._info: dict[str, ObjectInfo] = {}
         self._bad: set[Location] = set()  # copies that failed their hash in this process
         self.corrupt_packs: dict[str, str] = {}  # packs whose index cannot be read, and why
@@ -271,7 +271,7 @@ class PackedBlockStore(BlockStore):
             return parse_index(longer, info.size, where, version)
         return parse_index(bytes(tail), info.size, where, version)
 
-    def _add_pack(self, info: ObjectInfo, entries: list[Entry]) -> None:
+    def _add_pack(self, info: ObjectInfo, entries: Sequence[EntryFields]) -> None:
         with self._lock:
             if info.name in self._packs:
                 return
@@ -283,7 +283,7 @@ class PackedBlockStore(BlockStore):
                 if self._index.setdefault(cid, loc) is not loc:
                     self._extra.setdefault(cid, []).append(loc)
 
-    def _add_packs(self, packs: list[tuple[ObjectInfo, list[Entry]]]) -> None:
+    def _add_packs(self, packs: list[tuple[ObjectInfo, list[EntryFields]]]) -> None:
         for info, entries in packs:
             self._add_pack(info, entries)
 
@@ -576,8 +576,8 @@ class PackedBlockStore(BlockStore):
             return self._publisher_pool
 
     def _publish(
-        self, sink: Sink, info: ObjectInfo, entries: list[Entry], version: int
-    ) -> tuple[ObjectInfo, list[Entry]]:
+        self, sink: Sink, info: ObjectInfo, entries: list[EntryFields], version: int
+    ) -> tuple[ObjectInfo, list[EntryFields]]:
         """Publish a sealed pack; an existing object of its name is trusted only once verified."""
         name = info.name
         try:
@@ -594,7 +594,7 @@ class PackedBlockStore(BlockStore):
             raise
         return info, entries
 
-    def _pack_intact(self, name: str, entries: list[Entry], version: int) -> bool:
+    def _pack_intact(self, name: str, entries: Sequence[EntryFields], version: int) -> bool:
         """True if the object ``name`` is the version ``version`` pack of ``entries``, each block
         passing its hash."""
         entries = list(map(Entry._make, entries))
