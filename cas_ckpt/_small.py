@@ -5,8 +5,8 @@ container whose inline arrays hold more than ``SMALL_SPLIT`` bytes (10,000 small
 dict), that made every node ~850 KiB, so a change to one tensor in ten rewrote all of them. There
 the arrays above ``TINY_LIMIT`` are stored as ordinary one-chunk arrays instead: their own raw
 block each, found again by a re-save that leaves them alone. Hashing one block per pool task, and
-reading one per task, cost more in Python than the hashing itself, so both go in batches; a batch
-is hashed on the saving thread as it is written (see :class:`SmallBlocks`).
+reading one per task, cost more in Python than the hashing itself, so both go in batches: a batch
+is hashed, and checked when loaded, by :meth:`cid.Hasher.raw_many` (see :class:`SmallBlocks`).
 """
 
 from __future__ import annotations
@@ -54,19 +54,20 @@ class SmallArray:
 class SmallBlocks:
     """The small arrays of one save that get blocks of their own, hashed in batches.
 
-    Batches are hashed (``raw``: a block's CID) on the saving thread when written: hashing a
-    small block takes about 5 us, less than handing the GIL to a pool thread and back, and a pool
-    thread hashing beside a busy saving thread gets the GIL once per switch interval (5 ms). For a
-    compressing writer (``encode``: a block's encoding, ten times longer than hashing, outside the
-    GIL) they go to ``pool`` as they are made. Arrays are found by ``id``: the plan holds each one
-    until it is written. Byte views of the arrays are made only while a batch is hashed and put:
-    a view kept per array from the first walk on set off the cyclic GC, as the array's own
-    object did.
+    A batch starts hashing (:meth:`cid.Hasher.raw_many`) as soon as the first walk has made it:
+    on the compiled pool's threads, which need no GIL, beside the walk over the rest of the
+    state. (A pool thread of Python's hashing 8 KiB blocks beside the busy saving thread got the
+    GIL once per switch interval, 5 ms; without the compiled pool a batch is hashed on the saving
+    thread when written.) For a compressing writer (``encode``: a block's encoding, ten times
+    longer than hashing, outside the GIL) batches go to ``pool`` as they are made. Arrays are
+    found by ``id``: the plan holds each one until it is written. Byte views of the arrays are
+    made only while a batch is put: a view kept per array from the first walk on set off the
+    cyclic GC, as the array's own object did.
     """
 
-    def __init__(self, raw: Callable[[memoryview], bytes], encode: Encode | None, pool: Executor | None
+    def __init__(self, hasher: cidlib.Hasher, encode: Encode | None, pool: Executor | None
                  ) -> None:
-        self._raw = raw
+        self._hasher = hasher
         self._encode = encode
         self._pool = pool if encode is not None else None
         self._batch_of: dict[int, _Batch] = {}
@@ -100,7 +101,7 @@ class SmallBlocks:
 
     def _add(self, arrays: list[Any], name_of: Callable[[Any], str]) -> None:
         names = [name_of(x) for x in arrays] if self._encode is not None else None
-        batch = _Batch(arrays, names, self._raw, self._encode, self._pool)
+        batch = _Batch(arrays, names, self._hasher, self._encode, self._pool)
         self._batches.append(batch)
         for i, array in enumerate(arrays):
             self._batch_of[id(array)] = batch
@@ -116,7 +117,7 @@ class SmallBlocks:
             return None
         if not batch.written:
             views = [bytes_of(x) for x in batch.arrays]
-            cids, stored = batch.results(views)
+            cids, stored = batch.results()
             writer.put_many(list(zip(cids, views, stored or [None] * len(cids), strict=True)), keep=True)
             batch.written = True
         return batch.results()[0][self._index_of[key]]
@@ -140,39 +141,49 @@ Results = tuple[list[bytes], "list[Stored | None] | None"]  # the CIDs, and enco
 
 
 class _Batch:
-    """The CIDs (and encodings) of a batch of small arrays, hashed on a pool or when needed."""
+    """The CIDs (and encodings) of a batch of small arrays, hashed from the start."""
 
-    __slots__ = ("_encode", "_future", "_names", "_raw", "_results", "arrays", "written")
+    __slots__ = ("_encode", "_future", "_hasher", "_names", "_pending", "_results", "arrays", "written")
 
-    def __init__(self, arrays: list[Any], names: list[str] | None, raw: Callable[[memoryview], bytes],
+    def __init__(self, arrays: list[Any], names: list[str] | None, hasher: cidlib.Hasher,
                  encode: Encode | None, pool: Executor | None) -> None:
         self.arrays = arrays  # in order
         self._names = names  # each array's dtype name, for the encoder
         self.written = False  # all its blocks put (by the first of its arrays to be written)
-        self._raw = raw
+        self._hasher = hasher
         self._encode = encode
         self._results: Results | None = None
-        self._future = None if pool is None else pool.submit(self._digest_all)
+        self._future = None if pool is None else pool.submit(self._encode_all)
+        self._pending = None if pool is not None else hasher.raw_many(_buffers(arrays))
 
-    def results(self, views: list[memoryview] | None = None) -> Results:
-        """The CIDs (and encodings); ``views``: the arrays' bytes, if the caller has them."""
-        if self._results is None:  # one wait (or one hashing run) per batch, not one per array
-            self._results = self._digest_all(views) if self._future is None else self._future.result()
+    def results(self) -> Results:
+        """The CIDs (and encodings), waited for once per batch, not once per array."""
+        if self._results is None:
+            if self._future is not None:
+                self._results = self._future.result()
+            else:
+                assert self._pending is not None
+                self._results = self._pending.result(), None
+                self._pending = None
         return self._results
 
     def cancel(self) -> None:
         if self._future is not None:
             self._future.cancel()
+        self._pending = None  # a job of the compiled pool stops, and lets the arrays go
 
-    def _digest_all(self, views: list[memoryview] | None = None) -> Results:
-        if views is None:
-            views = [bytes_of(x) for x in self.arrays]
-        cids = list(map(self._raw, views))
-        if self._encode is None or self._names is None:
-            return cids, None
-        encode = self._encode
-        names = self._names
+    def _encode_all(self) -> Results:
+        assert self._encode is not None and self._names is not None
+        views = [bytes_of(x) for x in self.arrays]
+        cids = self._hasher.raw_many(views).result()
+        encode, names = self._encode, self._names
         return cids, [encode(cid, view, name) for cid, view, name in zip(cids, views, names, strict=True)]
+
+
+def _buffers(arrays: list[Any]) -> list[Any]:
+    """What hashes each array's bytes: the array itself (C-contiguous, a numpy dtype), or the
+    byte view of a :class:`SmallArray`. No view is made per plain array."""
+    return [x.data if type(x) is SmallArray else x for x in arrays]
 
 
 def one_chunk_array(
@@ -225,9 +236,9 @@ class SmallReads:
 
     The reader flushes a batch at the end of each container, so a batch holds blocks one save
     wrote back to back. On a store that maps its packs (a local directory) the batch is copied
-    out of the mapping and each block hashed, on the loading thread: no read call, no task and
-    no GIL hand-over per array (reading them one by one cost 0.13 s for state c against 0.08 s;
-    on the pool threads, with the GIL changing hands for every 8 KiB hash, more still). A batch
+    out of the mapping on the loading thread, and checked (when verifying) by
+    :func:`cid.start_checks` while the load goes on: no read call, no task and no GIL hand-over
+    per array (reading them one by one cost 0.13 s for state c against 0.08 s). A batch
     a later save split (the blocks it rewrote lie elsewhere) is copied block by block, each
     mapped on its own. On a store that cannot map, a batch goes to ``executor`` through
     ``get_many_into``, which a remote store turns into a few ranged requests, several batches in
@@ -241,6 +252,7 @@ class SmallReads:
         self._executor = executor
         self._batch: list[tuple[bytes, memoryview]] = []
         self._size = 0
+        self._checking: tuple[Callable[[], list[int]], list[tuple[bytes, memoryview]]] | None = None
         self.futures: list[Future[None]] = []
 
     def add(self, cid: bytes, out: memoryview) -> None:
@@ -261,35 +273,56 @@ class SmallReads:
             # array's would shift the pieces after it, and each fails its hash (when verifying;
             # unverified, the store's index is trusted like its bytes).
             self._copy_out(batch, mapped)
-        elif not self._read_runs(batch):
-            self.futures.append(self._executor.submit(self._read_many, batch))
+            copied = len(batch)
+        else:
+            copied = self._read_runs(batch)
+            if copied < len(batch):  # a store that cannot map: it reads (and checks) the rest
+                self.futures.append(self._executor.submit(self._read_many, batch[copied:]))
+        if self._verify and copied:
+            self._check_later(batch[:copied])
 
-    def _read_runs(self, batch: list[tuple[bytes, memoryview]]) -> bool:
+    def _read_runs(self, batch: list[tuple[bytes, memoryview]]) -> int:
         """Copy each block of ``batch`` out of its mapped pack (a batch a later save split: the
-        blocks it rewrote lie elsewhere); False (nothing read) on a store that cannot map."""
+        blocks it rewrote lie elsewhere), up to the first the store cannot map; how many."""
         store = self._store
         for i, (cid, out) in enumerate(batch):
             mapped = store.map_blocks([cid])
             if mapped is None:
-                if i:  # cannot happen with one store, but never leave a block unread
-                    self.futures.append(self._executor.submit(self._read_many, batch[i:]))
-                    return True
-                return False
+                return i
             if mapped.nbytes != out.nbytes:
                 raise CorruptBlock(cidlib.to_str(cid),
                                    f"stored size {mapped.nbytes} != expected {out.nbytes}")
             self._copy_out([(cid, out)], mapped)
-        return True
+        return len(batch)
 
     def _copy_out(self, part: list[tuple[bytes, memoryview]], mapped: memoryview) -> None:
         offset = 0
-        for cid, out in part:
-            piece = mapped[offset : offset + out.nbytes]
+        for _, out in part:
+            out[:] = mapped[offset : offset + out.nbytes]
             offset += out.nbytes
-            if self._verify and not cidlib.matches(cid, piece):
-                self._store.get_into(cid, out, verify=True)  # a good copy elsewhere, or why not
-            else:
-                out[:] = piece
+
+    def _check_later(self, part: list[tuple[bytes, memoryview]]) -> None:
+        """Start checking the blocks just copied out, and finish the batch before.
+
+        The check runs on the compiled pool (if any) while the load goes on. It hashes the
+        arrays' bytes, which the copy has just made present, rather than the mapping's.
+        """
+        previous = self._checking
+        self._checking = cidlib.start_checks([cid for cid, _ in part], [out for _, out in part]), part
+        if previous is not None:
+            self._repair(*previous)
+
+    def finish(self) -> None:
+        """Read what is gathered and check what is left to check: the load's last step."""
+        self.flush()
+        if self._checking is not None:
+            checking, self._checking = self._checking, None
+            self._repair(*checking)
+
+    def _repair(self, wrong: Callable[[], list[int]], part: list[tuple[bytes, memoryview]]) -> None:
+        for i in wrong():
+            cid, out = part[i]
+            self._store.get_into(cid, out, verify=True)  # a good copy elsewhere, or why not
 
     def _read_many(self, batch: list[tuple[bytes, memoryview]]) -> None:
         sizes = [out.nbytes for _, out in batch]

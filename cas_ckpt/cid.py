@@ -5,6 +5,11 @@ The public CID type is :class:`multiformats.CID`. Inside the library a CID trave
 hashing a 1 MiB chunk. The fast path here (a fixed prefix plus the digest, and base32 through the
 standard library) is tested to give exactly what ``multiformats`` gives.
 
+Many small blocks are hashed together (:meth:`Hasher.raw_many`): for sha2-256, on the threads of
+the compiled ``_hashpool`` (``setup.py``), which never take the GIL, so that hashing runs beside
+the Python walk over the state instead of after each block. Where it was not built, hashlib
+gives the same CIDs on the thread that asks for them.
+
 Only the CIDs cas_ckpt writes are accepted: version 1, codec ``raw`` (0x55) or ``messagepack``
 (0x0201), multihash ``sha2-256`` (0x12) or ``blake3`` (0x1e), 32-byte digests, nothing trailing.
 """
@@ -14,13 +19,19 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
-from collections.abc import Callable
-from typing import Any
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import blake3 as _blake3_module
 from multiformats import CID
 
 from cas_ckpt.errors import InvalidCID
+
+try:
+    from cas_ckpt import _hashpool
+except ImportError:  # not built (no C compiler or OpenSSL headers where it was installed)
+    _hashpool = None
 
 RAW = 0x55
 MSGPACK = 0x0201
@@ -51,6 +62,34 @@ def _blake3(data: object) -> bytes:
 _DIGEST_FUNCTIONS: dict[int, Callable[[object], bytes]] = {SHA2_256: _sha256, BLAKE3: _blake3}
 
 
+def _pool_threads() -> int:
+    """Hashing threads beside the caller, which hashes too when it waits: one per other core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min((cores or 1) - 1, 8))
+
+
+POOL_THREADS = _pool_threads()
+
+
+class Pending(Protocol):
+    """CIDs being hashed; ``result()`` waits for them (once)."""
+
+    def result(self) -> list[bytes]: ...
+
+
+class _OnRequest:
+    """Hashed with hashlib when asked for, on the thread asking: the fallback of ``raw_many``."""
+
+    __slots__ = ("_buffers", "_hash")
+
+    def __init__(self, hash_one: Callable[[object], bytes], buffers: Sequence[object]) -> None:
+        self._hash = hash_one
+        self._buffers = buffers
+
+    def result(self) -> list[bytes]:
+        return list(map(self._hash, self._buffers))
+
+
 def prefix(codec: int, hash_code: int) -> bytes:
     """The bytes a binary CID starts with, before the digest."""
     return b"\x01" + _CODEC_VARINT[codec] + bytes([hash_code, DIGEST_SIZE])
@@ -74,6 +113,14 @@ class Hasher:
         """Binary CID of a raw chunk block (releases the GIL while hashing large buffers)."""
         return self._raw_prefix + self._digest(data)
 
+    def raw_many(self, buffers: Sequence[object]) -> Pending:
+        """Start the CIDs of many raw chunk blocks (C-contiguous buffers): hashed from now on
+        by the compiled pool for sha2-256, else when asked for. The buffers must not change
+        until ``result()`` returns."""
+        if _hashpool is not None and self.hash_code == SHA2_256:
+            return _hashpool.submit(buffers, self._raw_prefix, POOL_THREADS)  # type: ignore[no-any-return]
+        return _OnRequest(self.raw, buffers)
+
     def node(self, data: object) -> bytes:
         """Binary CID of a msgpack node block."""
         return self._node_prefix + self._digest(data)
@@ -89,11 +136,22 @@ def matches(cid: bytes, data: object) -> bool:
     return digest_of(cid, data) == cid[-DIGEST_SIZE:]
 
 
+def start_checks(cids: Sequence[bytes], buffers: Sequence[object]) -> Callable[[], list[int]]:
+    """Start checking each buffer against its CID (as :meth:`Hasher.raw_many` hashes them);
+    the function returned waits and gives the positions of those that do not match."""
+    if _hashpool is not None and all(cid[:-DIGEST_SIZE] == _SHA256_RAW for cid in cids):
+        pending = _SHA256.raw_many(buffers)
+        return lambda: [i for i, cid in enumerate(pending.result()) if cid != cids[i]]
+    return lambda: [i for i, cid in enumerate(cids) if not matches(cid, buffers[i])]
+
+
 def codec_of(cid: bytes) -> int:
     """The content codec of a binary CID that passed :func:`check_binary`."""
     return _VARINT_CODEC[cid[1:-DIGEST_SIZE - 2]]
 
 
+_SHA256 = Hasher("sha2-256")
+_SHA256_RAW = prefix(RAW, SHA2_256)
 _PREFIXES = frozenset(prefix(c, h) for c in CODEC_NAMES for h in HASH_NAMES)
 
 

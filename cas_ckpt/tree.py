@@ -232,7 +232,7 @@ class TreeWriter:
         self._own_node: set[int] = set()  # ids of prepared containers of many small arrays
         self._hashing = _HashAhead(pool, self._digest, HASH_AHEAD)
         self._small = _small.SmallBlocks(
-            hasher.raw, self._encode_small if writer.compresses else None, pool
+            hasher, self._encode_small if writer.compresses else None, pool
         )
 
     def write(self, state: Any) -> bytes:
@@ -735,7 +735,7 @@ class TreeReader:
             small = self._small = _small.SmallReads(self.store, self.pool, self.verify, fills)
             try:
                 result = self._load(value, 0)
-                small.flush()
+                small.finish()
             except BaseException:
                 for future in [*self._inflight, *small.futures]:
                     future.cancel()

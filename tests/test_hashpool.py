@@ -1,0 +1,182 @@
+"""The compiled hashing pool (cas_ckpt/_hashpool.c) against hashlib and multiformats.
+
+``Hasher.raw_many`` must give exactly the CIDs ``Hasher.raw`` gives, with the pool and without
+it, and a save or a verified load must not depend on which one ran. The pool's own contract:
+it holds each buffer from submit until the result is taken or the job dropped, refuses a buffer
+it cannot read whole, and works in a forked child (which has none of the parent's threads).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from multiformats import CID, multihash
+
+import cas_ckpt
+from cas_ckpt import cid as cidlib
+from cas_ckpt.errors import CorruptBlock
+
+if os.environ.get("CAS_CKPT_REQUIRE_NATIVE") == "1":
+    assert cidlib._hashpool is not None, "cas_ckpt._hashpool was not built (setup.py)"
+hashpool = pytest.importorskip("cas_ckpt._hashpool", reason="the compiled pool was not built")
+
+SHA = cidlib.Hasher("sha2-256")
+PREFIX = cidlib.prefix(cidlib.RAW, cidlib.SHA2_256)
+
+
+def reference(data: bytes) -> bytes:
+    return bytes(CID("base32", 1, "raw", multihash.digest(data, "sha2-256", size=32)))
+
+
+@pytest.fixture(params=["pool", "hashlib"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test with the compiled pool, then with the hashlib fallback."""
+    if request.param == "hashlib":
+        monkeypatch.setattr(cidlib, "_hashpool", None)
+    return str(request.param)
+
+
+@settings(max_examples=60, deadline=None)
+@given(blobs=st.lists(st.binary(max_size=70_000), max_size=40), threads=st.integers(0, 3))
+def test_the_pool_gives_the_cids_multiformats_gives(blobs: list[bytes], threads: int) -> None:
+    got = hashpool.submit(blobs, PREFIX, threads).result()
+    assert got == [reference(b) for b in blobs] == [SHA.raw(b) for b in blobs]
+
+
+@given(blobs=st.lists(st.binary(max_size=5000), max_size=30))
+def test_raw_many_equals_raw_with_either_backend(blobs: list[bytes]) -> None:
+    want = [SHA.raw(b) for b in blobs]
+    assert SHA.raw_many(blobs).result() == want
+    saved, cidlib._hashpool = cidlib._hashpool, None
+    try:
+        assert SHA.raw_many(blobs).result() == want
+    finally:
+        cidlib._hashpool = saved
+
+
+def test_blake3_is_hashed_without_the_pool() -> None:
+    """The pool is SHA-256 only: a blake3 hasher falls back, to blake3's CIDs."""
+    blake = cidlib.Hasher("blake3")
+    blobs = [os.urandom(3000) for _ in range(20)]
+    assert blake.raw_many(blobs).result() == [blake.raw(b) for b in blobs]
+    assert type(blake.raw_many(blobs)) is not type(SHA.raw_many(blobs))
+
+
+def test_every_kind_of_buffer_hashes_its_bytes() -> None:
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(1000).astype(np.float32), np.arange(700, dtype=np.int64),
+              rng.standard_normal(900).astype(ml_dtypes.bfloat16), np.zeros((0,), np.float32),
+              np.asfortranarray(rng.standard_normal((30, 40)))[:, :].T.copy()]
+    buffers: list[object] = [*arrays, b"bytes", bytearray(b"bytearray"), memoryview(b"0123456789")[2:7]]
+    want = [SHA.raw(a.tobytes() if isinstance(a, np.ndarray) else bytes(a)) for a in buffers]
+    assert hashpool.submit(buffers, PREFIX, 2).result() == want
+
+
+def test_a_buffer_it_cannot_read_whole_is_refused_at_submit() -> None:
+    strided = np.arange(100, dtype=np.float64)[::2]
+    held = bytearray(100)
+    with pytest.raises((BufferError, ValueError), match="contiguous"):
+        hashpool.submit([held, strided], PREFIX, 1)
+    held.extend(b"x")  # the buffer taken before the refusal was given back
+    with pytest.raises(TypeError):
+        hashpool.submit([b"ok", 42], PREFIX, 1)
+    with pytest.raises(ValueError, match="threads"):
+        hashpool.submit([b"ok"], PREFIX, -1)
+
+
+def test_a_job_holds_its_buffers_until_its_result_is_taken_or_it_is_dropped() -> None:
+    data = bytearray(os.urandom(50_000))
+    job = hashpool.submit([data], PREFIX, 1)
+    with pytest.raises(BufferError):
+        data.extend(b"x")  # held: the pool may be reading it
+    assert job.result() == [SHA.raw(bytes(data))]
+    data.extend(b"x")
+    with pytest.raises(RuntimeError, match="already taken"):
+        job.result()
+    dropped = hashpool.submit([data] * 200, PREFIX, 2)
+    del dropped  # waits for what a pool thread is hashing, cancels the rest
+    data.extend(b"y")
+
+
+def test_many_threads_submitting_at_once_each_get_their_own_cids() -> None:
+    blobs = [os.urandom(int(n)) for n in np.random.default_rng(1).integers(1, 20_000, 400)]
+    want = [SHA.raw(b) for b in blobs]
+    failures: list[str] = []
+
+    def run(offset: int) -> None:
+        for _ in range(20):
+            mine = blobs[offset:] + blobs[:offset]
+            if hashpool.submit(mine, PREFIX, 2).result() != want[offset:] + want[:offset]:
+                failures.append(f"offset {offset}")
+
+    threads = [threading.Thread(target=run, args=(i * 37,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
+def test_a_forked_child_hashes_without_the_parents_threads() -> None:
+    """A job queued before fork() is finished by the child itself; new jobs start new threads."""
+    blobs = [os.urandom(4000) for _ in range(3000)]
+    want = [SHA.raw(b) for b in blobs]
+    hashpool.submit(blobs, PREFIX, 2).result()  # the parent's threads are running
+    queued = hashpool.submit(blobs, PREFIX, 2)
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork() with threads
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        ok = queued.result() == want and hashpool.submit(blobs, PREFIX, 2).result() == want
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.close(read)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert queued.result() == want
+
+
+def _small_state(seed: int) -> dict[str, object]:
+    rng = np.random.default_rng(seed)
+    return {"blocks": [{f"p{j}": rng.standard_normal(int(rng.integers(300, 4000))).astype(np.float32)
+                        for j in range(80)} for _ in range(4)]}
+
+
+def test_a_save_and_a_verified_load_do_not_depend_on_the_backend(
+        tmp_path: Path, backend: str) -> None:
+    """The same tree, to the byte, whichever hashed it; a corrupt small block is found."""
+    state = _small_state(2)
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        repo.save(state, ref="main")
+        tree = next(iter(repo.log("main"))).tree
+    saved, cidlib._hashpool = cidlib._hashpool, None  # the reference: hashlib, block by block
+    try:
+        with cas_ckpt.open("memory://") as reference_repo:
+            reference_repo.save(state, ref="main")
+            assert next(iter(reference_repo.log("main"))).tree == tree
+    finally:
+        cidlib._hashpool = saved
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        loaded = repo.load("main")
+        for got, want in zip(loaded["blocks"], state["blocks"], strict=True):  # type: ignore[call-overload]
+            assert all(got[k].tobytes() == want[k].tobytes() for k in want)
+        victim = repo.hasher.raw(state["blocks"][2]["p40"].tobytes())  # type: ignore[index]
+        path, offset, _ = repo.blocks.locate(victim)
+    with open(path, "r+b") as f:
+        f.seek(offset + 7)
+        byte = f.read(1)
+        f.seek(offset + 7)
+        f.write(bytes([byte[0] ^ 1]))
+    with cas_ckpt.open(tmp_path / "r") as repo, pytest.raises(CorruptBlock) as info:
+        repo.load("main")
+    assert cidlib.to_str(victim) in str(info.value)
