@@ -180,3 +180,26 @@ def test_a_save_and_a_verified_load_do_not_depend_on_the_backend(
     with cas_ckpt.open(tmp_path / "r") as repo, pytest.raises(CorruptBlock) as info:
         repo.load("main")
     assert cidlib.to_str(victim) in str(info.value)
+
+
+def test_a_damaged_small_block_with_a_good_copy_elsewhere_loads_right(
+        tmp_path: Path, backend: str) -> None:
+    """The batch's check finds the damaged copy; the block is read again from the good one."""
+    state = _small_state(4)
+    want = state["blocks"][1]["p9"]  # type: ignore[index]
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        repo.save(state, ref="main")
+        victim = repo.hasher.raw(want.tobytes())
+        path, offset, _ = repo.blocks.locate(victim)
+        with open(path, "r+b") as f:
+            f.seek(offset + 3)
+            byte = f.read(1)
+            f.seek(offset + 3)
+            f.write(bytes([byte[0] ^ 0x40]))
+        assert repo.blocks.put(victim, want.tobytes())  # the damaged copy is found: a new one
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        assert repo.blocks.locate(victim)[0] == path  # the damaged copy is the one mapped first
+        loaded = repo.load("main")
+        assert loaded["blocks"][1]["p9"].tobytes() == want.tobytes()
+        assert all(loaded["blocks"][2][k].tobytes() == v.tobytes()
+                   for k, v in state["blocks"][2].items())  # type: ignore[index]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 import subprocess
@@ -24,7 +25,7 @@ from cas_ckpt import cid as cidlib
 from cas_ckpt.backends import Backend, LocalBackend, MemoryBackend
 from cas_ckpt.backends.base import ObjectInfo
 from cas_ckpt.backends.local import GATHER_BYTES, SMALL_WRITE
-from cas_ckpt.blocks import LocalStore, PackedBlockStore
+from cas_ckpt.blocks import LocalStore, MemoryStore, PackedBlockStore
 from cas_ckpt.testing import BackendTests, PackedStoreTests, raw_block
 
 
@@ -369,3 +370,32 @@ def test_each_arrays_chunks_lie_back_to_back_and_load_mapped(tmp_path: Path) -> 
         for key, array in state.items():
             assert not loaded[key].flags.writeable and not loaded[key].flags.owndata, key
             assert np.array_equal(loaded[key], array)
+
+
+SHA = cidlib.Hasher("sha2-256")
+
+
+@given(layout=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3000)), min_size=1, max_size=25))
+@settings(max_examples=40, deadline=None)
+def test_map_runs_cuts_blocks_into_the_runs_they_lie_in(layout: list[tuple[int, int]]) -> None:
+    """Blocks written by three writers (three packs), asked for in an interleaved order: one
+    view per run back to back in one pack, holding those blocks' bytes, counted right."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = LocalStore(Path(tmp) / "blocks")
+        blocks = [(i, bytes([i % 256]) * size + i.to_bytes(4, "big"), pack)
+                  for i, (pack, size) in enumerate(layout)]
+        cids = [SHA.raw(data) for _, data, _ in blocks]
+        for pack in range(3):
+            with store.writer() as writer:
+                for (_, data, where), cid in zip(blocks, cids, strict=True):
+                    if where == pack:
+                        writer.put(cid, data)
+        runs = store.map_runs(cids)
+        assert runs is not None
+        assert sum(count for count, _ in runs) == len(blocks)
+        assert b"".join(bytes(view) for _, view in runs) == b"".join(d for _, d, _ in blocks)
+        expected = 1 + sum(1 for a, b in itertools.pairwise(blocks) if a[2] != b[2])
+        assert len(runs) == expected
+        assert (store.map_blocks(cids) is not None) == (expected == 1)
+        assert MemoryStore().map_runs(cids) is None
+        store.close()

@@ -230,6 +230,12 @@ class BlockStore(ABC):
         """
         return None
 
+    def map_runs(self, cids: list[bytes]) -> list[tuple[int, memoryview]] | None:
+        """Read-only views of these blocks, one per run of them back to back in one file, in
+        order, each with how many blocks it holds; None if any cannot be mapped (as
+        :meth:`map_blocks`)."""
+        return None
+
     def _missing_hint(self) -> str:
         """Extra words for a BlockNotFound message (e.g. damaged files that may have held it)."""
         return ""

@@ -490,6 +490,30 @@ class PackedBlockStore(BlockStore):
             future.result()
 
     def map_blocks(self, cids: list[bytes], *, private: bool = False) -> memoryview | None:
+        runs = self._runs(cids)
+        if runs is None or len(runs) != 1:
+            return None
+        pack, start, end, _ = runs[0]
+        if private:
+            return self.backend.map_private(pack, start, end - start)
+        mapped = self.backend.map(pack)
+        return None if mapped is None else mapped[start:end]
+
+    def map_runs(self, cids: list[bytes]) -> list[tuple[int, memoryview]] | None:
+        runs = self._runs(cids)
+        if runs is None:
+            return None
+        out = []
+        for pack, start, end, count in runs:
+            mapped = self.backend.map(pack)
+            if mapped is None:
+                return None
+            out.append((count, mapped[start:end]))
+        return out
+
+    def _runs(self, cids: list[bytes]) -> list[tuple[str, int, int, int]] | None:
+        """``cids`` as runs of blocks back to back in one pack: (pack, start, end, how many);
+        None if one is missing or compressed, or the backend cannot map."""
         if not self.backend.can_mmap or not cids:
             return None
         # The copy reads try first; with none known damaged, that is the index's, looked up
@@ -500,16 +524,18 @@ class PackedBlockStore(BlockStore):
             if not all(copies):
                 return None
             found = [c[0] for c in copies]
-        pack, start = found[0][0], found[0][1]
-        end = start
+        runs = []
+        pack, start, end, count = found[0][0], found[0][1], found[0][1], 0
         for loc_pack, offset, length, codec, _size in found:
-            if loc_pack != pack or offset != end or codec != CODEC_NONE:
+            if codec != CODEC_NONE:
                 return None  # mapped loads apply to raw blocks only
+            if loc_pack != pack or offset != end:
+                runs.append((pack, start, end, count))
+                pack, start, end, count = loc_pack, offset, offset, 0
             end += length
-        if private:
-            return self.backend.map_private(pack, start, end - start)
-        mapped = self.backend.map(pack)
-        return None if mapped is None else mapped[start:end]
+            count += 1
+        runs.append((pack, start, end, count))
+        return runs
 
     def _has(self, cid: bytes) -> bool:
         loc = self._index.get(cid)
