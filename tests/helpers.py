@@ -1,5 +1,5 @@
-"""Exact comparison of states (type, dtype, shape, layout and bits, recursively), and running a
-training script until a step to SIGKILL it there."""
+"""Exact comparison of states (type, dtype, shape, layout and bits, recursively), running a
+training script until a step to SIGKILL it there, and damaging a byte of a file."""
 
 from __future__ import annotations
 
@@ -111,3 +111,12 @@ def assert_bit_identical(a: Any, b: Any, path: str = "") -> None:
         assert a.hex() == b.hex(), path
     else:
         assert a == b, path
+
+
+def flip_byte(path: str | Path, position: int, mask: int = 0x01) -> None:
+    """Damage a file in place: XOR the byte at ``position`` with ``mask``."""
+    with open(path, "r+b") as f:
+        f.seek(position)
+        byte = f.read(1)
+        f.seek(position)
+        f.write(bytes([byte[0] ^ mask]))

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_state_equal
+from helpers import assert_state_equal, flip_byte
 from hypothesis import given
 from hypothesis import strategies as st
 from multiformats import CID, multihash
@@ -187,11 +187,7 @@ def test_export_to_path_is_atomic_and_refuses_corrupt_blocks(tmp_path: Path) -> 
         assert target.stat().st_size == report.car_bytes and report.roots == [root]
         chunk = next(c for c in data_blocks(repo.blocks, bytes(root)) if not cidlib.is_node(c))
         pack, offset, _ = repo.blocks.locate(chunk)
-        with open(pack, "r+b") as f:
-            f.seek(offset)
-            byte = f.read(1)
-            f.seek(offset)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte(pack, offset, 0xFF)
         bad = tmp_path / "bad.car"
         with pytest.raises(cas_ckpt.errors.CorruptBlock):
             repo.export_car("main", bad)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_state_equal
+from helpers import assert_state_equal, flip_byte
 
 import cas_ckpt
 from cas_ckpt import cid as cidlib
@@ -232,11 +232,7 @@ def test_fsck_finds_a_flipped_byte(run: Any, repo_dir: Path) -> None:
         chunk = next(c for c in data_blocks(repo.blocks, bytes(repo.resolve("main")))
                      if not cidlib.is_node(c))
         pack, offset, _ = repo.blocks.locate(chunk)
-    with open(pack, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x01]))
+    flip_byte(pack, offset)
     bad = run("fsck", "--json")
     assert bad.code == cli.EXIT_CHECK
     report = bad.json()

@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 import pytest
 import zstandard
-from helpers import assert_state_equal
+from helpers import assert_state_equal, flip_byte
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from strategies import states
@@ -396,11 +396,7 @@ def test_fsck_finds_damage_inside_a_compressed_block(tmp_path: Path) -> None:
         assert repo.fsck().ok
         chunk = next(c for c in list(repo.blocks.keys()) if not cas_ckpt.cid.is_node(c))
         pack, offset, length = repo.blocks.locate(chunk)
-        with open(pack, "r+b") as f:
-            f.seek(offset + length // 2)
-            byte = f.read(1)
-            f.seek(offset + length // 2)
-            f.write(bytes([byte[0] ^ 0x10]))
+        flip_byte(pack, offset + length // 2, 0x10)
     with cas_ckpt.open(tmp_path / "r") as repo:
         report = repo.fsck()
         assert not report.ok and str(cas_ckpt.cid.to_cid(chunk)) in str(report)

@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import flip_byte
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiformats import CID, multihash
@@ -172,11 +173,7 @@ def test_a_save_and_a_verified_load_do_not_depend_on_the_backend(
             assert all(got[k].tobytes() == want[k].tobytes() for k in want)
         victim = repo.hasher.raw(state["blocks"][2]["p40"].tobytes())  # type: ignore[index]
         path, offset, _ = repo.blocks.locate(victim)
-    with open(path, "r+b") as f:
-        f.seek(offset + 7)
-        byte = f.read(1)
-        f.seek(offset + 7)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_byte(path, offset + 7)
     with cas_ckpt.open(tmp_path / "r") as repo, pytest.raises(CorruptBlock) as info:
         repo.load("main")
     assert cidlib.to_str(victim) in str(info.value)
@@ -191,11 +188,7 @@ def test_a_damaged_small_block_with_a_good_copy_elsewhere_loads_right(
         repo.save(state, ref="main")
         victim = repo.hasher.raw(want.tobytes())
         path, offset, _ = repo.blocks.locate(victim)
-        with open(path, "r+b") as f:
-            f.seek(offset + 3)
-            byte = f.read(1)
-            f.seek(offset + 3)
-            f.write(bytes([byte[0] ^ 0x40]))
+        flip_byte(path, offset + 3, 0x40)
         assert repo.blocks.put(victim, want.tobytes())  # the damaged copy is found: a new one
     with cas_ckpt.open(tmp_path / "r") as repo:
         assert repo.blocks.locate(victim)[0] == path  # the damaged copy is the one mapped first

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_state_equal
+from helpers import assert_state_equal, flip_byte
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -345,11 +345,7 @@ def test_a_local_checkpoint_that_fails_verification_is_fetched_again(
         mgr.wait()
         pack, offset, _ = local.blocks.locate(_first_chunk(local))
         path = local.blocks.pack_dir / pack
-        with open(path, "r+b") as f:  # damage one byte of a chunk, in place
-            f.seek(offset + 10)
-            byte = f.read(1)
-            f.seek(offset + 10)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte(path, offset + 10, 0xFF)  # damage one byte of a chunk, in place
         with caplog.at_level(logging.WARNING, "cas_ckpt"):
             assert_state_equal(_state(1, arrays=2), mgr.restore())
         assert "fetching it from" in caplog.text

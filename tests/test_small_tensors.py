@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from helpers import assert_state_equal
+from helpers import assert_state_equal, flip_byte
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiformats import CID
@@ -210,11 +210,7 @@ def test_a_damaged_small_block_fails_a_verified_load(tmp_path: Path) -> None:
         repo.save(state, ref="main")
         victim = repo.hasher.raw(state["p17"].tobytes())
         path, offset, _ = repo.blocks.locate(victim)
-    with open(path, "r+b") as f:
-        f.seek(offset + 100)
-        byte = f.read(1)
-        f.seek(offset + 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(path, offset + 100, 0xFF)
     with cas_ckpt.open(tmp_path / "r") as repo:
         with pytest.raises(CorruptBlock) as info:
             repo.load("main")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import flip_byte
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,14 +28,6 @@ from cas_ckpt.backends.base import ObjectInfo
 from cas_ckpt.backends.local import GATHER_BYTES, SMALL_WRITE
 from cas_ckpt.blocks import LocalStore, MemoryStore, PackedBlockStore
 from cas_ckpt.testing import BackendTests, PackedStoreTests, raw_block
-
-
-def flip_byte(path: str | Path, position: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(position)
-        byte = f.read(1)
-        f.seek(position)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def flip_byte_in_pack(store: PackedBlockStore, cid: bytes) -> None:
