@@ -87,7 +87,8 @@ class _OnRequest:
         self._buffers = buffers
 
     def result(self) -> list[bytes]:
-        return list(map(self._hash, self._buffers))
+        # As bytes: blake3 refuses a buffer of another format (a float32 array's, say).
+        return [self._hash(memoryview(buffer).cast("B")) for buffer in self._buffers]
 
 
 def prefix(codec: int, hash_code: int) -> bytes:
