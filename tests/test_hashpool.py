@@ -9,6 +9,10 @@ it cannot read whole, and works in a forked child (which has none of the parent'
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -214,3 +218,27 @@ def test_a_damaged_small_block_with_a_good_copy_elsewhere_loads_right(
         assert loaded["blocks"][1]["p9"].tobytes() == want.tobytes()
         assert all(loaded["blocks"][2][k].tobytes() == v.tobytes()
                    for k, v in state["blocks"][2].items())  # type: ignore[index]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "helgrind"])
+def test_valgrind_finds_nothing_in_the_pool(tool: str, tmp_path: Path) -> None:
+    """memcheck (memory errors) and helgrind (data races) over threads, dropped jobs, a refused
+    buffer and fork: no report may be about the module's code. ``--fair-sched``: without it valgrind
+    ran the threads too rarely interleaved to see a race put in on purpose."""
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed")
+    log = tmp_path / "valgrind.log"
+    script = Path(__file__).parent / "scripts" / "hashpool_stress.py"
+    done = subprocess.run(
+        ["valgrind", f"--tool={tool}", "--fair-sched=yes", f"--log-file={log}", sys.executable,
+         str(script)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONMALLOC": "malloc"},
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    # memcheck: any frame of ours (an error inside OpenSSL has ours below it). helgrind: the
+    # racing access itself, as CPython's benign GIL-flag races run below Job.result too.
+    frames = "at|by" if tool == "memcheck" else "at"
+    ours = re.compile(rf"^==\d+== +({frames}) 0x[0-9A-F]+: \w+ \(_hashpool\.c:\d+\)", re.M)
+    reports = [r for r in log.read_text().split("-" * 64) if ours.search(r)]
+    assert reports == [], "\n".join(reports[:2])
