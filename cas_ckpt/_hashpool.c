@@ -4,7 +4,8 @@
  * 10,000 hand-overs, and a thread hashing beside a busy Python thread gets the GIL back once per
  * switch interval (5 ms): hashing could not run beside the walk over the state. Here a job (a
  * list of buffers) is queued under a mutex; the pool's threads hash it with OpenSSL, the same
- * SHA-256 hashlib uses, and the thread asking for the result hashes what is left itself.
+ * SHA-256 hashlib uses, and a thread asking for a result hashes what is left of it (and of the
+ * queue's other jobs while it waits).
  *
  * The exporters' buffers are held (PyObject_GetBuffer) from submit until the result is taken or
  * the job is freed; the caller must not change them meanwhile, as with hashlib. Threads touch no
@@ -110,7 +111,9 @@ static void after_fork_in_child(void) {
     pthread_mutex_unlock(&lock);
 }
 
-/* Claim and hash what is left of `job` on this thread, then wait for the rest; no GIL held. */
+/* Claim and hash what is left of `job` on this thread; while the pool's threads finish its
+ * last claims, hash the queue's other jobs rather than sleep (a job of one large buffer would
+ * otherwise leave this core idle while one thread hashes it). No GIL held. */
 static void finish(Job *job) {
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
     pthread_mutex_lock(&lock);
@@ -128,7 +131,14 @@ static void finish(Job *job) {
         hash_claimed(job, start, stop, ctx);
         pthread_mutex_lock(&lock);
     }
-    while (job->unfinished > 0) pthread_cond_wait(&job_done, &lock);
+    while (job->unfinished > 0) {
+        if (queue_head == NULL) { pthread_cond_wait(&job_done, &lock); continue; }
+        Job *other = queue_head; /* its owner's dealloc waits for this claim: it stays alive */
+        Py_ssize_t stop, start = claim(other, &stop);
+        pthread_mutex_unlock(&lock);
+        hash_claimed(other, start, stop, ctx);
+        pthread_mutex_lock(&lock);
+    }
     pthread_mutex_unlock(&lock);
     EVP_MD_CTX_free(ctx);
 }

@@ -144,6 +144,22 @@ def test_many_threads_submitting_at_once_each_get_their_own_cids() -> None:
     assert failures == []
 
 
+def test_a_waiting_thread_that_hashes_other_jobs_gives_each_its_own_cids() -> None:
+    """While its own job's last claim is hashed elsewhere, a waiting thread hashes claims of
+    the jobs queued after it. Behind one job of 64 MiB (about 40 ms to hash), more jobs than
+    the pool has threads: the thread waiting for the first hashes some of them, and each job,
+    waited for in another order than submitted, gets its own CIDs."""
+    rng = np.random.default_rng(3)
+    first = [rng.bytes(64 << 20)]
+    behind = [[rng.bytes(2 << 20), rng.bytes(int(n))] for n in rng.integers(1, 9000, 12)]
+    want = [[SHA.raw(b) for b in job] for job in behind]
+    for _ in range(3):
+        head = hashpool.submit(first, PREFIX, 1)
+        jobs = [hashpool.submit(b, PREFIX, 1) for b in behind]
+        assert head.result() == [SHA.raw(first[0])]
+        assert [job.result() for job in reversed(jobs)] == want[::-1]
+
+
 def test_a_forked_child_hashes_without_the_parents_threads() -> None:
     """A job queued before fork() is finished by the child itself; new jobs start new threads."""
     blobs = [os.urandom(4000) for _ in range(3000)]
@@ -193,6 +209,37 @@ def test_a_save_and_a_verified_load_do_not_depend_on_the_backend(
         path, offset, _ = repo.blocks.locate(victim)
     flip_byte(path, offset + 7)
     with cas_ckpt.open(tmp_path / "r") as repo, pytest.raises(CorruptBlock) as info:
+        repo.load("main")
+    assert cidlib.to_str(victim) in str(info.value)
+
+
+def test_chunks_of_large_arrays_hashed_on_the_pool_make_the_same_tree(
+        tmp_path: Path, backend: str) -> None:
+    """A save hashes the 1 MiB chunks of large arrays on the pool (sha2-256, uncompressed):
+    the tree is the one hashlib tasks make; a compressing save, which encodes on the Python
+    pool, makes it too; a damaged chunk is found on a verified load."""
+    rng = np.random.default_rng(4)
+    state = {"big": rng.standard_normal(900_000).astype(np.float32),
+             "layers": [rng.standard_normal((512, 700)).astype(np.float32) for _ in range(3)]}
+    trees = []
+    for compression in ("none", "zstd"):
+        with cas_ckpt.open(tmp_path / compression, compression=compression) as repo:
+            repo.save(state, ref="main")
+            trees.append(next(iter(repo.log("main"))).tree)
+    saved, cidlib._hashpool = cidlib._hashpool, None
+    try:
+        with cas_ckpt.open("memory://") as reference_repo:
+            reference_repo.save(state, ref="main")
+            trees.append(next(iter(reference_repo.log("main"))).tree)
+    finally:
+        cidlib._hashpool = saved
+    assert trees[0] == trees[1] == trees[2]
+    with cas_ckpt.open(tmp_path / "none") as repo:
+        assert repo.load("main")["big"].tobytes() == state["big"].tobytes()
+        victim = repo.hasher.raw(state["big"].tobytes()[1 << 20 : 2 << 20])
+        path, offset, _ = repo.blocks.locate(victim)
+    flip_byte(path, offset + 12345)
+    with cas_ckpt.open(tmp_path / "none") as repo, pytest.raises(CorruptBlock) as info:
         repo.load("main")
     assert cidlib.to_str(victim) in str(info.value)
 
