@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import flip_byte
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cas_ckpt
@@ -25,8 +25,9 @@ from cas_ckpt import _fs
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends import Backend, LocalBackend, MemoryBackend
 from cas_ckpt.backends.base import ObjectInfo
-from cas_ckpt.backends.local import GATHER_BYTES, SMALL_WRITE
+from cas_ckpt.backends.local import GATHER_BYTES, MAPPED_READ, SMALL_WRITE
 from cas_ckpt.blocks import LocalStore, MemoryStore, PackedBlockStore
+from cas_ckpt.errors import CorruptStore
 from cas_ckpt.testing import BackendTests, PackedStoreTests, raw_block
 
 
@@ -70,6 +71,54 @@ class TestLocalBackend(BackendTests):
         assert [(i.name, i.size) for i in backend.list()] == [("a.pack", 40)]
         (backend.pack_dir / "a.pack").unlink()
         assert backend.list() == []
+
+    @given(offset=st.integers(0, 3 * MAPPED_READ), size=st.integers(1, 3 * MAPPED_READ))
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    def test_reads_copy_out_of_the_mapping_or_read_the_rest(
+        self, backend: Backend, offset: int, size: int
+    ) -> None:
+        """A read of a chunk's size copies out of the object's mapping; a smaller one is a
+        pread; either gives the bytes there, and one past the end is refused as truncated."""
+        assert isinstance(backend, LocalBackend)
+        data = np.random.default_rng(size).integers(0, 256, 4 * MAPPED_READ, np.uint8).tobytes()
+        name = f"{offset}-{size}.pack"
+        sink = backend.create()
+        sink.write(data)
+        assert sink.publish(name)
+        backend.forget(name)
+        out = bytearray(size)
+        if offset + size > len(data):
+            with pytest.raises(CorruptStore, match="truncated"):
+                backend.read_into(name, offset, memoryview(out))
+        else:
+            assert backend.read_into(name, offset, memoryview(out))
+            assert out == data[offset : offset + size]
+        assert (name in backend._maps) == (size >= MAPPED_READ)
+
+    def test_a_pack_too_large_to_map_is_read(self, tmp_path: Path) -> None:
+        """Where the address space cannot take a pack's mapping (``RLIMIT_AS``), its chunks are
+        read with pread instead of failing the load."""
+        root = tmp_path / "big"
+        LocalBackend(root).close()
+        with open(root / "packs" / "big.pack", "wb") as f:  # sparse: 1 GiB, more than the limit
+            f.truncate(1 << 30)
+            f.seek(1 << 20)
+            f.write(b"\x07" * (1 << 20))
+        script = textwrap.dedent(f"""
+            import resource
+            from cas_ckpt.backends import LocalBackend
+            backend = LocalBackend({str(root)!r}, read_only=True)
+            out = memoryview(bytearray(1 << 20))
+            with open("/proc/self/status") as f:
+                size = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), resource.RLIM_INFINITY))
+            assert backend.map("big.pack") is None
+            assert backend.read_into("big.pack", 1 << 20, out)
+            assert bytes(out) == b"\x07" * (1 << 20)
+            print("ok")
+        """)
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
     def test_a_sink_left_by_a_dead_writer_is_cleaned(self, backend: Backend) -> None:
         assert isinstance(backend, LocalBackend)

@@ -8,7 +8,8 @@ file, links it into ``packs/`` (a link never replaces an existing file) and fsyn
 only then is the object visible, and durable. Reads go through one descriptor per object, opened
 without following links and only for regular files, a bounded number kept open (and as many
 mappings: ``descriptors.open_limit``); a descriptor evicted, or of an object deleted, while a read
-uses it stays open until that read is done, so its number is never reused under a read.
+uses it stays open until that read is done, so its number is never reused under a read. A read of
+a chunk's size copies out of the object's mapping instead (see ``LocalBackend._copy_mapped``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
+
 from cas_ckpt import _fs
 from cas_ckpt.backends.base import Backend, ObjectInfo, Sink
 from cas_ckpt.backends.descriptors import OpenFiles, open_limit
 from cas_ckpt.errors import CorruptStore
 
 SMALL_WRITE = 256 * 1024  # writes below this are gathered before the write syscall
+MAPPED_READ = 256 * 1024  # reads of this many bytes or more (chunks, not index tails) copy
+# out of the object's mapping
 GATHER_BYTES = 4 * 1024 * 1024  # gathered small writes go out in one call of up to this many
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # pieces one pwritev takes
 SUFFIX = ".pack"
@@ -259,10 +264,33 @@ class LocalBackend(Backend):
         return self._files.use(name, lambda: open_regular(self.pack_dir / name))
 
     def read_into(self, name: str, offset: int, out: memoryview) -> bool:
+        if out.nbytes >= MAPPED_READ and self._copy_mapped(name, offset, out):
+            return True
         done = self._pread(name, lambda fd: _fs.pread_into(fd, out, offset))
         if done is None:
             return False
         self._check_length(name, offset, out.nbytes, done)
+        return True
+
+    def _copy_mapped(self, name: str, offset: int, out: memoryview) -> bool:
+        """Copy out of the object's shared mapping; False where it cannot be mapped or is
+        shorter than asked (``pread`` then says why).
+
+        numpy copies without the GIL, so the pool's threads copy at once. 256 MiB read as
+        1 MiB chunks on two threads, in a fresh mapping: 71-81 ms, against 115-153 ms by
+        ``pread``; checking each chunk's hash as well, 163-183 ms against 225-257 ms. The pages
+        copied are unmapped again (they stay in the page cache): a load's resident size stays
+        that of what it loads, not twice that.
+        """
+        mapped = self._mapping(name)
+        size = out.nbytes
+        if mapped is None or offset + size > len(mapped):
+            return False
+        np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(mapped, np.uint8, size, offset))
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the range only
+        end = (offset + size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
         return True
 
     def read(self, name: str, offset: int, length: int) -> bytes | None:
@@ -285,20 +313,29 @@ class LocalBackend(Backend):
                                f"truncated: {asked} bytes at {offset} asked, the file ends after {got}")
 
     def map(self, name: str) -> memoryview | None:
+        mapped = self._mapping(name)
+        return None if mapped is None else memoryview(mapped)
+
+    def _mapping(self, name: str) -> mmap.mmap | None:
+        """The object's shared read-only mapping, made once and kept (a bounded number)."""
         with self._lock:
             mapped = self._maps.get(name)
             if mapped is not None:
                 self._maps.move_to_end(name)
-                return memoryview(mapped)
+                return mapped
             try:
                 with self._open(name) as fd:
                     mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             except (FileNotFoundError, ValueError):
                 return None
+            except OSError as exc:
+                if exc.errno == errno.ENOMEM:  # no address space for it (RLIMIT_AS): read instead
+                    return None
+                raise
             self._maps[name] = mapped
             if len(self._maps) > self._map_limit:
                 self._maps.popitem(last=False)  # arrays still viewing it keep it alive
-            return memoryview(mapped)
+            return mapped
 
     def map_private(self, name: str, offset: int, length: int) -> memoryview | None:
         start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets are page-aligned
