@@ -268,7 +268,7 @@ class TreeWriter:
         self._own_node: set[int] = set()  # ids of prepared containers of many small arrays
         self._hashing = _HashAhead(self._start_digest, HASH_AHEAD)
         self._small = _small.SmallBlocks(
-            hasher, self._encode_small if writer.compresses else None, pool
+            hasher, self._encode_small if writer.compresses else None, pool, self._describe_small
         )
 
     def write(self, state: Any) -> bytes:
@@ -316,20 +316,28 @@ class TreeWriter:
             return self._chunk_blob(value, {}) if len(value) > INLINE_LIMIT else value
         if isinstance(value, dict):
             out = {}
+            plain_bytes = 0
             for key, item in value.items():
-                if type(key) not in (str, int):
+                key_type = type(key)
+                if key_type is str:
+                    if len(key) > MAX_KEY:
+                        raise StateTypeError(join_path(path, key[:40]), "dict key is too long")
+                elif key_type is not int:
                     raise StateTypeError(
-                        join_path(path, key),
-                        f"dict keys must be str or int, not {type(key).__name__}",
+                        join_path(path, key), f"dict keys must be str or int, not {key_type.__name__}"
                     )
-                if type(key) is str and len(key) > MAX_KEY:
-                    raise StateTypeError(join_path(path, key[:40]), "dict key is too long")
-                if type(key) is int and not _INT64_MIN <= key <= _UINT64_MAX:
+                elif not _INT64_MIN <= key <= _UINT64_MAX:
                     raise StateTypeError(join_path(path, key), "int dict keys must fit 64 bits")
                 if type(item) is np.ndarray and depth < MAX_DEPTH:  # no dispatch per tensor
+                    if _small.TINY_LIMIT < item.nbytes <= INLINE_LIMIT and id(item.dtype) in _BUFFER_DTYPES \
+                            and item.flags.c_contiguous:
+                        plain_bytes += item.nbytes  # a plain small array: as _prepare_array plans it
+                        out[key] = item
+                        continue
                     out[key] = self._prepare_array(item, join_path(path, key), "numpy")
                 else:
                     out[key] = self._prepare(item, join_path(path, key), depth + 1)
+            self.logical_bytes += plain_bytes
             return self._mark(out, out.values())
         if kind in (list, tuple):
             items = [self._prepare(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
@@ -518,14 +526,15 @@ class TreeWriter:
         return codec.encode(Tagged(BLOB if blob else NDARRAY, header))
 
     def _write_small(self, value: SmallArray | np.ndarray[Any, Any]) -> bytes:
-        cid = self._small.put(value, self.writer)
-        if cid is None:
-            inline = value.inline() if type(value) is SmallArray else _plain_inline(value)
-            return self._pack(Tagged(NDARRAY, inline))
-        if type(value) is SmallArray:
-            return _small.one_chunk_array(NDARRAY, value.header, self.chunk_size, cid, self._packer)
-        return _small.one_chunk_plain(NDARRAY, _small_dtype(value), value.shape, self.chunk_size, cid,
-                                      self._packer)
+        encoded = self._small.encoding(value, self.writer)
+        if encoded is not None:
+            return encoded
+        inline = value.inline() if type(value) is SmallArray else _plain_inline(value)
+        return self._pack(Tagged(NDARRAY, inline))
+
+    def _describe_small(self, arrays: list[Any], cids: list[bytes]) -> list[bytes]:
+        return _small.one_chunk_encodings(NDARRAY, arrays, cids, self.chunk_size, self._packer,
+                                          _small_dtype)
 
     def _put_node(self, data: bytes) -> bytes:
         cid = self.hasher.node(data)

@@ -405,6 +405,34 @@ def test_a_plain_array_encodes_like_the_codec(
     assert _small.one_chunk_plain(NDARRAY, name, shape, chunk_size, cid, codec.packer()) == expected
 
 
+plain_arrays_st = st.tuples(
+    st.sampled_from(["<f4", "|u1", ">i8", "<c16", "<f2"]),
+    st.lists(st.integers(0, 6), max_size=4),
+).map(lambda t: np.zeros(t[1], np.dtype(t[0])))
+
+
+@given(items=st.lists(st.one_of(plain_arrays_st, headers_st), max_size=12),
+       chunk_size=st.integers(4096, 1 << 20), data=st.data())
+def test_a_batch_of_arrays_encodes_like_the_codec(
+    items: list[Any], chunk_size: int, data: st.DataObject
+) -> None:
+    """The batch path: plain arrays (runs of one dtype and changes of dtype) and described ones
+    mixed, each with a CID of either hash or a longer one than we write: each encodes as the
+    codec encodes its header with one chunk link."""
+    from cas_ckpt.tree import _small_dtype
+
+    planned = [x if isinstance(x, np.ndarray) else _small.SmallArray(x, memoryview(b"")) for x in items]
+    cids = [data.draw(st.sampled_from([cidlib.prefix(cidlib.RAW, cidlib.SHA2_256),
+                                       cidlib.prefix(cidlib.RAW, cidlib.BLAKE3), b"\x01" * 40]))
+            + data.draw(st.binary(min_size=32, max_size=32)) for _ in planned]
+    headers = [{"dtype": _small_dtype(x), "shape": list(x.shape)} if isinstance(x, np.ndarray) else x
+               for x in items]
+    expected = [codec.encode(Tagged(NDARRAY, {**h, "chunk_size": chunk_size, "chunks": [Link(c)]}))
+                for h, c in zip(headers, cids, strict=True)]
+    got = _small.one_chunk_encodings(NDARRAY, planned, cids, chunk_size, codec.packer(), _small_dtype)
+    assert got == expected
+
+
 def test_plain_and_described_arrays_store_the_same_tree() -> None:
     """A C-contiguous numpy array is planned bare (described when written); a strided view of
     the same values takes the described path. Both give the same blocks and CIDs."""

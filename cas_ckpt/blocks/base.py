@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from multiformats import CID
 
@@ -98,23 +98,29 @@ class BlockWriter(ABC):
             return True
 
     def put_many(
-        self, blocks: list[tuple[bytes, bytes | memoryview, Stored | None]], *, keep: bool = False
+        self, blocks: list[tuple[bytes, Any, Stored | None]], *, keep: bool = False,
+        view: Callable[[Any], bytes | memoryview] = memoryview,
     ) -> int:
-        """:meth:`put` for many (cid, data, stored) blocks under one lock; how many were new."""
+        """:meth:`put` for many (cid, data, stored) blocks under one lock; how many were new.
+
+        ``view`` makes a block's bytes of its ``data`` (which has ``nbytes``), for blocks not
+        already stored only: an unchanged re-save of 10,000 small arrays made a view of each.
+        """
         if self.compresses:
-            blocks = [(c, d, s if s is not None else self.encode(c, d)) for c, d, s in blocks]
+            blocks = [(c, d, s if s is not None else self.encode(c, view(d))) for c, d, s in blocks]
         new = 0
         with self._lock:
             if self.closed:
                 raise RepositoryError("block writer is already closed")
             stats, pending = self.stats, self._pending
             for cid, data, stored in blocks:
-                size = memoryview(data).nbytes
                 if cid in pending or self._stored(cid):
                     stats.blocks_reused += 1
-                    stats.bytes_reused += size
+                    stats.bytes_reused += data.nbytes
                     continue
                 pending.add(cid)
+                data = view(data)
+                size = memoryview(data).nbytes
                 self._append(cid, stored or Stored(0, data), size, keep)
                 stats.blocks_written += 1
                 stats.bytes_written += size
