@@ -230,7 +230,8 @@ def one_chunk_encodings(
     are looked up once per run of one dtype, and no call is made per plain array but msgpack's
     for its shape (10,000 arrays spent 7.5 us each in the calls of the one-array path)."""
     out = []
-    pack, heads = packer.pack, _EXT8[code]
+    pack = packer.pack
+    heads = _EXT8.get(code) or _EXT8.setdefault(code, [bytes((0xC7, n, code)) for n in range(0x100)])
     dtype, before, after = None, b"", b""
     for item, cid in zip(items, cids, strict=True):
         if type(item) is SmallArray:
@@ -261,8 +262,9 @@ def _around_shape(name: str, chunk_size: int, packer: msgpack.Packer) -> tuple[b
 _AROUND_SHAPE: dict[tuple[str, int], tuple[bytes, bytes]] = {}
 _CHUNKS_ONE = msgpack.packb("chunks") + b"\x91"  # the key, then an array of one item
 _LINK_36 = codec.link(bytes(36))[:-36]  # the head of a link to a 36-byte CID
-# The heads of ext values of 17-255 bytes (msgpack ext 8; 16 bytes or fewer never hold a CID).
-_EXT8 = {code: [bytes((0xC7, n, code)) for n in range(0x100)] for code in range(128)}
+# The heads of ext values of 17-255 bytes by code (msgpack ext 8; 16 bytes or fewer never hold a
+# CID), made for a code when first used.
+_EXT8: dict[int, list[bytes]] = {}
 
 
 class SmallReads:
