@@ -7,14 +7,11 @@ and ``long`` (many more examples), selected with ``CAS_CKPT_LONG=1``.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
+import s3_server
 from hypothesis import HealthCheck, settings
 
 import cas_ckpt
@@ -62,29 +59,10 @@ def local_repo(tmp_path: os.PathLike[str]) -> Iterator[cas_ckpt.Repository]:
 
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[str]:
-    """A real S3-protocol server process (moto) on 127.0.0.1 for the session; yields its endpoint."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("the moto S3 server did not start") from None
-            time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    """A real S3-protocol server process (moto, its conditional requests made atomic as S3's are:
+    ``tests/s3_server.py``) on 127.0.0.1 for the session; yields its endpoint."""
+    with s3_server.running() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from typing import Any
 import boto3
 import numpy as np
 import pytest
+import s3_server
 from helpers import assert_state_equal
 
 import cas_ckpt
@@ -633,19 +634,8 @@ def test_missing_bucket_and_plain_http_are_refused(s3_env: str) -> None:
 @pytest.fixture(scope="module")
 def auth_server() -> Iterator[tuple[str, dict[str, str]]]:
     """A second moto server that checks credentials (after its first 3 requests set up a user)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
+    with s3_server.running(env=env) as endpoint:
         setup = {"endpoint_url": endpoint, "region_name": "us-east-1",
                  "aws_access_key_id": "setup", "aws_secret_access_key": "setup"}
         iam = boto3.client("iam", **setup)
@@ -653,9 +643,6 @@ def auth_server() -> Iterator[tuple[str, dict[str, str]]]:
         key = iam.create_access_key(UserName="nobody")["AccessKey"]
         boto3.client("s3", **setup).create_bucket(Bucket="guarded")
         yield endpoint, {"id": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize(
