@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import difflib
+import functools
 import itertools
 import math
 import re
@@ -36,7 +37,6 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import ml_dtypes
 import numpy as np
 from fastcdc.fastcdc_cy import fastcdc_cy
 from multiformats import CID
@@ -76,33 +76,46 @@ CDC_MIN, CDC_AVG, CDC_MAX = 64 * 1024, 256 * 1024, MAX_CHUNK
 
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _NUMPY_DTYPE = re.compile(r"^[<>|](b1|[iu][1248]|f[248]|c(8|16))$")
-ML_DTYPES = {
-    name: np.dtype(getattr(ml_dtypes, name))
-    for name in (
-        "bfloat16",
-        "float8_e4m3fn",
-        "float8_e4m3fnuz",
-        "float8_e5m2",
-        "float8_e5m2fnuz",
-        "float8_e4m3b11fnuz",
-        "float8_e3m4",
-        "float8_e4m3",
-        "float8_e8m0fnu",
-        "float4_e2m1fn",
-        "float6_e2m3fn",
-        "float6_e3m2fn",
-        "int4",
-        "uint4",
-        "int2",
-        "uint2",
-    )
-    if hasattr(ml_dtypes, name)
-}
-_ML_BY_DTYPE = {dt: name for name, dt in ML_DTYPES.items()}
+# ml_dtypes' dtypes, stored by these names. ml_dtypes is imported on first need, not with cas_ckpt:
+# its import takes 0.5-1.4 s, and an array of one of its dtypes exists only once it is imported.
+ML_DTYPE_NAMES = (
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+    "float8_e3m4",
+    "float8_e4m3",
+    "float8_e8m0fnu",
+    "float4_e2m1fn",
+    "float6_e2m3fn",
+    "float6_e3m2fn",
+    "int4",
+    "uint4",
+    "int2",
+    "uint2",
+)
+_USER_DTYPES = 256  # numpy numbers the dtypes other libraries register from NPY_USERDEF on
+
+
+@functools.cache
+def _ml_dtypes() -> dict[str, np.dtype[Any]]:
+    """The dtypes of ML_DTYPE_NAMES that this ml_dtypes has, by name."""
+    import ml_dtypes
+
+    return {name: np.dtype(getattr(ml_dtypes, name)) for name in ML_DTYPE_NAMES if hasattr(ml_dtypes, name)}
+
+
+@functools.cache
+def _ml_names() -> dict[np.dtype[Any], str]:
+    return {dtype: name for name, dtype in _ml_dtypes().items()}
+
+
 # The common names, looked up without the regular expression (once per small tensor adds up).
 _NAMES = {n: n for n in (f"{o}{t}" for o in "<>|" for t in ("b1", "i1", "u1", "i2", "u2", "i4", "u4",
           "i8", "u8", "f2", "f4", "f8", "c8", "c16")) if _NUMPY_DTYPE.match(n)}
-_PARSED = {**{n: np.dtype(n) for n in _NAMES}, **ML_DTYPES}
+_PARSED = {n: np.dtype(n) for n in _NAMES}
 # The dtypes parse_dtype returns whose arrays export a buffer (ml_dtypes' do not), by identity.
 _BUFFER_DTYPES = frozenset(id(_PARSED[n]) for n in _NAMES)
 
@@ -122,11 +135,11 @@ _NAME_OF: dict[int, tuple[np.dtype[Any], str | None]] = {}
 
 
 def _dtype_name(dtype: np.dtype[Any]) -> str | None:
-    if dtype in _ML_BY_DTYPE:
-        return _ML_BY_DTYPE[dtype]
-    name = _NAMES.get(dtype.str)
+    name = _NAMES.get(dtype.str)  # no ml_dtypes dtype's .str is one of these ("<V2" for bfloat16)
     if name is not None:
         return name
+    if dtype.num >= _USER_DTYPES:
+        return _ml_names().get(dtype)
     name = dtype.str
     return name if _NUMPY_DTYPE.match(name) else None
 
@@ -145,8 +158,8 @@ def parse_dtype(name: object) -> np.dtype[Any]:
     if found is not None:
         return found
     if isinstance(name, str):
-        if name in ML_DTYPES:
-            return ML_DTYPES[name]
+        if name in ML_DTYPE_NAMES and name in _ml_dtypes():
+            return _ml_dtypes()[name]
         if _NUMPY_DTYPE.match(name):
             return np.dtype(name)
     raise DecodeError(f"unknown dtype {name!r}")
@@ -641,8 +654,10 @@ def _cast(value: Any, dtype: Any, target: np.dtype[Any]) -> Any:
 
 
 def _is_float(dtype: np.dtype[Any]) -> bool:
-    name = _ML_BY_DTYPE.get(dtype, "")
-    return dtype.kind == "f" or name.startswith(("float", "bfloat"))
+    if dtype.kind == "f":
+        return True
+    name = _ml_names().get(dtype, "") if dtype.num >= _USER_DTYPES else ""
+    return name.startswith(("float", "bfloat"))
 
 
 def _numpy_dtype(dtype: Any) -> np.dtype[Any]:

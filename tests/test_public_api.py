@@ -128,3 +128,28 @@ def test_open_expands_the_home_directory(tmp_path: Path, monkeypatch: pytest.Mon
     with cas_ckpt.open("~/repo") as repo:
         repo.save({"x": 1})
     assert (tmp_path / "repo" / "config.json").exists()
+
+
+def test_ml_dtypes_is_imported_only_when_a_checkpoint_needs_it(tmp_path: Path) -> None:
+    """``import cas_ckpt`` (and so every CLI command) does not pay for ml_dtypes' import; a process
+    that never imported it still loads and lists a bfloat16 checkpoint, and saves one like it."""
+    saver = (
+        "import sys, ml_dtypes, numpy as np, cas_ckpt\n"
+        "with cas_ckpt.open(sys.argv[1]) as repo:\n"
+        "    repo.save({'w': np.arange(6, dtype=ml_dtypes.bfloat16), 'n': np.ones(3, np.float32)})\n"
+    )
+    loader = (
+        "import sys, cas_ckpt\n"
+        "assert 'ml_dtypes' not in sys.modules, 'imported with cas_ckpt'\n"
+        "with cas_ckpt.open(sys.argv[1]) as repo:\n"
+        "    repo.load(path='n')\n"
+        "    assert 'ml_dtypes' not in sys.modules, 'imported for a float32 load'\n"
+        "    state = repo.load()\n"
+        "    print(state['w'].dtype, state['w'].astype('float32').tolist())\n"
+        "    print(repo.save(state) == repo.resolve('main'))\n"
+    )
+    repo_dir = str(tmp_path / "repo")
+    subprocess.run([sys.executable, "-c", saver, repo_dir], check=True)
+    done = subprocess.run([sys.executable, "-c", loader, repo_dir], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["bfloat16 [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]", "True"]
