@@ -19,7 +19,7 @@ pytest.importorskip("safetensors")
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench.py"
 
-CAS_OPS = {"hash_floor", "save_fresh", "save_unchanged", "save_changed", "load_verify",
+CAS_OPS = {"hash_floor", "copy_hash_floor", "save_fresh", "save_unchanged", "save_changed", "load_verify",
            "load_noverify", "load_sub"}
 BASE_OPS = {"save", "load", "load_sub"}
 
@@ -65,6 +65,7 @@ def test_benchmark_runner_tiny(tmp_path: Path) -> None:
         assert cas["load_sub"]["logical_bytes"] == state["sub_bytes"] > 0
         assert cas["save_fresh"]["logical_bytes"] == logical
         assert cas["hash_floor"]["logical_bytes"] == logical
+        assert cas["copy_hash_floor"]["logical_bytes"] == logical
         assert cas["save_fresh"]["bytes_written"] >= logical
         assert cas["save_fresh"]["files_new"] >= 1
         # Dedup: an unchanged re-save writes (almost) nothing; a partial change writes some.

@@ -32,6 +32,7 @@ from typing import TypeVar
 import numpy as np
 
 from cas_ckpt import _fs
+from cas_ckpt._memory import prefault
 from cas_ckpt.backends.base import Backend, ObjectInfo, Sink
 from cas_ckpt.backends.descriptors import OpenFiles, open_limit
 from cas_ckpt.errors import CorruptStore
@@ -264,8 +265,10 @@ class LocalBackend(Backend):
         return self._files.use(name, lambda: open_regular(self.pack_dir / name))
 
     def read_into(self, name: str, offset: int, out: memoryview) -> bool:
-        if out.nbytes >= MAPPED_READ and self._copy_mapped(name, offset, out):
-            return True
+        if out.nbytes >= MAPPED_READ:
+            prefault(out)
+            if self._copy_mapped(name, offset, out):
+                return True
         done = self._pread(name, lambda fd: _fs.pread_into(fd, out, offset))
         if done is None:
             return False
