@@ -25,7 +25,7 @@ from cas_ckpt import _fs
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends import Backend, LocalBackend, MemoryBackend
 from cas_ckpt.backends.base import ObjectInfo
-from cas_ckpt.backends.local import GATHER_BYTES, MAPPED_READ, SMALL_WRITE
+from cas_ckpt.backends.local import GATHER_BYTES, MAPPED_READ, RELEASE_BATCH, SMALL_WRITE
 from cas_ckpt.blocks import LocalStore, MemoryStore, PackedBlockStore
 from cas_ckpt.errors import CorruptStore
 from cas_ckpt.testing import BackendTests, PackedStoreTests, raw_block
@@ -95,6 +95,25 @@ class TestLocalBackend(BackendTests):
             assert out == data[offset : offset + size]
         assert (name in backend._maps) == (size >= MAPPED_READ)
 
+    def test_pages_copied_out_of_a_mapping_do_not_stay_resident(self, backend: Backend) -> None:
+        """Reading a 96 MiB pack in 1 MiB pieces leaves at most RELEASE_BATCH of its pages mapped
+        (released in batches), and none once the backend is closed: a load's resident size is
+        what it loads, not twice that."""
+        assert isinstance(backend, LocalBackend)
+        size, piece = 96 << 20, 1 << 20
+        sink = backend.create()
+        sink.write(np.random.default_rng(0).integers(0, 256, size, np.uint8).tobytes())
+        assert sink.publish("big.pack")
+        out = memoryview(bytearray(piece))
+        before = _rss_file()
+        mapped_peak = 0
+        for offset in range(0, size, piece):
+            assert backend.read_into("big.pack", offset, out)
+            mapped_peak = max(mapped_peak, _rss_file() - before)
+        assert mapped_peak <= RELEASE_BATCH + 2 * piece, f"{mapped_peak >> 20} MiB of the pack stayed mapped"
+        backend.close()
+        assert _rss_file() - before <= piece
+
     def test_a_pack_too_large_to_map_is_read(self, tmp_path: Path) -> None:
         """Where the address space cannot take a pack's mapping (``RLIMIT_AS``), its chunks are
         read with pread instead of failing the load."""
@@ -125,6 +144,12 @@ class TestLocalBackend(BackendTests):
         (backend.tmp_dir / "0123.pack.tmp").write_bytes(b"half a pack")  # nobody holds its flock
         assert backend.clean_temp(0.0) == 1
         assert list(backend.tmp_dir.iterdir()) == []
+
+
+def _rss_file() -> int:
+    """Resident bytes of file mappings in this process (``RssFile``, Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:")) * 1024
 
 
 WRITES = st.lists(
