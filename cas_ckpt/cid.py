@@ -165,6 +165,13 @@ def is_node(cid: bytes) -> bool:
     return cid[1:3] == b"\x81\x04"
 
 
+def all_written_here(cids: Sequence[bytes]) -> bool:
+    """True if every one of these ``bytes`` is a CID of the kinds cas_ckpt writes (the fast path
+    of :func:`check_binary`, for many at once); False says only that some need its checks."""
+    return min(map(len, cids), default=DIGEST_SIZE + 1) > DIGEST_SIZE and \
+        {c[:-DIGEST_SIZE] for c in cids} <= _PREFIXES
+
+
 def check_binary(data: bytes) -> bytes:
     """Validate a binary CID strictly and return it as ``bytes``."""
     data = bytes(data)

@@ -275,11 +275,17 @@ class PackedBlockStore(BlockStore):
         with self._lock:
             if info.name in self._packs:
                 return
-            self._packs[info.name] = list(map(tuple, entries))
-            self._info[info.name] = info
             name = info.name
-            for cid, offset, length, codec, size in entries:
-                loc = (name, offset, length, codec, size)
+            self._packs[name] = list(entries)
+            self._info[name] = info
+            if not entries:
+                return
+            cids, *fields = zip(*entries, strict=True)
+            locs = list(zip(itertools.repeat(name), *fields, strict=False))
+            if self._index.keys().isdisjoint(cids) and len(set(cids)) == len(cids):
+                self._index.update(zip(cids, locs, strict=True))  # new blocks only: no loop
+                return
+            for cid, loc in zip(cids, locs, strict=True):
                 if self._index.setdefault(cid, loc) is not loc:
                     self._extra.setdefault(cid, []).append(loc)
 
