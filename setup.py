@@ -1,6 +1,8 @@
-"""The one compiled part: cas_ckpt._hashpool (SHA-256 of many small blocks, no GIL; see
-cas_ckpt/cid.py). Optional: where it cannot be built (no C compiler or no OpenSSL headers), the
-install goes on and cas_ckpt hashes with hashlib, to the same CIDs."""
+"""The compiled parts, both optional: cas_ckpt._hashpool (SHA-256 of many small blocks, no GIL;
+see cas_ckpt/cid.py) and cas_ckpt._headers (the small maps of array headers decoded without a
+Python hook; see cas_ckpt/codec.py). Where they cannot be built (no C compiler, no OpenSSL
+headers), the install goes on: cas_ckpt then hashes with hashlib and decodes with msgpack, to the
+same CIDs and values."""
 
 from setuptools import Extension, setup
 
@@ -11,6 +13,7 @@ setup(
             sources=["cas_ckpt/_hashpool.c"],
             libraries=["crypto"],  # OpenSSL's libcrypto: the SHA-256 hashlib itself uses
             optional=True,
-        )
+        ),
+        Extension("cas_ckpt._headers", sources=["cas_ckpt/_headers.c"], optional=True),
     ]
 )

@@ -118,6 +118,16 @@ def link(cid: bytes) -> bytes:
     return ext(LINK, cid)
 
 
+try:
+    from cas_ckpt import _headers
+except ImportError:  # not built (setup.py): msgpack decodes every payload
+    _decode_map = None
+else:
+    # Link is the class links decode to; the CIDs it may make are those check_binary passes at once.
+    _headers.configure(Link, tuple(cidlib._PREFIXES), cidlib.DIGEST_SIZE)
+    _decode_map = _headers.decode_map
+
+
 class _Decoder:
     __slots__ = ("cid", "depth")
 
@@ -161,7 +171,17 @@ class _Decoder:
 
     def _unpack_shallow(self, payload: bytes) -> Any:
         """``unpack`` for a payload near the top: ``unpackb`` costs half as much as an Unpacker
-        (one small tensor holds two ext values) and, this shallow, its C stack is no danger."""
+        (one small tensor holds two ext values) and, this shallow, its C stack is no danger.
+
+        An array's or blob's header (a small map of strings, unsigned ints and lists of them or
+        of links) is decoded by the compiled ``_headers`` where it was built, to the same value:
+        msgpack would call back into Python for its link, and this hook for its header, once
+        per small array of a node.
+        """
+        if _decode_map is not None:
+            header = _decode_map(payload)
+            if header is not None:
+                return header
         return msgpack.unpackb(
             payload, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True
         )

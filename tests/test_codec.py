@@ -299,3 +299,78 @@ def _decode_or_decode_error(data: bytes) -> None:
     else:
         codec.links(value)  # whatever decodes is a well-formed value
     assert time.perf_counter() - started < 2.0
+
+
+# -- the compiled header decoder (cas_ckpt/_headers.c) -------------------------------------------
+def _exactly(a: Any, b: Any) -> bool:
+    """Equal, with the same types all the way down and dict keys in the same order."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_exactly(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_exactly, a, b))
+    return bool(a == b)
+
+
+def _by_msgpack(payload: bytes) -> Any:
+    return msgpack.unpackb(payload, ext_hook=codec._Decoder(None).ext_hook, raw=False,
+                           strict_map_key=False, use_list=True)
+
+
+header_keys = st.sampled_from(["dtype", "shape", "chunk_size", "chunks", "order", "kind", "size",
+                               "str", "é", ""]) | st.text(max_size=33)
+header_values = st.one_of(
+    st.text(max_size=40),
+    st.integers(-3, 2**64 - 1),
+    st.booleans(),
+    st.none(),
+    st.lists(st.integers(0, 2**64 - 1) | cids.map(Link) | st.booleans(), max_size=17),
+    st.binary(max_size=4),
+)
+headers = st.dictionaries(header_keys, header_values, max_size=17)
+
+
+@pytest.mark.skipif(codec._decode_map is None, reason="cas_ckpt._headers was not built")
+@given(headers, st.data())
+def test_the_compiled_header_decoder_gives_what_msgpack_gives(header: dict[str, Any], data: Any) -> None:
+    """On any header (inside its subset or not) and on the same bytes mutated: what it returns
+    is exactly what msgpack and the ext hook decode, and None is all it says otherwise."""
+    payload = codec.encode(header)
+    if data.draw(st.booleans()):
+        cut = data.draw(st.integers(0, len(payload)))
+        skip = data.draw(st.integers(0, 2))
+        payload = payload[:cut] + data.draw(st.binary(max_size=3)) + payload[cut + skip :]
+    fast = codec._decode_map(payload)
+    if fast is None:
+        return
+    assert _exactly(fast, _by_msgpack(payload))
+
+
+in_subset = st.dictionaries(
+    st.text(max_size=10),  # at most 31 bytes of UTF-8: a fixstr
+    st.text(max_size=60) | st.integers(0, 2**64 - 1)
+    | st.lists(st.integers(0, 2**64 - 1) | cids.map(Link), max_size=15),
+    max_size=15,
+)
+
+
+@pytest.mark.skipif(codec._decode_map is None, reason="cas_ckpt._headers was not built")
+@given(in_subset)
+def test_the_compiled_header_decoder_takes_every_header_of_its_subset(header: dict[str, Any]) -> None:
+    assert _exactly(codec._decode_map(codec.encode(header)), header)
+
+
+@pytest.mark.skipif(codec._decode_map is None, reason="cas_ckpt._headers was not built")
+def test_the_compiled_header_decoder_takes_the_headers_cas_ckpt_writes() -> None:
+    chunk = HASHER.raw(b"chunk")
+    header = {"dtype": "<f4", "shape": [3, 100], "chunk_size": 1 << 20, "chunks": [Link(chunk)]}
+    assert _exactly(codec._decode_map(codec.encode(header)), header)
+    blob = {"size": 5, "chunks": [Link(chunk), Link(BLAKE.raw(b"x"))], "str": "x" * 200}
+    assert _exactly(codec._decode_map(codec.encode(blob)), blob)
+    assert codec._decode_map(codec.encode({"history": [HistoryLink(chunk)]})) is None
+    assert codec._decode_map(codec.encode({"dtype": "<f4", "data": b"\0" * 4})) is None
+    for bad in (chunk[:-1], chunk + b"\0", b"\x01\x71" + chunk[2:], b"\x00" + chunk[1:]):
+        # A digest cut short or too long, another codec, CIDv0's first byte: check_binary's to judge
+        payload = b"\x81\xa1c\x91" + codec.ext(codec.LINK, bad)
+        assert codec._decode_map(payload) is None, bad.hex()
