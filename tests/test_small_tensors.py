@@ -500,3 +500,42 @@ def test_planning_many_plain_arrays_keeps_no_object_per_array() -> None:
         del plan
         writer._small.clear()
     assert kept < 2000 * 0.2, kept  # per container, not per array
+
+
+@FEWER
+@given(sizes=sizes_st, dtype=st.sampled_from(DTYPES), fortran=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_small_array_fast_path_loads_what_the_general_path_loads(
+    sizes: list[int], dtype: np.dtype[Any], fortran: bool, seed: int
+) -> None:
+    """``TreeReader._load_small`` (the usual one-chunk array) and the general path give the same
+    state, for every dtype (ml_dtypes' go the general way), order and size, verified or not."""
+    state = {f"t{i}": make_array(n, np.dtype(dtype), seed + i, fortran) for i, n in enumerate(sizes)}
+    with cas_ckpt.open("memory://") as repo:
+        repo.save(state)
+        fast = [repo.load(verify=v) for v in (True, False)]
+        with pytest.MonkeyPatch.context() as patched:
+            patched.setattr(TreeReader, "_load_small", lambda self, header: None)
+            general = [repo.load(verify=v) for v in (True, False)]
+    for a, b in zip(fast, general, strict=True):
+        assert_state_equal(b, a)
+        assert_state_equal(state, a)
+
+
+def test_the_small_array_fast_path_leaves_other_headers_to_the_general_path() -> None:
+    chunk = Link(cidlib.Hasher().raw(b"x"))
+    usual = {"dtype": "<f4", "shape": [3, 5], "chunk_size": 1 << 20, "chunks": [chunk]}
+    others = [
+        {**usual, "dtype": "bfloat16"}, {**usual, "dtype": ["<f4"]}, {**usual, "dtype": "<f3"},
+        {**usual, "shape": [-1]}, {**usual, "shape": (3,)}, {**usual, "shape": [True]},
+        {**usual, "shape": [0, 7]}, {**usual, "shape": [INLINE_LIMIT]}, {**usual, "shape": [1] * 65},
+        {**usual, "chunks": [chunk, chunk]}, {**usual, "chunks": [chunk.cid]},
+        {**usual, "chunks": [codec.HistoryLink(chunk.cid)]}, {**usual, "chunks": chunk},
+        {"dtype": "<f4", "shape": [3], "order": "F", "chunks": [chunk]},
+    ]
+    with cas_ckpt.open("memory://") as repo:
+        reader = TreeReader(repo.blocks, repo.pool)
+        reader._small = _small.SmallReads(repo.blocks, repo.pool, False, repo.pool)
+        for header in others:
+            assert reader._load_small(header) is None, header
+        array = reader._load_small(usual)
+        assert array is not None and array.shape == (3, 5) and array.dtype == np.float32
