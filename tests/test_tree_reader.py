@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
+from helpers import flip_byte
 
 import cas_ckpt
 from cas_ckpt import cid as cidlib
@@ -193,3 +195,48 @@ def test_a_zero_size_array_given_a_block_is_refused(tmp_path: Any, local: bool) 
         root = put({"x": _array(shape=[0, 3], chunk_size=4096, chunks=[CHUNK_LINK])})
         with pytest.raises(cas_ckpt.errors.CorruptBlock, match="stored size 8 != expected 0"):
             repo.load(cidlib.to_cid(root.cid))
+
+
+def test_a_load_runs_with_the_cyclic_collector_paused_and_restores_it(tmp_path: Any) -> None:
+    """No collection starts while a load of many small arrays runs (each used to start several);
+    afterwards the collector is as it was, also after a failed load and around two at once."""
+    import gc
+    import threading
+
+    rng = np.random.default_rng(3)
+    state = {f"c{j}": {f"t{i}": rng.standard_normal(500, np.float32) for i in range(100)}
+             for j in range(50)}
+    started: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        repo.save(state)
+        gc.collect()  # the count starts at 0: the few objects made before the load starts add none
+        gc.callbacks.append(count)
+        try:
+            repo.load()
+        finally:
+            gc.callbacks.remove(count)
+        assert started == [], f"{len(started)} collections started during the load"
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            repo.load()
+            assert not gc.isenabled()  # left as the caller had it
+        finally:
+            gc.enable()
+        loads = [threading.Thread(target=repo.load) for _ in range(2)]
+        for thread in loads:
+            thread.start()
+        for thread in loads:
+            thread.join()
+        assert gc.isenabled()
+        raw = next(bytes(c) for c in repo.blocks if not cidlib.is_node(bytes(c)))
+        path, offset, _ = repo.blocks.locate(raw)
+        flip_byte(path, offset + 7)
+        with pytest.raises(cas_ckpt.errors.CorruptBlock):
+            repo.load(verify=True)  # fails inside the load, when the batch is checked
+        assert gc.isenabled()
