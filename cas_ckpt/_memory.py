@@ -1,12 +1,16 @@
-"""Fresh memory made resident in one call before it is written: see :func:`prefault`."""
+"""Memory: fresh pages made resident in one call before a copy (:func:`prefault`), and the
+cyclic garbage collector paused while many acyclic objects are made (:func:`cyclic_gc_paused`)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import gc
 import mmap
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
 _PAGE = mmap.PAGESIZE
@@ -46,3 +50,34 @@ def prefault(out: memoryview) -> None:
     failed = end > start and call(start, end - start, MADV_POPULATE_WRITE) != 0
     if failed and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):
         _madvise = None  # an older kernel: every later call would fail the same way
+
+
+_gc_pause_lock = threading.Lock()
+_gc_pauses = 0  # callers running with the cyclic collector paused
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused while this runs (restored as it was after the last
+    of those running at once).
+
+    For code that makes many objects, none in a cycle: a load (a few per array: header dicts,
+    links, arrays) and reading pack indexes (a few per block). Every 700 of them started a
+    collection, some of which walked the whole heap: 14% of loading 10,000 small arrays (92 ->
+    79 ms, median of 15), and 8-10 of the 13 ms that taking in an index of 10,000 entries took in
+    a fresh process. Reference counting still frees everything.
+    """
+    global _gc_pauses, _gc_was_enabled
+    with _gc_pause_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_pause_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()

@@ -26,16 +26,13 @@ code  name        payload
 from __future__ import annotations
 
 import collections
-import contextlib
 import difflib
 import functools
-import gc
 import itertools
 import math
 import re
 import sys
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -46,6 +43,7 @@ from multiformats import CID
 
 from cas_ckpt import _small, codec
 from cas_ckpt import cid as cidlib
+from cas_ckpt._memory import cyclic_gc_paused
 from cas_ckpt._small import SmallArray
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
 from cas_ckpt.codec import Link, Tagged
@@ -798,7 +796,7 @@ class TreeReader:
         before this returns.
         """
         self._inflight = []
-        with _cyclic_gc_paused(), \
+        with cyclic_gc_paused(), \
                 ThreadPoolExecutor(FILLS_IN_FLIGHT, thread_name_prefix="cas_ckpt-fill") as fills:
             self._fills = fills
             small = self._small = _small.SmallReads(self.store, self.pool, self.verify, fills)
@@ -1086,34 +1084,6 @@ class _Pages:
         if page is None:
             page = self.seen[cid] = self.reader.node(cid)
         return page
-
-
-_gc_pause_lock = threading.Lock()
-_gc_pauses = 0  # loads running with the cyclic collector paused
-_gc_was_enabled = False
-
-
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused while loads run (restored as it was after the last).
-
-    A load makes a few objects per array (header dicts, links, arrays), none in a cycle, and
-    each 700 of them started a collection, some of which walked the whole heap: 14% of loading
-    10,000 small arrays (92 -> 79 ms, median of 15). Reference counting still frees everything.
-    """
-    global _gc_pauses, _gc_was_enabled
-    with _gc_pause_lock:
-        if _gc_pauses == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pauses += 1
-    try:
-        yield
-    finally:
-        with _gc_pause_lock:
-            _gc_pauses -= 1
-            if _gc_pauses == 0 and _gc_was_enabled:
-                gc.enable()
 
 
 def _allocate(nbytes: int, shape: list[int]) -> np.ndarray[Any, Any]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cas_ckpt import cid as cidlib
+from cas_ckpt._memory import cyclic_gc_paused
 from cas_ckpt.backends.base import Backend, ObjectInfo, Read, Sink
 from cas_ckpt.backends.local import LocalBackend
 from cas_ckpt.backends.memory import MemoryBackend
@@ -227,12 +228,13 @@ class PackedBlockStore(BlockStore):
                     self.corrupt_packs.pop(gone, None)
                 if full:
                     self._info.update((name, info) for name, info in listing.items() if name in self._packs)
-            for info, result in zip(infos, self._read_indexes(infos), strict=True):
-                if isinstance(result, str):
-                    with self._lock:
-                        self.corrupt_packs[info.name] = result
-                elif result is not None:
-                    self._add_pack(info, result)
+            with cyclic_gc_paused():  # a few objects per block: see _memory
+                for info, result in zip(infos, self._read_indexes(infos), strict=True):
+                    if isinstance(result, str):
+                        with self._lock:
+                            self.corrupt_packs[info.name] = result
+                    elif result is not None:
+                        self._add_pack(info, result)
 
     def _read_indexes(self, infos: list[ObjectInfo]) -> list[list[Entry] | str | None]:
         """Each pack's entries, read from its end; a reason if damaged; None if it is gone."""
