@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import s3_server
@@ -32,7 +33,7 @@ def interleaving_server() -> Iterator[str]:
         yield endpoint
 
 
-def _race(endpoint: str, seconds: float, attempt: Callable[[object], None]) -> None:
+def _race(endpoint: str, seconds: float, attempt: Callable[[Any], None]) -> None:
     """Run ``attempt(client)`` in a loop on THREADS threads, each with its own client."""
     stop = time.monotonic() + seconds
     errors: list[BaseException] = []
@@ -58,45 +59,46 @@ def _failed_condition(exc: Exception) -> bool:
         exc.response["Error"]["Code"] in ("PreconditionFailed", "412", "ConditionalRequestConflict")
 
 
+def _race_puts(endpoint: str, seconds: float, put: Callable[[Any], str]) -> collections.Counter[str]:
+    """How often each thing ``put(client)`` returns was won (a failed condition is a lost race)."""
+    won: list[str] = []  # list.append is atomic: a counter's += could lose a double win
+    lost: list[None] = []
+
+    def attempt(client: Any) -> None:
+        try:
+            won.append(put(client))
+        except botocore.exceptions.ClientError as exc:
+            assert _failed_condition(exc), exc
+            lost.append(None)
+
+    _race(endpoint, seconds, attempt)
+    assert lost, "no request lost a race: the test raced nothing"
+    return collections.Counter(won)
+
+
 def test_a_put_conditional_on_an_etag_succeeds_once(interleaving_server: str) -> None:
     """Threads read the ETag, then PUT with If-Match on it: each ETag is replaced at most once."""
     boto3.client("s3", endpoint_url=interleaving_server, **CLIENT).put_object(
         Bucket=BUCKET, Key="ref", Body=b"start")
-    won: dict[str, int] = collections.Counter()
-    lost = [0]
 
-    def attempt(client: object) -> None:
-        etag = client.head_object(Bucket=BUCKET, Key="ref")["ETag"]  # type: ignore[attr-defined]
-        try:
-            client.put_object(Bucket=BUCKET, Key="ref", Body=uuid.uuid4().bytes,  # type: ignore[attr-defined]
-                              IfMatch=etag)
-            won[etag] += 1
-        except botocore.exceptions.ClientError as exc:
-            assert _failed_condition(exc), exc
-            lost[0] += 1
+    def replace(client: Any) -> str:
+        etag = client.head_object(Bucket=BUCKET, Key="ref")["ETag"]
+        client.put_object(Bucket=BUCKET, Key="ref", Body=uuid.uuid4().bytes, IfMatch=etag)
+        return str(etag)
 
-    _race(interleaving_server, 8.0, attempt)
-    assert lost[0] > 0, "no request lost a race: the test raced nothing"
+    won = _race_puts(interleaving_server, 8.0, replace)
     twice = {etag: n for etag, n in won.items() if n > 1}
     assert not twice, f"{len(twice)} of {len(won)} ETags were replaced by more than one conditional PUT"
 
 
 def test_a_create_with_if_none_match_succeeds_once(interleaving_server: str) -> None:
     """Threads race to create the key of the current 20 ms window: each key is created once."""
-    created: dict[str, int] = collections.Counter()
-    lost = [0]
 
-    def attempt(client: object) -> None:
+    def create(client: Any) -> str:
         key = f"lease-{int(time.monotonic() * 50)}"
-        try:
-            client.put_object(Bucket=BUCKET, Key=key, Body=uuid.uuid4().bytes,  # type: ignore[attr-defined]
-                              IfNoneMatch="*")
-            created[key] += 1
-        except botocore.exceptions.ClientError as exc:
-            assert _failed_condition(exc), exc
-            lost[0] += 1
+        client.put_object(Bucket=BUCKET, Key=key, Body=uuid.uuid4().bytes, IfNoneMatch="*")
+        return key
 
-    _race(interleaving_server, 6.0, attempt)
-    assert lost[0] > 0, "no request lost a race: the test raced nothing"
+    created = _race_puts(interleaving_server, 6.0, create)
     twice = [key for key, n in created.items() if n > 1]
     assert not twice, f"{len(twice)} of {len(created)} keys were created by two PUTs with If-None-Match: *"
