@@ -796,13 +796,13 @@ class TreeReader:
         before this returns.
         """
         self._inflight = []
-        with cyclic_gc_paused(), \
-                ThreadPoolExecutor(FILLS_IN_FLIGHT, thread_name_prefix="cas_ckpt-fill") as fills:
+        with ThreadPoolExecutor(FILLS_IN_FLIGHT, thread_name_prefix="cas_ckpt-fill") as fills:
             self._fills = fills
             small = self._small = _small.SmallReads(self.store, self.pool, self.verify, fills)
             try:
-                result = self._load(value, 0)
-                small.finish()
+                with cyclic_gc_paused():  # while the walk makes objects, not while reads finish
+                    result = self._load(value, 0)
+                    small.finish()
             except BaseException:
                 for future in [*self._inflight, *small.futures]:
                     future.cancel()
