@@ -158,7 +158,8 @@ def codec_of(cid: bytes) -> int:
 
 _SHA256 = Hasher("sha2-256")
 _SHA256_RAW = prefix(RAW, SHA2_256)
-_PREFIXES = frozenset(prefix(c, h) for c in CODEC_NAMES for h in HASH_NAMES)
+# The heads of every CID cas_ckpt writes (each codec with each hash), before the digest.
+PREFIXES = frozenset(prefix(c, h) for c in CODEC_NAMES for h in HASH_NAMES)
 
 
 def is_node(cid: bytes) -> bool:
@@ -169,13 +170,13 @@ def all_written_here(cids: Sequence[bytes]) -> bool:
     """True if every one of these ``bytes`` is a CID of the kinds cas_ckpt writes (the fast path
     of :func:`check_binary`, for many at once); False says only that some need its checks."""
     return min(map(len, cids), default=DIGEST_SIZE + 1) > DIGEST_SIZE and \
-        {c[:-DIGEST_SIZE] for c in cids} <= _PREFIXES
+        {c[:-DIGEST_SIZE] for c in cids} <= PREFIXES
 
 
 def check_binary(data: bytes) -> bytes:
     """Validate a binary CID strictly and return it as ``bytes``."""
     data = bytes(data)
-    if data[:-DIGEST_SIZE] in _PREFIXES and len(data) > DIGEST_SIZE:
+    if data[:-DIGEST_SIZE] in PREFIXES and len(data) > DIGEST_SIZE:
         return data  # the CIDs cas_ckpt writes; anything else gets the checks below and why
     if len(data) < 4 or data[0] != 1:
         raise InvalidCID(f"not a CIDv1: {data[:8].hex()}...")

@@ -124,7 +124,7 @@ except ImportError:  # not built (setup.py): msgpack decodes every payload
     _decode_map = None
 else:
     # Link is the class links decode to; the CIDs it may make are those check_binary passes at once.
-    _headers.configure(Link, tuple(cidlib._PREFIXES), cidlib.DIGEST_SIZE)
+    _headers.configure(Link, tuple(cidlib.PREFIXES), cidlib.DIGEST_SIZE)
     _decode_map = _headers.decode_map
 
 

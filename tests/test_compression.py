@@ -206,7 +206,7 @@ def test_an_index_checked_in_bulk_gives_what_row_by_row_checks_give(rows: tuple[
         return
     assert bulk is None or bulk == one_by_one
     if rows and all(type(n) is int for row in rows for n in row[1:]) \
-            and all(c[:-32] in cas_ckpt.cid._PREFIXES and len(c) > 32 for c, _, _ in rows):
+            and all(c[:-32] in cas_ckpt.cid.PREFIXES and len(c) > 32 for c, _, _ in rows):
         assert bulk == one_by_one  # the CIDs cas_ckpt writes never take the slow path
 
 

@@ -343,7 +343,7 @@ def _reference_valid(data: bytes) -> bool:
 
 @given(data=st.one_of(
     st.binary(max_size=40),
-    st.tuples(st.sampled_from(sorted(cidlib._PREFIXES)), st.binary(min_size=30, max_size=34),
+    st.tuples(st.sampled_from(sorted(cidlib.PREFIXES)), st.binary(min_size=30, max_size=34),
               st.integers(0, 35), st.integers(0, 255)).map(
         lambda t: bytearray(t[0] + t[1]) if t[2] >= len(t[0] + t[1]) else
         _flip(bytearray(t[0] + t[1]), t[2], t[3]))))
