@@ -8,6 +8,7 @@ import ctypes
 import errno
 import gc
 import mmap
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -82,3 +83,17 @@ def cyclic_gc_paused() -> Iterator[None]:
             _gc_pauses -= 1
             if _gc_pauses == 0 and _gc_was_enabled:
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """A child forked during a pause runs none of the paused callers: it gets the collector
+    back as it was, and a lock no thread of the parent can hold."""
+    global _gc_pause_lock, _gc_pauses
+    _gc_pause_lock = threading.Lock()
+    if _gc_pauses and _gc_was_enabled:
+        gc.enable()
+    _gc_pauses = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -48,3 +48,38 @@ def test_writing_prefaulted_memory_takes_no_page_faults() -> None:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14 and later)")
     faults = _faults_writing(view)
     assert faults < plain // 100, f"{faults} page faults writing prefaulted memory ({plain} without)"
+
+
+def test_a_child_forked_during_a_pause_gets_the_collector_back() -> None:
+    """A load in one thread while another forks (a data loader's workers): the child has no load
+    running, so its collector runs again, and its next pause and release work."""
+    import gc
+    import os
+    import threading
+    import warnings
+
+    inside, release = threading.Event(), threading.Event()
+
+    def paused() -> None:
+        with _memory.cyclic_gc_paused():
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=paused)
+    thread.start()
+    try:
+        assert inside.wait(30) and not gc.isenabled()
+        with warnings.catch_warnings():  # Python 3.12+ warns of fork beside threads: the point here
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            ok = gc.isenabled()
+            with _memory.cyclic_gc_paused():
+                ok = ok and not gc.isenabled()
+            os._exit(0 if ok and gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        thread.join()
+    assert gc.isenabled()
