@@ -10,16 +10,29 @@
  * The exporters' buffers are held (PyObject_GetBuffer) from submit until the result is taken or
  * the job is freed; the caller must not change them meanwhile, as with hashlib. Threads touch no
  * Python object. After fork() the child has no pool threads: its jobs are hashed by result().
+ *
+ * A job may also fill its buffers first, from one source holding their bytes back to back (a
+ * run of blocks in a pack's mapping): a thread populates a buffer's pages, copies its bytes a
+ * piece at a time and hashes each piece while it is in cache. A load's chunks are then read
+ * and checked with no Python call per chunk, no GIL and no task hand-over.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <openssl/evp.h>
 #include <pthread.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
 
 #define DIGEST 32
 #define MAX_THREADS 64
 #define CLAIM_BYTES (256 * 1024) /* bytes a thread takes from a job under one lock */
+#define PIECE (64 * 1024)         /* bytes copied, then hashed while in cache */
 
 static EVP_MD *sha256;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -27,12 +40,17 @@ static pthread_cond_t work_ready = PTHREAD_COND_INITIALIZER;
 static pthread_cond_t job_done = PTHREAD_COND_INITIALIZER;
 static unsigned long generation; /* bumped in a forked child: earlier jobs have no threads */
 static int running;              /* pool threads started in this generation */
+static int populate = 1;         /* MADV_POPULATE_WRITE works here (Linux 5.14 and later) */
+static long page_size = 4096;
 
 typedef struct Job {
     PyObject_HEAD
     Py_buffer *views;
     unsigned char *digests;
-    PyObject *prefix;      /* bytes put before each digest */
+    PyObject *prefix;      /* bytes put before each digest; None: copy only, no hashing */
+    Py_buffer source;      /* with `filling`: the buffers' bytes back to back */
+    Py_ssize_t *starts;    /* with `filling`: where each buffer's bytes begin in `source` */
+    int filling;
     Py_ssize_t count;      /* buffers */
     Py_ssize_t next;       /* first buffer nobody has claimed */
     Py_ssize_t unfinished; /* buffers claimed or not, not yet hashed */
@@ -64,15 +82,42 @@ static Py_ssize_t claim(Job *job, Py_ssize_t *stop) {
     return start;
 }
 
-/* Hash buffers [start, stop) of `job` (without the lock), then count them done (with it). */
+/* Make the whole pages of [buf, buf + len) resident at once rather than fault them one by one
+ * under the copy (a page fault is dear in a VM). Without the GIL, like everything here. */
+static void populate_pages(char *buf, Py_ssize_t len) {
+    uintptr_t start = ((uintptr_t)buf + page_size - 1) / page_size * page_size;
+    uintptr_t end = ((uintptr_t)buf + len) / page_size * page_size;
+    if (populate && end > start + page_size
+        && madvise((void *)start, end - start, MADV_POPULATE_WRITE) != 0
+        && (errno == EINVAL || errno == ENOSYS))
+        populate = 0; /* an older kernel: every later call would fail the same way */
+}
+
+/* Buffer i of `job`: filled from its source first if the job fills, then hashed. */
+static int do_buffer(Job *job, Py_ssize_t i, EVP_MD_CTX *ctx) {
+    char *buf = job->views[i].buf;
+    Py_ssize_t len = job->views[i].len;
+    int hashing = job->digests != NULL;
+    unsigned int size = 0;
+    if (hashing && !EVP_DigestInit_ex(ctx, sha256, NULL)) return 0;
+    if (job->filling) {
+        const char *from = (const char *)job->source.buf + job->starts[i];
+        populate_pages(buf, len);
+        for (Py_ssize_t done = 0; done < len; done += PIECE) {
+            size_t piece = (size_t)(len - done < PIECE ? len - done : PIECE);
+            memcpy(buf + done, from + done, piece);
+            if (hashing && !EVP_DigestUpdate(ctx, buf + done, piece)) return 0;
+        }
+    } else if (hashing && !EVP_DigestUpdate(ctx, buf, (size_t)len)) {
+        return 0;
+    }
+    return !hashing || EVP_DigestFinal_ex(ctx, job->digests + DIGEST * i, &size);
+}
+
+/* Do buffers [start, stop) of `job` (without the lock), then count them done (with it). */
 static void hash_claimed(Job *job, Py_ssize_t start, Py_ssize_t stop, EVP_MD_CTX *ctx) {
     int failed = ctx == NULL;
-    for (Py_ssize_t i = start; i < stop && !failed; i++) {
-        unsigned int size = 0;
-        failed = !EVP_DigestInit_ex(ctx, sha256, NULL)
-                 || !EVP_DigestUpdate(ctx, job->views[i].buf, (size_t)job->views[i].len)
-                 || !EVP_DigestFinal_ex(ctx, job->digests + DIGEST * i, &size);
-    }
+    for (Py_ssize_t i = start; i < stop && !failed; i++) failed = !do_buffer(job, i, ctx);
     pthread_mutex_lock(&lock);
     job->failed |= failed;
     job->unfinished -= stop - start;
@@ -145,10 +190,14 @@ static void finish(Job *job) {
 
 static void release_buffers(Job *job) {
     for (Py_ssize_t i = 0; i < job->count; i++) PyBuffer_Release(&job->views[i]);
+    if (job->filling) PyBuffer_Release(&job->source);
     PyMem_Free(job->views);
     PyMem_Free(job->digests);
+    PyMem_Free(job->starts);
     job->views = NULL;
     job->digests = NULL;
+    job->starts = NULL;
+    job->filling = 0;
     job->count = job->next = job->unfinished = 0;
 }
 
@@ -165,6 +214,9 @@ static PyObject *Job_result(Job *job, PyObject *unused) {
         PyErr_SetString(PyExc_RuntimeError, "the result of this hash job was already taken");
     } else if (job->failed) {
         PyErr_SetString(PyExc_RuntimeError, "OpenSSL's SHA-256 failed");
+    } else if (job->digests == NULL) {
+        Py_INCREF(Py_None); /* a job that only copies */
+        out = Py_None;
     } else if ((out = PyList_New(job->count)) != NULL) {
         const char *head = PyBytes_AS_STRING(job->prefix);
         Py_ssize_t size = PyBytes_GET_SIZE(job->prefix);
@@ -201,7 +253,8 @@ static void Job_dealloc(Job *job) {
 
 static PyMethodDef Job_methods[] = {
     {"result", (PyCFunction)Job_result, METH_NOARGS,
-     "result() -> list[bytes]: the prefix plus the SHA-256 digest of each buffer, in order.\n"
+     "result() -> list[bytes] | None: the prefix plus the SHA-256 digest of each buffer, in\n"
+     "order (None for a job that only copies).\n"
      "Hashes what no pool thread has taken yet, then waits for the rest, without the GIL."},
     {NULL, NULL, 0, NULL}};
 
@@ -227,10 +280,47 @@ static int start_threads(int wanted) { /* with the lock held */
     return 0;
 }
 
+/* Take `buffers` into `job`, and `source` if not NULL: writable buffers then, whose sizes
+ * add up to the source's. 0 on success; -1 with an exception set. */
+static int take_buffers(Job *job, PyObject *items, PyObject *source) {
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(items), total = 0;
+    int flags = source == NULL ? PyBUF_SIMPLE : PyBUF_WRITABLE;
+    for (; job->count < count; job->count++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, job->count),
+                               &job->views[job->count], flags) < 0)
+            return -1;
+    }
+    if (source == NULL) return 0;
+    if ((job->starts = PyMem_Malloc(count ? count * sizeof(Py_ssize_t) : 1)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        job->starts[i] = total;
+        total += job->views[i].len;
+    }
+    if (PyObject_GetBuffer(source, &job->source, PyBUF_SIMPLE) < 0) return -1;
+    job->filling = 1;
+    if (job->source.len != total) {
+        PyErr_Format(PyExc_ValueError, "the source holds %zd bytes, the buffers %zd",
+                     job->source.len, total);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *submit(PyObject *module, PyObject *args) {
-    PyObject *buffers, *prefix, *items;
+    PyObject *buffers, *prefix, *items, *source = Py_None;
     int threads;
-    if (!PyArg_ParseTuple(args, "OSi", &buffers, &prefix, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOi|O", &buffers, &prefix, &threads, &source)) return NULL;
+    if (prefix != Py_None && !PyBytes_Check(prefix)) {
+        PyErr_SetString(PyExc_TypeError, "prefix must be bytes or None");
+        return NULL;
+    }
+    if (prefix == Py_None && source == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "a job without a prefix only copies: it needs a source");
+        return NULL;
+    }
     if (threads < 0 || threads > MAX_THREADS) {
         PyErr_Format(PyExc_ValueError, "threads must be between 0 and %d", MAX_THREADS);
         return NULL;
@@ -242,12 +332,13 @@ static PyObject *submit(PyObject *module, PyObject *args) {
     Py_INCREF(prefix);
     job->prefix = prefix;
     job->count = job->next = job->unfinished = 0;
-    job->failed = job->queued = 0;
+    job->failed = job->queued = job->filling = 0;
     job->later = NULL;
     job->generation = 0;
+    job->starts = NULL;
     job->views = PyMem_Calloc(count ? count : 1, sizeof(Py_buffer));
-    job->digests = PyMem_Malloc(count ? DIGEST * count : 1);
-    if (job->views == NULL || job->digests == NULL) {
+    job->digests = prefix == Py_None ? NULL : PyMem_Malloc(count ? DIGEST * count : 1);
+    if (job->views == NULL || (prefix != Py_None && job->digests == NULL)) {
         PyMem_Free(job->views);
         PyMem_Free(job->digests);
         job->views = NULL;
@@ -255,13 +346,10 @@ static PyObject *submit(PyObject *module, PyObject *args) {
         Py_DECREF(job);
         return PyErr_NoMemory();
     }
-    for (; job->count < count; job->count++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, job->count),
-                               &job->views[job->count], PyBUF_SIMPLE) < 0) {
-            Py_DECREF(items);
-            Py_DECREF(job); /* releases the buffers taken so far */
-            return NULL;
-        }
+    if (take_buffers(job, items, source == Py_None ? NULL : source) < 0) {
+        Py_DECREF(items);
+        Py_DECREF(job); /* releases the buffers taken so far */
+        return NULL;
     }
     Py_DECREF(items);
     job->unfinished = count;
@@ -280,9 +368,11 @@ static PyObject *submit(PyObject *module, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"submit", submit, METH_VARARGS,
-     "submit(buffers, prefix: bytes, threads: int) -> Job\n\n"
+     "submit(buffers, prefix: bytes | None, threads: int, source=None) -> Job\n\n"
      "Queue the SHA-256 of each contiguous buffer for the pool, started with up to `threads`\n"
-     "threads (0: none; the job's result() then hashes them all on its own thread)."},
+     "threads (0: none; the job's result() then hashes them all on its own thread).\n"
+     "With `source` (the buffers' bytes back to back), each writable buffer is first filled\n"
+     "from its part of it; a prefix of None then copies without hashing."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
@@ -302,6 +392,7 @@ PyMODINIT_FUNC PyInit__hashpool(void) {
             return NULL;
         }
         pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
+        page_size = sysconf(_SC_PAGESIZE);
     }
     return PyModule_Create(&module);
 }

@@ -8,7 +8,9 @@ standard library) is tested to give exactly what ``multiformats`` gives.
 Many small blocks are hashed together (:meth:`Hasher.raw_many`): for sha2-256, on the threads of
 the compiled ``_hashpool`` (``setup.py``), which never take the GIL, so that hashing runs beside
 the Python walk over the state instead of after each block. Where it was not built, hashlib
-gives the same CIDs on the thread that asks for them.
+gives the same CIDs on the thread that asks for them. The same threads fill a load's buffers
+from a pack's mapping and check them (:func:`start_copies`), a piece at a time while it is in
+cache, with no Python call per block.
 
 Only the CIDs cas_ckpt writes are accepted: version 1, codec ``raw`` (0x55) or ``messagepack``
 (0x0201), multihash ``sha2-256`` (0x12) or ``blake3`` (0x1e), 32-byte digests, nothing trailing.
@@ -149,6 +151,36 @@ def start_checks(cids: Sequence[bytes], buffers: Sequence[object]) -> Callable[[
         pending = _SHA256.raw_many(buffers)
         return lambda: [i for i, cid in enumerate(pending.result()) if cid != cids[i]]
     return lambda: [i for i, cid in enumerate(cids) if not matches(cid, buffers[i])]
+
+
+def start_copies(
+    cids: Sequence[bytes] | None, buffers: Sequence[Any], source: memoryview
+) -> Callable[[], list[int]]:
+    """Start filling ``buffers`` (contiguous and writable: byte views or arrays) from
+    ``source`` (their bytes back to back), checking each
+    against its CID unless ``cids`` is None; the function returned waits and gives the
+    positions of those that do not match.
+
+    On the compiled pool where it can hash the CIDs (sha2-256; any, unchecked): its threads
+    populate each buffer's pages, copy and hash it a piece at a time, without the GIL. Elsewhere
+    the copy is made now on this thread and the check by :func:`start_checks`.
+    """
+    if _hashpool is not None and (cids is None or all(c[:-DIGEST_SIZE] == _SHA256_RAW for c in cids)):
+        job = _hashpool.submit(buffers, None if cids is None else _SHA256_RAW, POOL_THREADS, source)
+
+        def wrong() -> list[int]:
+            digests = job.result()
+            return [] if cids is None else [i for i, cid in enumerate(digests) if cid != cids[i]]
+
+        return wrong
+    views = [memoryview(out).cast("B") for out in buffers]  # blake3 hashes byte views only
+    if sum(view.nbytes for view in views) != source.nbytes:
+        raise ValueError(f"the source holds {source.nbytes} bytes, not the buffers' sum")
+    offset = 0
+    for view in views:
+        view[:] = source[offset : offset + view.nbytes]
+        offset += view.nbytes
+    return (lambda: []) if cids is None else start_checks(cids, views)
 
 
 def codec_of(cid: bytes) -> int:

@@ -703,7 +703,8 @@ class TreeReader:
         self.map_location = map_location
         self.mmap = mmap
         self._fills: ThreadPoolExecutor | None = None
-        self._inflight: list[Future[None]] = []
+        self._waits: list[Callable[[], Any]] = []  # the store's own reads started (start_reads)
+        self._futures: list[Future[None]] = []  # reads on the fill threads; load() waits for both
         self._small: _small.SmallReads | None = None
         self.node_reads = 0
         self.mapped = self.copied = 0  # arrays an mmap load mapped, and those it had to copy
@@ -791,27 +792,42 @@ class TreeReader:
     def load(self, value: Any) -> Any:
         """Turn a decoded value into Python objects, reading what it links to.
 
-        Arrays are allocated as the tree is walked and filled in the background, several at a
-        time, so small arrays keep the read threads as busy as large ones; all are complete
-        before this returns.
+        Arrays are allocated as the tree is walked and filled in the background (by the store's
+        own reads, :meth:`BlockStore.start_reads`, or else several at a time on fill threads),
+        so small arrays keep the read threads as busy as large ones; all are complete before
+        this returns.
         """
-        self._inflight = []
-        with ThreadPoolExecutor(FILLS_IN_FLIGHT, thread_name_prefix="cas_ckpt-fill") as fills:
-            self._fills = fills
-            small = self._small = _small.SmallReads(self.store, self.pool, self.verify, fills)
-            try:
-                with cyclic_gc_paused():  # while the walk makes objects, not while reads finish
-                    result = self._load(value, 0)
-                    small.finish()
-            except BaseException:
-                for future in [*self._inflight, *small.futures]:
-                    future.cancel()
-                raise
-            finally:
-                self._fills = self._small = None
-            for future in [*self._inflight, *small.futures]:
+        self._waits, self._futures = [], []
+        small = self._small = _small.SmallReads(self.store, self.pool, self.verify, self._filler)
+        failed = True
+        try:
+            # Paused while the walk makes objects and the store's own reads (copies in memory)
+            # end; not while the fill threads' reads do, which on S3 can take long.
+            with cyclic_gc_paused():
+                result = self._load(value, 0)
+                small.flush()
+                for wait in [*self._waits, *small.waits]:
+                    wait()
+                self._waits = small.waits = []  # freed while paused: their objects count no more
+            for future in [*self._futures, *small.futures]:
                 future.result()
+            failed = False
+        finally:
+            self._small, self._waits, self._futures = None, [], []
+            if self._fills is not None:
+                self._fills.shutdown(cancel_futures=failed)  # the reads running end first
+                self._fills = None
         return result
+
+    def _filler(self) -> Executor:
+        """The threads that fill arrays a store cannot read on its own (started on first need)."""
+        if self._fills is None:
+            self._fills = ThreadPoolExecutor(FILLS_IN_FLIGHT, thread_name_prefix="cas_ckpt-fill")
+        return self._fills
+
+    def _later(self, read: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Run ``read`` on the fill threads; :meth:`load` waits for it."""
+        self._futures.append(self._filler().submit(read, *args, **kwargs))
 
     def _load(self, value: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -923,10 +939,15 @@ class TreeReader:
         """
         if sum(sizes) != out.nbytes:
             raise DecodeError(f"chunks hold {sum(sizes)} bytes, expected {out.nbytes}")
-        if later and self._fills is not None:
-            self._inflight.append(self._fills.submit(
-                self.store.get_many_into, cids, sizes, out, self.pool, verify=self.verify
-            ))
+        if later and self._small is not None:
+            offsets = [0, *itertools.accumulate(sizes)]
+            wait = self.store.start_reads(
+                cids, [out[offsets[i] : offsets[i + 1]] for i in range(len(cids))], verify=self.verify
+            )
+            if wait is None:
+                self._later(self.store.get_many_into, cids, sizes, out, self.pool, verify=self.verify)
+            else:
+                self._waits.append(wait)
             return
         self.store.get_many_into(cids, sizes, out, self.pool, verify=self.verify)
 
@@ -1000,7 +1021,7 @@ class TreeReader:
         if not 0 < nbytes <= INLINE_LIMIT:
             return None
         array = np.empty(shape, dtype)
-        self._small.add(chunks[0].cid, memoryview(array).cast("B"))  # type: ignore[union-attr]
+        self._small.add(chunks[0].cid, array)  # type: ignore[union-attr]
         return array
 
     def _read_small(
@@ -1013,10 +1034,10 @@ class TreeReader:
         # A byte view of a zero-size array cannot be made (a hostile node's: saves inline them).
         if nbytes and order == "C" and id(dtype) in _BUFFER_DTYPES and "kind" not in header:
             array = np.empty(shape, dtype)  # at once: a third of the cost of view and reshape
-            self._small.add(cid, memoryview(array).cast("B"))
+            self._small.add(cid, array)
             return array
         flat = _allocate(nbytes, shape)
-        self._small.add(cid, memoryview(flat))
+        self._small.add(cid, flat)
         return self._shaped(flat, dtype, shape, order, header)
 
     def _shaped(

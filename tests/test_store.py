@@ -27,7 +27,7 @@ from cas_ckpt.backends import Backend, LocalBackend, MemoryBackend
 from cas_ckpt.backends.base import ObjectInfo
 from cas_ckpt.backends.local import GATHER_BYTES, MAPPED_READ, RELEASE_BATCH, SMALL_WRITE
 from cas_ckpt.blocks import LocalStore, MemoryStore, PackedBlockStore
-from cas_ckpt.errors import CorruptStore
+from cas_ckpt.errors import CorruptBlock, CorruptStore
 from cas_ckpt.testing import BackendTests, PackedStoreTests, raw_block
 
 
@@ -442,11 +442,14 @@ def test_each_arrays_chunks_lie_back_to_back_and_load_mapped(tmp_path: Path) -> 
 SHA = cidlib.Hasher("sha2-256")
 
 
-@given(layout=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3000)), min_size=1, max_size=25))
+@given(layout=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3000)), min_size=1, max_size=25),
+       verify=st.booleans())
 @settings(max_examples=40, deadline=None)
-def test_map_runs_cuts_blocks_into_the_runs_they_lie_in(layout: list[tuple[int, int]]) -> None:
+def test_start_reads_copies_blocks_out_of_the_runs_they_lie_in(
+    layout: list[tuple[int, int]], verify: bool
+) -> None:
     """Blocks written by three writers (three packs), asked for in an interleaved order: one
-    view per run back to back in one pack, holding those blocks' bytes, counted right."""
+    run per stretch back to back in one pack, each block copied into its own buffer."""
     with tempfile.TemporaryDirectory() as tmp:
         store = LocalStore(Path(tmp) / "blocks")
         blocks = [(i, bytes([i % 256]) * size + i.to_bytes(4, "big"), pack)
@@ -457,12 +460,56 @@ def test_map_runs_cuts_blocks_into_the_runs_they_lie_in(layout: list[tuple[int, 
                 for (_, data, where), cid in zip(blocks, cids, strict=True):
                     if where == pack:
                         writer.put(cid, data)
-        runs = store.map_runs(cids)
-        assert runs is not None
-        assert sum(count for count, _ in runs) == len(blocks)
-        assert b"".join(bytes(view) for _, view in runs) == b"".join(d for _, d, _ in blocks)
-        expected = 1 + sum(1 for a, b in itertools.pairwise(blocks) if a[2] != b[2])
-        assert len(runs) == expected
-        assert (store.map_blocks(cids) is not None) == (expected == 1)
-        assert MemoryStore().map_runs(cids) is None
+        outs = [memoryview(bytearray(len(data))) for _, data, _ in blocks]
+        wait = store.start_reads(cids, outs, verify=verify)
+        assert wait is not None
+        wait()
+        assert [bytes(out) for out in outs] == [data for _, data, _ in blocks]
+        runs = store._runs(cids)
+        assert runs is not None and sum(count for *_, count in runs) == len(blocks)
+        assert len(runs) == 1 + sum(1 for a, b in itertools.pairwise(blocks) if a[2] != b[2])
+        assert (store.map_blocks(cids) is not None) == (len(runs) == 1)
+        wrong = [memoryview(bytearray(out.nbytes + 1)) for out in outs]
+        assert store.start_reads(cids, wrong) is None  # the general read says which
+        assert MemoryStore().start_reads(cids, outs) is None
         store.close()
+
+
+def test_start_reads_takes_a_good_copy_where_the_mapped_one_is_damaged(tmp_path: Path) -> None:
+    """The copy made from the mapping fails its check: the block is read again on its own,
+    from the other pack that holds it; with no good copy left, CorruptBlock names the block."""
+    store = LocalStore(tmp_path / "blocks")
+    blocks = [bytes([i]) * 300_000 for i in range(3)]
+    cids = [SHA.raw(data) for data in blocks]
+    with store.writer() as writer:
+        for cid, data in zip(cids, blocks, strict=True):
+            writer.put(cid, data)
+    first = store.locate(cids[1])
+    with store.writer() as writer:  # a second copy of block 1, in a pack of its own
+        writer.add_copy(cids[1], blocks[1])
+    store.refresh(full=True)
+    assert store.locate(cids[1]) == first, "reads try the first pack's copy first"
+    store.close()
+    with open(first[0], "r+b") as f:
+        f.seek(first[1] + 1000)
+        f.write(b"\xff")
+    store = LocalStore(tmp_path / "blocks")
+    outs = [memoryview(bytearray(len(data))) for data in blocks]
+    wait = store.start_reads(cids, outs, verify=True)
+    assert wait is not None
+    wait()
+    assert [bytes(out) for out in outs] == blocks
+    store.close()
+    only = LocalStore(tmp_path / "blocks")
+    second = only.locate(cids[1])
+    only.close()
+    with open(second[0], "r+b") as f:
+        f.seek(second[1] + 10)
+        f.write(b"\xff")
+    store = LocalStore(tmp_path / "blocks")
+    wait = store.start_reads(cids, [memoryview(bytearray(len(d))) for d in blocks], verify=True)
+    assert wait is not None
+    with pytest.raises(CorruptBlock) as caught:
+        wait()
+    assert cidlib.to_str(cids[1]) in str(caught.value)
+    store.close()

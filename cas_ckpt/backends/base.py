@@ -153,6 +153,10 @@ class Backend(ABC):
         """A read-only view of the whole object, if ``can_mmap``; None where it cannot be mapped."""
         return None
 
+    def copied(self, name: str, start: int, end: int) -> None:  # noqa: B027 - optional hook
+        """Bytes ``start`` to ``end`` of :meth:`map`'s view of ``name`` were copied out: their
+        pages need not stay resident (a load's resident size stays that of what it loads)."""
+
     def map_private(self, name: str, offset: int, length: int) -> memoryview | None:
         """A writable copy-on-write view of ``length`` bytes at ``offset``, if ``can_mmap``.
 

@@ -236,10 +236,15 @@ class BlockStore(ABC):
         """
         return None
 
-    def map_runs(self, cids: list[bytes]) -> list[tuple[int, memoryview]] | None:
-        """Read-only views of these blocks, one per run of them back to back in one file, in
-        order, each with how many blocks it holds; None if any cannot be mapped (as
-        :meth:`map_blocks`)."""
+    def start_reads(
+        self, cids: list[bytes], outs: list[memoryview], *, verify: bool | None = None
+    ) -> Callable[[], None] | None:
+        """Start reading blocks into these contiguous buffers (byte views or arrays, each
+        exactly its block's size); the function
+        returned waits for them, and raises as :meth:`get_into` would. None where this store
+        has no reads that run on their own (then :meth:`get_many_into` on a pool): the local
+        pack store copies out of its mappings on the compiled pool's threads.
+        """
         return None
 
     def _missing_hint(self) -> str:

@@ -449,6 +449,13 @@ class PackedBlockStore(BlockStore):
         """Read blocks into consecutive slices of ``out``; blocks lying back to back in one pack
         travel as one ranged read on a medium that coalesces (``backend.read_coalesce``), raw
         ones straight into ``out``, compressed ones into a scratch buffer decoded on ``pool``."""
+        offsets = [0, *itertools.accumulate(sizes)]
+        finish = self.start_reads(
+            cids, [out[offsets[i] : offsets[i + 1]] for i in range(len(cids))], verify=verify
+        )
+        if finish is not None:
+            finish()
+            return
         if not self.backend.read_coalesce or len(cids) == 1:
             super().get_many_into(cids, sizes, out, pool, verify=verify)
             return
@@ -507,21 +514,46 @@ class PackedBlockStore(BlockStore):
         mapped = self.backend.map(pack)
         return None if mapped is None else mapped[start:end]
 
-    def map_runs(self, cids: list[bytes]) -> list[tuple[int, memoryview]] | None:
-        runs = self._runs(cids)
+    def start_reads(
+        self, cids: list[bytes], outs: list[memoryview], *, verify: bool | None = None
+    ) -> Callable[[], None] | None:
+        """Blocks lying in mapped packs are copied out of the mappings (and checked) by
+        :func:`cid.start_copies`: one job per run of them back to back, no call per block. A
+        block that fails its check is read again on its own, which finds a good copy or says
+        why. None if one is missing, compressed or of another size than its buffer (the
+        general read says which), or the backend cannot map."""
+        runs = self._runs(cids, [out.nbytes for out in outs])
         if runs is None:
             return None
-        out = []
-        for pack, start, end, count in runs:
+        check = self.verify if verify is None else verify
+        parts, start = [], 0
+        for pack, begin, end, count in runs:
+            parts.append((pack, begin, end, slice(start, start + count)))
+            start += count
+        jobs = []
+        for pack, begin, end, part in parts:
             mapped = self.backend.map(pack)
             if mapped is None:
-                return None
-            out.append((count, mapped[start:end]))
-        return out
+                break  # gone meanwhile: what is left is read block by block
+            jobs.append((pack, begin, end, part, cidlib.start_copies(
+                cids[part] if check else None, outs[part], mapped[begin:end])))
 
-    def _runs(self, cids: list[bytes]) -> list[tuple[str, int, int, int]] | None:
+        def finish() -> None:
+            for pack, begin, end, part, wrong in jobs:
+                for i in wrong():
+                    self.get_into(cids[part][i], memoryview(outs[part][i]).cast("B"), verify=True)
+                self.backend.copied(pack, begin, end)
+            for _, _, _, part in parts[len(jobs):]:
+                for cid, out in zip(cids[part], outs[part], strict=True):
+                    self.get_into(cid, memoryview(out).cast("B"), verify=check)
+
+        return finish
+
+    def _runs(self, cids: list[bytes], sizes: list[int] | None = None
+              ) -> list[tuple[str, int, int, int]] | None:
         """``cids`` as runs of blocks back to back in one pack: (pack, start, end, how many);
-        None if one is missing or compressed, or the backend cannot map."""
+        None if one is missing or compressed, is not of its ``sizes`` entry, or the backend
+        cannot map."""
         if not self.backend.can_mmap or not cids:
             return None
         # The copy reads try first; with none known damaged, that is the index's, looked up
@@ -534,6 +566,8 @@ class PackedBlockStore(BlockStore):
             found = [c[0] for c in copies]
         runs = []
         pack, start, end, count = found[0][0], found[0][1], found[0][1], 0
+        if sizes is not None and [loc[2] for loc in found] != sizes:
+            return None
         for loc_pack, offset, length, codec, _size in found:
             if codec != CODEC_NONE:
                 return None  # mapped loads apply to raw blocks only
