@@ -15,6 +15,11 @@
  * use_list=True, ext_hook=...) returns for such a payload: a dict (a repeated key keeps its first
  * place and its last value, as in msgpack), str, int, list, Link. tests/test_codec.py checks
  * that on generated and on mutated payloads.
+ *
+ * pick_small(container, ...) makes, in one loop, the empty arrays of a container's usual small
+ * arrays (a header of exactly dtype, shape, chunk_size and one chunk link), exactly those that
+ * TreeReader._load_small would make one call each; tests/test_small_tensors.py checks that on
+ * generated containers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -174,6 +179,103 @@ static PyObject *decode_map(PyObject *self, PyObject *arg) {
     return result;
 }
 
+/* ---- the usual small arrays of a container, picked out for a load (see tree.TreeReader) ---- */
+
+static PyObject *s_code, *s_value, *s_cid, *s_dtype, *s_shape, *s_chunk_size, *s_chunks;
+
+/* Item `item` of a container as a new empty array, if it is the usual small array: a
+ * Tagged(code, header) whose header is exactly {dtype, shape, chunk_size, chunks} with dtype a
+ * name in `dtypes` ({name: (dtype, itemsize)}), shape a list of at most 64 ints >= 0, one
+ * chunk that is a Link, and 1 to `limit` bytes. 1 and the array and its chunk's CID; 0 for
+ * anything else (the caller's general path reads it, or says what is wrong); -1 on error. */
+static int small_array(PyObject *item, PyObject *tagged, PyObject *code, PyObject *dtypes,
+                       long long limit, PyObject *empty, PyObject **array, PyObject **cid) {
+    int found = 0;
+    PyObject *tag = NULL, *header = NULL, *chunks, *shape, *name, *described;
+    if (Py_TYPE(item) != (PyTypeObject *)tagged) return 0;
+    if ((tag = PyObject_GetAttr(item, s_code)) == NULL) return -1;
+    int same = PyObject_RichCompareBool(tag, code, Py_EQ);
+    Py_DECREF(tag);
+    if (same <= 0) return same;
+    if ((header = PyObject_GetAttr(item, s_value)) == NULL) return -1;
+    if (!PyDict_CheckExact(header) || PyDict_GET_SIZE(header) != 4) goto done;
+    name = PyDict_GetItemWithError(header, s_dtype);
+    if (name == NULL || !PyUnicode_CheckExact(name)) goto done;
+    described = PyDict_GetItemWithError(dtypes, name);
+    if (described == NULL || !PyTuple_Check(described) || PyTuple_GET_SIZE(described) != 2) goto done;
+    if (PyDict_GetItemWithError(header, s_chunk_size) == NULL) goto done;
+    chunks = PyDict_GetItemWithError(header, s_chunks);
+    if (chunks == NULL || !PyList_CheckExact(chunks) || PyList_GET_SIZE(chunks) != 1
+        || Py_TYPE(PyList_GET_ITEM(chunks, 0)) != (PyTypeObject *)link_type) goto done;
+    shape = PyDict_GetItemWithError(header, s_shape);
+    if (shape == NULL || !PyList_CheckExact(shape) || PyList_GET_SIZE(shape) > 64) goto done;
+    long long nbytes = PyLong_AsLongLong(PyTuple_GET_ITEM(described, 1));
+    if (nbytes == -1 && PyErr_Occurred()) goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(shape); i++) {
+        PyObject *dim = PyList_GET_ITEM(shape, i);
+        int overflow = 0;
+        if (!PyLong_CheckExact(dim)) goto done;
+        long long size = PyLong_AsLongLongAndOverflow(dim, &overflow);
+        /* Negative, zero-size or too large: never the usual small array. Both factors are at
+         * most `limit` (2**30) before each product: no overflow. */
+        if (overflow || size < 1 || size > limit || nbytes > limit) goto done;
+        nbytes *= size;
+    }
+    if (nbytes < 1 || nbytes > limit) goto done;
+    if ((*cid = PyObject_GetAttr(PyList_GET_ITEM(chunks, 0), s_cid)) == NULL) goto failed;
+    *array = PyObject_CallFunctionObjArgs(empty, shape, PyTuple_GET_ITEM(described, 0), NULL);
+    if (*array == NULL) { Py_CLEAR(*cid); goto failed; }
+    found = 1;
+done:
+    if (found == 0 && PyErr_Occurred()) found = -1;
+    Py_XDECREF(header);
+    return found;
+failed:
+    Py_XDECREF(header);
+    return -1;
+}
+
+static PyObject *pick_small(PyObject *self, PyObject *args) {
+    PyObject *items, *tagged, *code, *dtypes, *empty, *key, *item;
+    long long limit;
+    if (!PyArg_ParseTuple(args, "O!OOO!LO", &PyDict_Type, &items, &tagged, &code, &PyDict_Type,
+                          &dtypes, &limit, &empty))
+        return NULL;
+    if (link_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "configure() was not called");
+        return NULL;
+    }
+    if (limit < 1 || limit > (1LL << 30)) {
+        PyErr_SetString(PyExc_ValueError, "limit must be between 1 and 2**30");
+        return NULL;
+    }
+    PyObject *out = PyDict_New(), *cids = PyList_New(0), *arrays = PyList_New(0), *rest = PyList_New(0);
+    if (out == NULL || cids == NULL || arrays == NULL || rest == NULL) goto failed;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(items, &pos, &key, &item)) {
+        PyObject *array = NULL, *cid = NULL;
+        Py_INCREF(key); /* held across the call to empty() */
+        Py_INCREF(item);
+        int found = small_array(item, tagged, code, dtypes, limit, empty, &array, &cid);
+        int failed = found < 0
+                     || PyDict_SetItem(out, key, found ? array : Py_None) < 0
+                     || (found ? PyList_Append(cids, cid) < 0 || PyList_Append(arrays, array) < 0
+                               : PyList_Append(rest, key) < 0);
+        Py_XDECREF(array);
+        Py_XDECREF(cid);
+        Py_DECREF(key);
+        Py_DECREF(item);
+        if (failed) goto failed;
+    }
+    return Py_BuildValue("(NNNN)", out, cids, arrays, rest);
+failed:
+    Py_XDECREF(out);
+    Py_XDECREF(cids);
+    Py_XDECREF(arrays);
+    Py_XDECREF(rest);
+    return NULL;
+}
+
 static PyObject *configure(PyObject *self, PyObject *args) {
     PyObject *link, *prefix_tuple;
     Py_ssize_t digest;
@@ -207,6 +309,11 @@ static PyMethodDef methods[] = {
     {"decode_map", decode_map, METH_O,
      "decode_map(payload) -> dict | None: a small map of str, unsigned ints and lists of unsigned "
      "ints or links, as msgpack decodes it; None for any other payload."},
+    {"pick_small", pick_small, METH_VARARGS,
+     "pick_small(items, tagged_type, code, dtypes, limit, empty) -> (out, cids, arrays, rest):\n"
+     "a container's usual small arrays (see small_array in _headers.c) made by empty(shape,\n"
+     "dtype), in `out` under their keys, with their chunks' CIDs; every other key is in `out`\n"
+     "with None (in order) and in `rest`, for the caller's general path."},
     {"configure", configure, METH_VARARGS,
      "configure(link_type, prefixes, digest_size): the class of links, and the CID prefixes "
      "whose CIDs (prefix, then a digest of digest_size bytes) decode_map may turn into links."},
@@ -218,4 +325,14 @@ static struct PyModuleDef module = {
     "A compiled decoder for the small maps inside extension values (see _headers.c).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__headers(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__headers(void) {
+    if ((s_code = PyUnicode_InternFromString("code")) == NULL
+        || (s_value = PyUnicode_InternFromString("value")) == NULL
+        || (s_cid = PyUnicode_InternFromString("cid")) == NULL
+        || (s_dtype = PyUnicode_InternFromString("dtype")) == NULL
+        || (s_shape = PyUnicode_InternFromString("shape")) == NULL
+        || (s_chunk_size = PyUnicode_InternFromString("chunk_size")) == NULL
+        || (s_chunks = PyUnicode_InternFromString("chunks")) == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}

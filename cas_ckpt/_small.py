@@ -303,6 +303,14 @@ class SmallReads:
         if self._size >= BATCH_BYTES:
             self.flush()
 
+    def add_many(self, cids: list[bytes], outs: list[np.ndarray[Any, Any]]) -> None:
+        """:meth:`add` for each of them."""
+        self._cids += cids
+        self._outs += outs
+        self._size += sum(out.nbytes for out in outs)
+        if self._size >= BATCH_BYTES:
+            self.flush()
+
     def flush(self) -> None:
         cids, outs = self._cids, self._outs
         if not cids:

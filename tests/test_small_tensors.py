@@ -22,7 +22,7 @@ from multiformats import CID
 from strategies import DTYPES
 
 import cas_ckpt
-from cas_ckpt import _small, codec
+from cas_ckpt import _small, codec, tree
 from cas_ckpt import cid as cidlib
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import CorruptBlock, DecodeError, InvalidCID, OutOfMemory
@@ -539,3 +539,95 @@ def test_the_small_array_fast_path_leaves_other_headers_to_the_general_path() ->
             assert reader._load_small(header) is None, header
         array = reader._load_small(usual)
         assert array is not None and array.shape == (3, 5) and array.dtype == np.float32
+
+
+_CHUNK = Link(cidlib.Hasher().raw(b"chunk"))
+_USUAL = {"dtype": "<f4", "shape": [3, 5], "chunk_size": 1 << 20, "chunks": [_CHUNK]}
+_DIMS = st.one_of(st.integers(0, 40), st.integers(-3, -1), st.integers(2**62, 2**70),
+                  st.just(True), st.just(INLINE_LIMIT + 1))
+_HEADERS = st.one_of(
+    st.builds(lambda dtype, shape: {**_USUAL, "dtype": dtype, "shape": shape},
+              st.sampled_from(["<f4", "|u1", ">i8", "<c16", "|b1", "<f2", "bfloat16", "<f3", "f4"]),
+              st.lists(_DIMS, max_size=4) | st.just([1] * 65) | st.just([1] * 64)),
+    st.sampled_from([
+        {**_USUAL, "dtype": ["<f4"]}, {**_USUAL, "shape": (3,)}, {**_USUAL, "chunks": [_CHUNK, _CHUNK]},
+        {**_USUAL, "chunks": [_CHUNK.cid]}, {**_USUAL, "chunks": [codec.HistoryLink(_CHUNK.cid)]},
+        {**_USUAL, "chunks": _CHUNK}, {k: v for k, v in _USUAL.items() if k != "chunk_size"},
+        {**{k: v for k, v in _USUAL.items() if k != "chunk_size"}, "order": "C"},
+        {**_USUAL, "kind": "torch"}, _USUAL,
+    ]),
+)
+_ITEMS = st.one_of(
+    st.builds(lambda h: Tagged(NDARRAY, h), _HEADERS),
+    st.builds(lambda h: Tagged(NDARRAY + 1, h), _HEADERS),  # another extension: a blob's code
+    st.just(Tagged(NDARRAY, [1, 2])), st.integers(), st.none(), st.text(max_size=3),
+    st.builds(lambda h: {"inner": Tagged(NDARRAY, h)}, _HEADERS),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.dictionaries(st.one_of(st.text(max_size=4), st.integers()), _ITEMS, max_size=12))
+def test_the_compiled_pick_of_small_arrays_is_what_load_small_makes(items: dict[Any, Any]) -> None:
+    """``_headers.pick_small`` over a container takes exactly the items ``_load_small`` would
+    make at once, to arrays of the same shape and dtype reading the same chunk; every other key
+    keeps its place (None meanwhile) and is left, in order, to the general path."""
+    pick = tree._pick_small
+    if pick is None:
+        pytest.skip("cas_ckpt._headers was not built")
+    with cas_ckpt.open("memory://") as repo:
+        reader = TreeReader(repo.blocks, repo.pool)
+        reader._small = _small.SmallReads(repo.blocks, repo.pool, False, lambda: repo.pool)
+        out, cids, arrays, rest = pick(items)
+        assert list(out) == list(items)
+        taken = [k for k in items if k not in rest]
+        assert rest == [k for k in items if out[k] is None]
+        assert [id(out[k]) for k in taken] == [id(a) for a in arrays] and len(cids) == len(arrays)
+        for key in items:
+            item = items[key]
+            eligible = type(item) is Tagged and item.code == NDARRAY and type(item.value) is dict \
+                and len(item.value) == 4
+            want = reader._load_small(item.value) if eligible else None
+            if key in rest:
+                assert want is None, (key, item.value)
+                continue
+            assert want is not None, (key, item.value)
+            got = out[key]
+            assert type(got) is np.ndarray and got.shape == want.shape and got.dtype is want.dtype
+            assert got.flags.c_contiguous and got.flags.writeable
+            assert cids[taken.index(key)] == item.value["chunks"][0].cid
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_load_is_the_same_with_and_without_the_compiled_pick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    """Containers mixing the usual small arrays with tiny inline ones, large ones, bfloat16,
+    Fortran order, scalars and nested maps load to the same state either way, in key order."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(12)
+    container: dict[str, Any] = {}
+    for i in range(120):
+        kind = i % 6
+        if kind == 0:
+            container[f"k{i}"] = rng.standard_normal(int(rng.integers(300, 4000)), np.float32)
+        elif kind == 1:
+            container[f"k{i}"] = rng.integers(0, 9, (3, 40), np.int64)
+        elif kind == 2:
+            container[f"k{i}"] = rng.standard_normal(700).astype(ml_dtypes.bfloat16)
+        elif kind == 3:
+            container[f"k{i}"] = np.asfortranarray(rng.standard_normal((30, 20), np.float32))
+        elif kind == 4:
+            container[f"k{i}"] = {"inner": rng.standard_normal(500, np.float32), "n": i}
+        else:
+            container[f"k{i}"] = rng.standard_normal(300_000, np.float32) if i % 30 == 5 else i * 1.5
+    state = {"blocks": [container, dict(reversed(list(container.items())))]}
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        repo.save(state)
+        picked = repo.load(verify=verify)
+        monkeypatch.setattr(tree, "_pick_small", None)
+        unpicked = repo.load(verify=verify)
+    assert_state_equal(picked, state)
+    assert_state_equal(unpicked, state)
+    for got in (picked, unpicked):
+        assert [list(c) for c in got["blocks"]] == [list(c) for c in state["blocks"]]

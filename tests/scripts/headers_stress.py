@@ -1,7 +1,10 @@
-"""Many payloads through cas_ckpt._headers.decode_map, for valgrind (tests/test_codec.py, slow).
+"""Many payloads through cas_ckpt._headers.decode_map, and containers through pick_small, for
+valgrind (tests/test_codec.py, slow).
 
 Headers of the subset and outside it, each also cut short at every length and with bytes
-changed at random; what is decoded must be msgpack's value. Prints ``ok``.
+changed at random; what is decoded must be msgpack's value. Each decoded header then stands in
+a container for pick_small, beside values of other kinds; every key must come back, the
+arrays it makes being of the header's shape. Prints ``ok``.
 """
 
 from __future__ import annotations
@@ -9,10 +12,11 @@ from __future__ import annotations
 import random
 
 import msgpack
+import numpy as np
 
 from cas_ckpt import cid as cidlib
-from cas_ckpt import codec
-from cas_ckpt.codec import Link
+from cas_ckpt import codec, tree
+from cas_ckpt.codec import Link, Tagged
 
 rng = random.Random(7)
 hasher = cidlib.Hasher()
@@ -46,7 +50,14 @@ for payload in payloads():
             changed[rng.randrange(len(changed))] = rng.randrange(256)
         variants.append(bytes(changed))
     variants.append(rng.randbytes(rng.randint(0, 64)))
-    for variant in variants:
+    container = {}
+    for i, variant in enumerate(variants):
         fast = codec._decode_map(variant)
         assert fast is None or fast == decoded_by_msgpack(variant), variant.hex()
+        container[i] = Tagged(tree.NDARRAY, fast) if fast is not None else variant
+    container["usual"] = Tagged(tree.NDARRAY, {"dtype": "<f4", "shape": [3, 2], "chunk_size": 64,
+                                               "chunks": links[:1]})
+    out, cids, arrays, rest = tree._pick_small(container)
+    assert list(out) == list(container) and len(cids) == len(arrays) == len(out) - len(rest)
+    assert all(type(a) is np.ndarray for a in arrays) and out["usual"].shape == (3, 2)
 print("ok")
