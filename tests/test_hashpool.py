@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -160,24 +161,30 @@ def test_a_waiting_thread_that_hashes_other_jobs_gives_each_its_own_cids() -> No
         assert [job.result() for job in reversed(jobs)] == want[::-1]
 
 
+def _in_a_forked_child(check: Callable[[], bool]) -> bool:
+    """What ``check()`` returns in a forked child (which reports it through a pipe)."""
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork() with threads
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        os.write(write, b"1" if check() else b"0")
+        os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.close(read)
+    return os.waitpid(pid, 0)[1] == 0 and answer == b"1"
+
+
 def test_a_forked_child_hashes_without_the_parents_threads() -> None:
     """A job queued before fork() is finished by the child itself; new jobs start new threads."""
     blobs = [os.urandom(4000) for _ in range(3000)]
     want = [SHA.raw(b) for b in blobs]
     hashpool.submit(blobs, PREFIX, 2).result()  # the parent's threads are running
     queued = hashpool.submit(blobs, PREFIX, 2)
-    read, write = os.pipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork() with threads
-        pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through its exit status
-        ok = queued.result() == want and hashpool.submit(blobs, PREFIX, 2).result() == want
-        os.write(write, b"1" if ok else b"0")
-        os._exit(0)
-    os.close(write)
-    assert os.read(read, 1) == b"1"
-    os.close(read)
-    assert os.waitpid(pid, 0)[1] == 0
+    assert _in_a_forked_child(
+        lambda: queued.result() == want and hashpool.submit(blobs, PREFIX, 2).result() == want
+    )
     assert queued.result() == want
 
 
@@ -252,18 +259,9 @@ def test_a_forked_child_finishes_a_filling_job_queued_before_the_fork() -> None:
     want = [SHA.raw(source[i : i + size]) for i in range(0, len(source), size)]
     outs = [np.empty(size, np.uint8) for _ in want]
     queued = hashpool.submit(outs, PREFIX, 1, source)
-    read, write = os.pipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork() with threads
-        pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through its exit status
-        ok = queued.result() == want and b"".join(o.tobytes() for o in outs) == source
-        os.write(write, b"1" if ok else b"0")
-        os._exit(0)
-    os.close(write)
-    assert os.read(read, 1) == b"1"
-    os.close(read)
-    assert os.waitpid(pid, 0)[1] == 0
+    assert _in_a_forked_child(
+        lambda: queued.result() == want and b"".join(o.tobytes() for o in outs) == source
+    )
     assert queued.result() == want
     assert b"".join(o.tobytes() for o in outs) == source
 
