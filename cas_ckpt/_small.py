@@ -316,7 +316,7 @@ class SmallReads:
         if not cids:
             return
         self._cids, self._outs, self._size = [], [], 0
-        wait = self._store.start_reads(cids, outs, verify=self._verify)  # type: ignore[arg-type]
+        wait = self._store.start_reads(cids, outs, verify=self._verify)
         if wait is None:  # a store that cannot map, a compressed block, or a wrong size
             self.futures.append(self._executor().submit(self._read_many, cids, outs))
         else:

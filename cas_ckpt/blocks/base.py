@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
@@ -237,13 +237,13 @@ class BlockStore(ABC):
         return None
 
     def start_reads(
-        self, cids: list[bytes], outs: list[memoryview], *, verify: bool | None = None
+        self, cids: list[bytes], outs: Sequence[Any], *, verify: bool | None = None
     ) -> Callable[[], None] | None:
         """Start reading blocks into these contiguous buffers (byte views or arrays, each
-        exactly its block's size); the function
-        returned waits for them, and raises as :meth:`get_into` would. None where this store
-        has no reads that run on their own (then :meth:`get_many_into` on a pool): the local
-        pack store copies out of its mappings on the compiled pool's threads.
+        exactly its block's size); the function returned waits for them, and raises as
+        :meth:`get_into` would. None where this store has no reads that run on their own (then
+        :meth:`get_many_into` on a pool): the local pack store copies out of its mappings on
+        the compiled pool's threads.
         """
         return None
 

@@ -449,13 +449,14 @@ class PackedBlockStore(BlockStore):
         """Read blocks into consecutive slices of ``out``; blocks lying back to back in one pack
         travel as one ranged read on a medium that coalesces (``backend.read_coalesce``), raw
         ones straight into ``out``, compressed ones into a scratch buffer decoded on ``pool``."""
-        offsets = [0, *itertools.accumulate(sizes)]
-        finish = self.start_reads(
-            cids, [out[offsets[i] : offsets[i + 1]] for i in range(len(cids))], verify=verify
-        )
-        if finish is not None:
-            finish()
-            return
+        if self.backend.can_mmap:  # no slices made for a medium that never maps
+            offsets = [0, *itertools.accumulate(sizes)]
+            finish = self.start_reads(
+                cids, [out[offsets[i] : offsets[i + 1]] for i in range(len(cids))], verify=verify
+            )
+            if finish is not None:
+                finish()
+                return
         if not self.backend.read_coalesce or len(cids) == 1:
             super().get_many_into(cids, sizes, out, pool, verify=verify)
             return
@@ -515,7 +516,7 @@ class PackedBlockStore(BlockStore):
         return None if mapped is None else mapped[start:end]
 
     def start_reads(
-        self, cids: list[bytes], outs: list[memoryview], *, verify: bool | None = None
+        self, cids: list[bytes], outs: Sequence[Any], *, verify: bool | None = None
     ) -> Callable[[], None] | None:
         """Blocks lying in mapped packs are copied out of the mappings (and checked) by
         :func:`cid.start_copies`: one job per run of them back to back, no call per block. A
@@ -564,10 +565,10 @@ class PackedBlockStore(BlockStore):
             if not all(copies):
                 return None
             found = [c[0] for c in copies]
-        runs = []
-        pack, start, end, count = found[0][0], found[0][1], found[0][1], 0
         if sizes is not None and [loc[2] for loc in found] != sizes:
             return None
+        runs = []
+        pack, start, end, count = found[0][0], found[0][1], found[0][1], 0
         for loc_pack, offset, length, codec, _size in found:
             if codec != CODEC_NONE:
                 return None  # mapped loads apply to raw blocks only
