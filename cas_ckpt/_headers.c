@@ -20,6 +20,10 @@
  * arrays (a header of exactly dtype, shape, chunk_size and one chunk link), exactly those that
  * TreeReader._load_small would make one call each; tests/test_small_tensors.py checks that on
  * generated containers.
+ *
+ * small_container(keys, arrays, cids, ...) encodes, in one loop, a container of small arrays
+ * that a save gave blocks of their own, byte for byte as the Python path encodes it one item at
+ * a time; tests/test_small_tensors.py checks that on generated containers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -276,6 +280,181 @@ failed:
     return NULL;
 }
 
+/* ---- a container of small arrays with blocks of their own, encoded for a save (see _small) ---- */
+
+typedef struct {
+    char *data;
+    Py_ssize_t size, room;
+} Out;
+
+static int out_reserve(Out *o, Py_ssize_t more) {
+    if (o->size + more <= o->room) return 1;
+    Py_ssize_t room = o->room * 2 > o->size + more ? o->room * 2 : o->size + more + 4096;
+    char *grown = PyMem_Realloc(o->data, (size_t)room);
+    if (grown == NULL) { PyErr_NoMemory(); return 0; }
+    o->data = grown;
+    o->room = room;
+    return 1;
+}
+
+static void put_be(Out *o, unsigned long long value, int width) {
+    for (int i = width - 1; i >= 0; i--) o->data[o->size++] = (char)((value >> (8 * i)) & 0xff);
+}
+
+/* A msgpack head: `small` (a fix type's tag) or one of three tags for 1, 2 or 4 length bytes
+ * (`wide[0]` may be 0: no 1-byte form), the forms msgpack-python's packer picks. */
+static int put_head(Out *o, Py_ssize_t n, Py_ssize_t fix_limit, unsigned char fix,
+                    const unsigned char wide[3]) {
+    if (!out_reserve(o, 5)) return 0;
+    if (n < fix_limit) o->data[o->size++] = (char)(fix | n);
+    else if (n <= 0xff && wide[0]) { o->data[o->size++] = (char)wide[0]; put_be(o, (unsigned long long)n, 1); }
+    else if (n <= 0xffff) { o->data[o->size++] = (char)wide[1]; put_be(o, (unsigned long long)n, 2); }
+    else { o->data[o->size++] = (char)wide[2]; put_be(o, (unsigned long long)n, 4); }
+    return 1;
+}
+
+static const unsigned char STR_TAGS[3] = {0xd9, 0xda, 0xdb};
+static const unsigned char ARRAY_TAGS[3] = {0, 0xdc, 0xdd};
+static const unsigned char MAP_TAGS[3] = {0, 0xde, 0xdf};
+
+static int put_bytes(Out *o, const char *data, Py_ssize_t size) {
+    if (!out_reserve(o, size)) return 0;
+    memcpy(o->data + o->size, data, (size_t)size);
+    o->size += size;
+    return 1;
+}
+
+/* An int >= 0 as msgpack-python packs it; 0 for anything else (no exception set). */
+static int put_uint(Out *o, PyObject *value) {
+    if (!PyLong_CheckExact(value)) return 0;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (!out_reserve(o, 9)) return -1;
+    if (overflow > 0) { /* 2**63 to 2**64 - 1: uint 64 as well, anything larger is msgpack's */
+        unsigned long long u = PyLong_AsUnsignedLongLong(value);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+        o->data[o->size++] = (char)0xcf;
+        put_be(o, u, 8);
+        return 1;
+    }
+    if (overflow || v < 0) return 0;
+    if (v < 0x80) o->data[o->size++] = (char)v;
+    else if (v <= 0xff) { o->data[o->size++] = (char)0xcc; put_be(o, (unsigned long long)v, 1); }
+    else if (v <= 0xffff) { o->data[o->size++] = (char)0xcd; put_be(o, (unsigned long long)v, 2); }
+    else if (v <= 0xffffffffLL) { o->data[o->size++] = (char)0xce; put_be(o, (unsigned long long)v, 4); }
+    else { o->data[o->size++] = (char)0xcf; put_be(o, (unsigned long long)v, 8); }
+    return 1;
+}
+
+/* One item: its key (a str, when `key` is not NULL), then the ext `code` of before, the
+ * array's shape, after (which ends with the head of a link to a 36-byte CID) and its CID.
+ * 1 if written, 0 if the item is not of that kind (no exception set), -1 on error. */
+static int put_item(Out *o, PyObject *key, PyObject *array, PyObject *cid, PyObject *parts,
+                    int code) {
+    if (key != NULL && PyLong_CheckExact(key)) {
+        int put = put_uint(o, key); /* a negative key: the Python path packs it */
+        if (put <= 0) return put;
+    } else if (key != NULL) {
+        if (!PyUnicode_CheckExact(key)) return 0;
+        Py_ssize_t size;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(key, &size);
+        if (utf8 == NULL) { PyErr_Clear(); return 0; } /* msgpack says what is wrong */
+        if (!put_head(o, size, 32, 0xa0, STR_TAGS) || !put_bytes(o, utf8, size)) return -1;
+    }
+    if (!PyBytes_CheckExact(cid) || PyBytes_GET_SIZE(cid) != 36) return 0;
+    PyObject *before = PyTuple_GET_ITEM(parts, 0), *after = PyTuple_GET_ITEM(parts, 1);
+    PyObject *shape = PyObject_GetAttr(array, s_shape);
+    if (shape == NULL) { PyErr_Clear(); return 0; }
+    int done = 0;
+    if (!PyTuple_CheckExact(shape)) goto end;
+    /* The ext head goes first: reserve its widest form, write the body, then fix the head. */
+    Py_ssize_t head_at = o->size;
+    if (!out_reserve(o, 6)) { done = -1; goto end; }
+    o->size += 6;
+    Py_ssize_t body_at = o->size;
+    if (!put_bytes(o, PyBytes_AS_STRING(before), PyBytes_GET_SIZE(before))
+        || !put_head(o, PyTuple_GET_SIZE(shape), 16, 0x90, ARRAY_TAGS)) { done = -1; goto end; }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); i++) {
+        int put = put_uint(o, PyTuple_GET_ITEM(shape, i));
+        if (put <= 0) { done = put; goto end; }
+    }
+    if (!put_bytes(o, PyBytes_AS_STRING(after), PyBytes_GET_SIZE(after))
+        || !put_bytes(o, PyBytes_AS_STRING(cid), 36)) { done = -1; goto end; }
+    Py_ssize_t body = o->size - body_at;
+    unsigned char head[6];
+    int width;
+    if (body <= 0xff) { head[0] = 0xc7; head[1] = (unsigned char)body; width = 1; }
+    else if (body <= 0xffff) { head[0] = 0xc8; head[1] = (unsigned char)(body >> 8); head[2] = (unsigned char)body; width = 2; }
+    else { head[0] = 0xc9; for (int i = 0; i < 4; i++) head[1 + i] = (unsigned char)(body >> (24 - 8 * i)); width = 4; }
+    head[1 + width] = (unsigned char)code;
+    Py_ssize_t head_size = 2 + width;
+    memmove(o->data + head_at + head_size, o->data + body_at, (size_t)body);
+    memcpy(o->data + head_at, head, (size_t)head_size);
+    o->size = head_at + head_size + body;
+    done = 1;
+end:
+    Py_DECREF(shape);
+    return done;
+}
+
+static PyObject *small_container(PyObject *self, PyObject *args) {
+    PyObject *keys, *arrays, *cids, *parts;
+    int code;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "OO!O!iO!n", &keys, &PyList_Type, &arrays, &PyList_Type, &cids,
+                          &code, &PyDict_Type, &parts, &limit))
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(arrays);
+    if ((keys != Py_None && (!PyList_CheckExact(keys) || PyList_GET_SIZE(keys) != count))
+        || PyList_GET_SIZE(cids) != count || code < 0 || code > 127) {
+        PyErr_SetString(PyExc_ValueError, "keys (or None), arrays and CIDs of one length, a code of 0-127");
+        return NULL;
+    }
+    Out o = {NULL, 0, 0};
+    PyObject *result = NULL, *dtype = NULL, *last = NULL, *described = NULL;
+    if (!put_head(&o, count, 16, keys == Py_None ? 0x90 : 0x80, keys == Py_None ? ARRAY_TAGS : MAP_TAGS))
+        goto failed;
+    Py_ssize_t head = o.size; /* the limit counts the items, as TreeWriter._container does */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *array = PyList_GET_ITEM(arrays, i);
+        if ((dtype = PyObject_GetAttr(array, s_dtype)) == NULL) { PyErr_Clear(); goto not_usual; }
+        if (dtype != last) { /* runs of one dtype: one look-up per run */
+            PyObject *id = PyLong_FromVoidPtr(dtype);
+            if (id == NULL) goto failed;
+            described = PyDict_GetItemWithError(parts, id);
+            Py_DECREF(id);
+            if (described == NULL) {
+                if (PyErr_Occurred()) goto failed;
+                result = PyLong_FromSsize_t(i); /* the caller adds its parts and calls again */
+                goto done;
+            }
+            if (!PyTuple_CheckExact(described) || PyTuple_GET_SIZE(described) != 2
+                || !PyBytes_CheckExact(PyTuple_GET_ITEM(described, 0))
+                || !PyBytes_CheckExact(PyTuple_GET_ITEM(described, 1))) {
+                PyErr_SetString(PyExc_ValueError, "parts are (before, after) pairs of bytes");
+                goto failed;
+            }
+            last = dtype; /* the arrays hold their dtypes: the pointer stays valid */
+        }
+        Py_CLEAR(dtype);
+        int put = put_item(&o, keys == Py_None ? NULL : PyList_GET_ITEM(keys, i), array,
+                           PyList_GET_ITEM(cids, i), described, code);
+        if (put < 0) goto failed;
+        if (put == 0 || o.size - head > limit) goto not_usual;
+    }
+    result = PyBytes_FromStringAndSize(o.data, o.size);
+    goto done;
+not_usual:
+    result = Py_NewRef(Py_None);
+    goto done;
+failed:
+    result = NULL;
+done:
+    Py_XDECREF(dtype);
+    PyMem_Free(o.data);
+    return result;
+}
+
 static PyObject *configure(PyObject *self, PyObject *args) {
     PyObject *link, *prefix_tuple;
     Py_ssize_t digest;
@@ -314,6 +493,13 @@ static PyMethodDef methods[] = {
      "a container's usual small arrays (see small_array in _headers.c) made by empty(shape,\n"
      "dtype), in `out` under their keys, with their chunks' CIDs; every other key is in `out`\n"
      "with None (in order) and in `rest`, for the caller's general path."},
+    {"small_container", small_container, METH_VARARGS,
+     "small_container(keys, arrays, cids, code, parts, limit) -> bytes | int | None: the map\n"
+     "(keys: a list of str and ints >= 0) or list (keys: None) of the arrays as one-chunk ext `code` values\n"
+     "linking to their 36-byte CIDs, in one loop: what tree.TreeWriter encodes one item at a\n"
+     "time. parts: {id(dtype): (before, after)}, the encodings around the shape (after ending\n"
+     "with a link's head). An int: the index of an array whose dtype has no parts yet (add them,\n"
+     "call again); None: an item of another kind, or items of more than `limit` bytes in all."},
     {"configure", configure, METH_VARARGS,
      "configure(link_type, prefixes, digest_size): the class of links, and the CID prefixes "
      "whose CIDs (prefix, then a digest of digest_size bytes) decode_map may turn into links."},

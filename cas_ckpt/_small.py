@@ -12,7 +12,7 @@ is hashed, and checked when loaded, by :meth:`cid.Hasher.raw_many` (see :class:`
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -22,6 +22,11 @@ import numpy as np
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
+
+try:
+    from cas_ckpt import _headers
+except ImportError:  # not built (setup.py): containers are encoded item by item
+    _headers = None  # type: ignore[assignment]
 
 TINY_LIMIT = 1024  # arrays up to this size stay inline even among many small ones
 SMALL_SPLIT = 64 * 1024  # inline array bytes in one container above which they get blocks
@@ -72,21 +77,33 @@ class SmallBlocks:
         self._encode = encode
         self._describe = describe  # each array's one-chunk ndarray encoding, a batch at a time
         self._pool = pool if encode is not None else None
-        self._batch_of: dict[int, _Batch] = {}
+        self._batch_of: dict[int, Batch] = {}
         self._index_of: dict[int, int] = {}  # ints only: the dict is not tracked by the GC
-        self._batches: list[_Batch] = []
+        self._batches: list[Batch] = []
+        # The encodings around the shape by id(dtype), for container_encoding: kept for one save
+        # only, while its arrays (and so their dtypes) are alive.
+        self._parts: dict[int, tuple[bytes, bytes]] = {}
 
-    def give_blocks(self, items: Iterable[Any], name_of: Callable[[Any], str], chunk_size: int) -> bool:
+    def give_blocks(
+        self, items: Collection[Any], name_of: Callable[[Any], str], chunk_size: int
+    ) -> tuple[list[Batch], bool] | None:
         """If the small arrays among ``items`` hold more than ``SMALL_SPLIT`` bytes, give each of
-        them a block of its own and return True: their container then gets a node of its own,
-        however small (a sub-tree load reads it alone, not its parent's other children with it).
+        them a block of its own and return the batches made (in order) and whether they hold
+        every item as a plain array (the container is then encoded in one loop: see
+        :meth:`container_encoding`). Their container gets a node of its own, however small (a
+        sub-tree load reads it alone, not its parent's other children with it). None: they stay
+        inline.
 
         An array larger than ``chunk_size`` (a repository cutting chunks below 16 KiB) stays
         inline: one chunk must not be larger than the chunk size its array records.
         """
         small = [x for x in items if type(x) is np.ndarray or type(x) is SmallArray]
         if not small or sum(x.nbytes for x in small) <= SMALL_SPLIT:
-            return False
+            return None
+        # Arrays of a whole container are found by their batches, not one by one (see add).
+        whole = len(small) == len(items) and all(type(x) is np.ndarray and x.nbytes <= chunk_size
+                                                 for x in small)
+        batches: list[Batch] = []
         batch: list[Any] = []
         size = 0
         for item in small:
@@ -95,17 +112,23 @@ class SmallBlocks:
             batch.append(item)
             size += item.nbytes
             if size >= BATCH_BYTES:
-                self._add(batch, name_of)
+                batches.append(self._add(batch, name_of, find=not whole))
                 batch, size = [], 0
         if batch:
-            self._add(batch, name_of)
-        return True
+            batches.append(self._add(batch, name_of, find=not whole))
+        return batches, whole
 
-    def _add(self, arrays: list[Any], name_of: Callable[[Any], str]) -> None:
+    def _add(self, arrays: list[Any], name_of: Callable[[Any], str], *, find: bool) -> Batch:
         names = [name_of(x) for x in arrays] if self._encode is not None else None
-        batch = _Batch(arrays, names, self._hasher, self._encode, self._pool)
+        batch = Batch(arrays, names, self._hasher, self._encode, self._pool)
         self._batches.append(batch)
-        ids = list(map(id, arrays))
+        if find:
+            self._find(batch)
+        return batch
+
+    def _find(self, batch: Batch) -> None:
+        """Let :meth:`encoding` find the batch's arrays."""
+        ids = list(map(id, batch.arrays))
         self._batch_of.update(zip(ids, itertools.repeat(batch)))
         self._index_of.update(zip(ids, range(len(ids)), strict=True))
 
@@ -119,11 +142,34 @@ class SmallBlocks:
         if batch is None:
             return None
         if batch.encodings is None:
-            cids, stored = batch.results()
-            writer.put_many(list(zip(cids, batch.arrays, stored or [None] * len(cids), strict=True)),
-                            keep=True, view=bytes_of)
-            batch.encodings = self._describe(batch.arrays, cids)
+            batch.encodings = self._describe(batch.arrays, batch.put(writer))
         return batch.encodings[self._index_of[key]]
+
+    def container_encoding(
+        self, keys: list[Any] | None, batches: list[Batch], writer: BlockWriter, code: int,
+        chunk_size: int, packer: msgpack.Packer, name_of: Callable[[Any], str], limit: int,
+    ) -> bytes | None:
+        """The encoding of a map (``keys``) or list (None) whose items are the plain arrays of
+        ``batches`` (:meth:`give_blocks`), once their blocks are put: byte for byte the frame of
+        their :meth:`encoding` one by one, made in one compiled loop. None where that loop is not
+        built, or a key is of another kind or the whole longer than ``limit``: the caller then
+        encodes item by item (the blocks stay put, and :meth:`encoding` finds the arrays)."""
+        cids: list[bytes] = []
+        for batch in batches:
+            cids += batch.put(writer)
+        arrays = [x for batch in batches for x in batch.arrays]
+        while True:
+            body = None if _headers is None else \
+                _headers.small_container(keys, arrays, cids, code, self._parts, limit)
+            if body is None:
+                for batch in batches:
+                    self._find(batch)
+                return None
+            if type(body) is bytes:
+                return body
+            name = name_of(arrays[body])
+            before, after = _AROUND_SHAPE.get((name, chunk_size)) or _around_shape(name, chunk_size, packer)
+            self._parts[id(arrays[body].dtype)] = (before, after + _LINK_36)
 
     def clear(self) -> None:
         """Cancel the batches still queued (a failed save) and forget them all: ids of freed
@@ -133,6 +179,7 @@ class SmallBlocks:
         self._batches.clear()
         self._batch_of.clear()
         self._index_of.clear()
+        self._parts.clear()
 
 
 def bytes_of(item: Any) -> memoryview:
@@ -143,16 +190,18 @@ def bytes_of(item: Any) -> memoryview:
 Results = tuple[list[bytes], "list[Stored | None] | None"]  # the CIDs, and encodings if compressing
 
 
-class _Batch:
+class Batch:
     """The CIDs (and encodings) of a batch of small arrays, hashed from the start."""
 
-    __slots__ = ("_encode", "_future", "_hasher", "_names", "_pending", "_results", "arrays", "encodings")
+    __slots__ = ("_encode", "_future", "_hasher", "_names", "_pending", "_results", "arrays", "cids",
+                 "encodings")
 
     def __init__(self, arrays: list[Any], names: list[str] | None, hasher: cidlib.Hasher,
                  encode: Encode | None, pool: Executor | None) -> None:
         self.arrays = arrays  # in order
         self._names = names  # each array's dtype name, for the encoder
-        self.encodings: list[bytes] | None = None  # set once all its blocks are put
+        self.cids: list[bytes] | None = None  # set once all its blocks are put
+        self.encodings: list[bytes] | None = None  # each array's, made when first asked for
         self._hasher = hasher
         self._encode = encode
         self._results: Results | None = None
@@ -169,6 +218,15 @@ class _Batch:
                 self._results = self._pending.result(), None
                 self._pending = None
         return self._results
+
+    def put(self, writer: BlockWriter) -> list[bytes]:
+        """Put the batch's blocks (once: a second call returns the CIDs again); their CIDs."""
+        if self.cids is None:
+            cids, stored = self.results()
+            writer.put_many(list(zip(cids, self.arrays, stored or [None] * len(cids), strict=True)),
+                            keep=True, view=bytes_of)
+            self.cids = cids
+        return self.cids
 
     def cancel(self) -> None:
         if self._future is not None:

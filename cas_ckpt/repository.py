@@ -265,9 +265,7 @@ class Repository:
             if codec != "none" and self.config.version < 2:
                 self._update_config(version=2)  # before any version 2 pack exists
             self.blocks.refresh()
-            with self.blocks.writer(
-                verify_existing=verify_existing, compression=codec, pool=self.pool
-            ) as writer:
+            with self.blocks.writer(verify_existing=verify_existing, compression=codec) as writer:
                 txn = Transaction(self, writer)
                 yield txn
             for ref, old, new, message in txn.moves:

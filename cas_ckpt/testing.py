@@ -611,46 +611,41 @@ class BackendTests:
         assert backend.read("a.pack", 0, 5) == b"other"
         assert [i.name for i in backend.list()] == ["a.pack"]
 
-    def test_kept_writes_on_a_pool_land_in_write_order(self, backend: Backend) -> None:
-        """Large kept writes may be copied on the pool while later writes are placed after
-        them; the published object is the writes in the order they were made."""
+    def test_kept_writes_land_in_write_order(self, backend: Backend) -> None:
+        """Kept writes may be held by reference while later ones are made; the published
+        object is the writes in the order they were made."""
         rng = random.Random(7)
         pieces = [bytes([i]) * rng.choice((3, 5000, 300_000, 1 << 20)) for i in range(40)]
-        with ThreadPoolExecutor(2) as pool:
-            sink = backend.create(pool)
-            for i, piece in enumerate(pieces):
-                sink.write(memoryview(piece) if i % 3 else piece, keep=i % 2 == 0)
-            assert sink.publish("kept.pack") is True
+        sink = backend.create()
+        for i, piece in enumerate(pieces):
+            sink.write(memoryview(piece) if i % 3 else piece, keep=i % 2 == 0)
+        assert sink.publish("kept.pack") is True
         whole = b"".join(pieces)
         assert backend.read("kept.pack", 0, len(whole)) == whole
         assert [(i.name, i.size) for i in backend.list()] == [("kept.pack", len(whole))]
 
-    @pytest.mark.parametrize("pooled", [False, True])
-    def test_buffers_are_the_callers_again_once_written_or_settled(
-        self, backend: Backend, pooled: bool
-    ) -> None:
+    def test_buffers_are_the_callers_again_once_written_or_settled(self, backend: Backend) -> None:
         """A buffer written without ``keep`` may be reused when ``write`` returns, a kept one
         when ``settle`` returns: the object holds the bytes as they were then."""
         rng = random.Random(11)
         sizes = (1, 700, 9000, 200_000, 262_143, 262_144, 600_000)
         expected, kept = [], []
-        with ThreadPoolExecutor(2) as pool:
-            sink = backend.create(pool if pooled else None)
-            for i in range(123):  # the last few small and kept: a sink that gathers holds them
-                buffer = bytearray(bytes([i % 251]) * (rng.choice(sizes) if i < 120 else 700))
-                expected.append(bytes(buffer))
-                keep = rng.random() < 0.7 or i >= 120
-                sink.write(memoryview(buffer), keep=keep)
-                if keep:
-                    kept.append(buffer)
-                else:
-                    buffer[:] = b"\xff" * len(buffer)  # reused at once
-            sink.settle()
-            for buffer in kept:
-                buffer[:] = b"\xee" * len(buffer)
-            expected.append(b"tail")
-            sink.write(b"tail")
-            assert sink.publish("reused.pack") is True
+        sink = backend.create()
+        for i in range(123):  # the last few small and kept: a sink that gathers holds them
+            buffer = bytearray(bytes([i % 251]) * (rng.choice(sizes) if i < 120 else 700))
+            expected.append(bytes(buffer))
+            keep = rng.random() < 0.7 or i >= 120
+            sink.write(memoryview(buffer), keep=keep)
+            if keep:
+                kept.append(buffer)
+            else:
+                buffer[:] = b"\xff" * len(buffer)  # reused at once
+        sink.settle()
+        for buffer in kept:
+            buffer[:] = b"\xee" * len(buffer)
+        expected.append(b"tail")
+        sink.write(b"tail")
+        assert sink.publish("reused.pack") is True
         whole = b"".join(expected)
         assert backend.read("reused.pack", 0, len(whole)) == whole
 

@@ -292,7 +292,9 @@ class TreeWriter:
         self.chunk_size = chunk_size
         self.logical_bytes = 0
         self._packer = codec.packer()
-        self._own_node: set[int] = set()  # ids of prepared containers of many small arrays
+        # ids of prepared containers of many small arrays, each with its batches where they
+        # hold every item (see SmallBlocks.give_blocks)
+        self._own_node: dict[int, list[_small.Batch] | None] = {}
         self._hashing = _HashAhead(self._start_digest, HASH_AHEAD)
         self._small = _small.SmallBlocks(
             hasher, self._encode_small if writer.compresses else None, pool, self._describe_small
@@ -384,8 +386,9 @@ class TreeWriter:
 
     def _mark(self, container: Any, items: Any) -> Any:
         """``container``, noted to get a node of its own if its small arrays get blocks."""
-        if self._small.give_blocks(items, _small_dtype, self.chunk_size):
-            self._own_node.add(id(container))  # the plan holds it until written: the id stays
+        given = self._small.give_blocks(items, _small_dtype, self.chunk_size)
+        if given is not None:  # the plan holds the container until written: the id stays
+            self._own_node[id(container)] = given[0] if given[1] else None
         return container
 
     def _linked(self, value: Link, path: str) -> Link:
@@ -474,6 +477,13 @@ class TreeWriter:
         return body
 
     def _body(self, value: Any, path: str) -> bytes:
+        batches = self._own_node.get(id(value)) if type(value) in (dict, list) else None
+        if batches:
+            keys = list(value) if type(value) is dict else None
+            body = self._small.container_encoding(keys, batches, self.writer, NDARRAY, self.chunk_size,
+                                                  self._packer, _small_dtype, PAGE_LIMIT - 16)
+            if body is not None:
+                return body
         if isinstance(value, dict):
             pack, small = self._pack, self._write_small
             items = [pack(k) + (small(v) if type(v) in _SMALL else self._encode(v, join_path(path, k)))

@@ -631,3 +631,176 @@ def test_a_load_is_the_same_with_and_without_the_compiled_pick(
     assert_state_equal(unpicked, state)
     for got in (picked, unpicked):
         assert [list(c) for c in got["blocks"]] == [list(c) for c in state["blocks"]]
+
+
+# -- the compiled encoding of a container of small blocks (save) -------------------------------
+_KEYS = st.one_of(st.text(max_size=40), st.text(min_size=250, max_size=300),
+                  st.sampled_from([31, 32, 255, 256, 65535, 65536]).map(lambda n: "k" * n),
+                  st.integers(0, 2**64 - 1), st.sampled_from([0, 127, 128, 255, 256, 65535, 65536, 2**32]))
+_PLAIN = st.tuples(  # any shape, 0-d to 17-d, dims of every msgpack int width: no memory behind
+    st.sampled_from(["<f4", "<f8", "<i2", "|u1", "|b1", ">f4", "<c8"]),
+    st.lists(st.integers(0, 3), max_size=16),
+    st.lists(st.sampled_from([127, 128, 255, 256, 65535, 65536, 2**32, 2**40]), max_size=1),
+).map(lambda t: np.lib.stride_tricks.as_strided(np.zeros(1, np.dtype(t[0])), (*t[1], *t[2]),
+                                                (0,) * (len(t[1]) + len(t[2]))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(st.tuples(_KEYS, _PLAIN), max_size=20), as_map=st.booleans(),
+       chunk_size=st.sampled_from([4096, 1 << 20]), data=st.data())
+def test_the_compiled_container_encoding_is_the_item_by_item_one(
+    items: list[tuple[Any, np.ndarray[Any, Any]]], as_map: bool, chunk_size: int, data: st.DataObject
+) -> None:
+    """``_headers.small_container`` gives byte for byte the frame the Python path makes of each
+    key packed by msgpack and each array's one-chunk encoding; or None (the Python path then
+    encodes it) exactly where it cannot: a negative key, a CID not of 36 bytes, a key msgpack
+    cannot pack, or more bytes than the limit. A dtype without parts yet is asked for by index."""
+    from cas_ckpt import _headers
+    from cas_ckpt.tree import _small_dtype
+
+    keys = [k for k, _ in items] if as_map else None
+    arrays = [a for _, a in items]
+    cids = [data.draw(st.sampled_from([cidlib.prefix(cidlib.RAW, cidlib.SHA2_256),
+                                       cidlib.prefix(cidlib.RAW, cidlib.BLAKE3)]))
+            + data.draw(st.binary(min_size=32, max_size=32)) for _ in arrays]
+    odd = data.draw(st.sampled_from(["none"] * 6 + ["negative key", "long CID"]))
+    if items and odd != "none":  # one item the loop leaves to the Python path
+        at = data.draw(st.integers(0, len(items) - 1))
+        if odd == "long CID":
+            cids[at] = b"\x01" * 40 + cids[at][4:]
+        elif keys is not None:
+            keys[at] = data.draw(st.integers(-2**63, -1))
+    packer = codec.packer()
+    encodings = _small.one_chunk_encodings(NDARRAY, arrays, cids, chunk_size, packer, _small_dtype)
+    if as_map:
+        assert keys is not None
+        frame = packer.pack_map_header(len(items)) + b"".join(
+            packer.pack(k) + e for k, e in zip(keys, encodings, strict=True))
+    else:
+        frame = packer.pack_array_header(len(items)) + b"".join(encodings)
+    usual = all(len(c) == 36 for c in cids) and all(type(k) is str or k >= 0 for k in keys or [])
+    header = len(packer.pack_map_header(len(items)) if as_map else packer.pack_array_header(len(items)))
+    limit = data.draw(st.sampled_from([1 << 20, len(frame) - header, max(0, len(frame) - header - 1)]))
+    parts: dict[int, tuple[bytes, bytes]] = {}
+    while True:
+        got = _headers.small_container(keys, arrays, cids, NDARRAY, parts, limit)
+        if type(got) is not int:
+            break
+        name = _small_dtype(arrays[got])
+        assert id(arrays[got].dtype) not in parts
+        before, after = _small._around_shape(name, chunk_size, packer)
+        parts[id(arrays[got].dtype)] = (before, after + _small._LINK_36)
+    assert got == (frame if usual and len(frame) - header <= limit else None)
+
+
+@pytest.mark.parametrize("body", [255, 256])
+def test_the_compiled_container_encoding_at_the_ext_8_limit(body: int) -> None:
+    """An item whose ext payload is 255 bytes (ext 8) or 256 (ext 16), as msgpack heads them."""
+    from cas_ckpt import _headers
+    from cas_ckpt.tree import _small_dtype
+
+    class Shaped:  # what both paths read of an array: its shape and dtype (numpy refuses these)
+        def __init__(self, shape: tuple[int, ...]) -> None:
+            self.shape, self.dtype = shape, np.dtype(np.float32)
+
+    packer, cid = codec.packer(), cidlib.prefix(cidlib.RAW, cidlib.SHA2_256) + bytes(32)
+    for big in range(40):  # dims packed in 9 bytes and in 1
+        for small in range(9):
+            array = Shaped((*[2**40] * big, *[1] * small))
+            encoding = _small.one_chunk_encodings(NDARRAY, [array], [cid], 4096, packer, _small_dtype)[0]
+            if len(msgpack.unpackb(encoding, ext_hook=lambda code, data: data)) == body:
+                before, after = _small._around_shape("<f4", 4096, packer)
+                parts = {id(array.dtype): (before, after + _small._LINK_36)}
+                got = _headers.small_container(None, [array], [cid], NDARRAY, parts, 1 << 20)
+                assert got == packer.pack_array_header(1) + encoding
+                assert encoding[0] == (0xC7 if body <= 255 else 0xC8)
+                return
+    raise AssertionError(f"no shape gives a payload of {body} bytes")
+
+
+def test_the_compiled_container_encoding_refuses_what_it_cannot_check() -> None:
+    from cas_ckpt import _headers
+
+    with pytest.raises(ValueError, match="one length"):
+        _headers.small_container(["a"], [], [], NDARRAY, {}, 100)
+    with pytest.raises(ValueError, match="code"):
+        _headers.small_container(None, [], [], 300, {}, 100)
+    array = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="pairs of bytes"):
+        _headers.small_container(None, [array], [bytes(36)], NDARRAY, {id(array.dtype): ("a", b"")}, 100)
+    assert _headers.small_container(None, [object()], [bytes(36)], NDARRAY, {}, 100) is None
+    assert _headers.small_container(["\ud800"], [array], [bytes(36)], NDARRAY,
+                                    {id(array.dtype): (b"", b"")}, 100) is None
+
+
+_CONTAINER_ITEM = st.one_of(
+    st.tuples(st.sampled_from(["<f4", "<f8", "<i2", "|u1", ">f4", "<c8"]), st.integers(260, 4000)).map(
+        lambda t: np.arange(t[1] // np.dtype(t[0]).itemsize).astype(t[0])),
+    st.integers(300, 2000).map(lambda n: np.arange(n, dtype=np.float32).reshape(-1, 4 if n % 4 == 0 else 1)),
+    st.integers(1100, 3000).map(lambda n: np.asfortranarray(np.ones((2, n // 8), np.float32))),  # described
+    st.integers(20, 200).map(lambda n: np.ones(n, np.float32)),  # tiny: inline
+    st.just(7), st.just({"inner": 1}),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(items=st.lists(st.tuples(st.one_of(st.text(max_size=8), st.integers(-5, 2**40)), _CONTAINER_ITEM),
+                      min_size=1, max_size=80),
+       as_map=st.booleans(), chunk_size=st.sampled_from([4096, 1 << 20]))
+def test_a_save_stores_the_same_tree_with_and_without_the_compiled_container_encoding(
+    items: list[tuple[Any, Any]], as_map: bool, chunk_size: int
+) -> None:
+    """Whole containers of plain small arrays (encoded in one loop) and mixed ones (item by item)
+    give the same root CID, blocks and figures as a save that encodes every item one by one."""
+    from cas_ckpt.tree import TreeWriter
+
+    state = {"c": dict(items) if as_map else [v for _, v in items], "n": 3}
+    results = []
+    for compiled in (True, False):
+        with pytest.MonkeyPatch.context() as patched:
+            if not compiled:
+                patched.setattr(_small, "_headers", None)
+            with cas_ckpt.open("memory://", chunk_size=chunk_size) as repo, repo.blocks.writer() as batch:
+                root = TreeWriter(batch, repo.hasher, repo.pool, chunk_size=chunk_size).write(state)
+                stats = batch.stats
+            results.append((root, stats.blocks_written, stats.bytes_written))
+    assert results[0] == results[1]
+
+
+def test_a_container_larger_than_a_page_is_paged_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the page limit the compiled loop gives way, and the item-by-item path cuts pages."""
+    from cas_ckpt.tree import TreeWriter
+
+    state = {"c": {f"p{i}": np.full(300, i, np.float32) for i in range(200)}}
+    roots = []
+    for limit in (tree.PAGE_LIMIT, 4000):
+        monkeypatch.setattr(tree, "PAGE_LIMIT", limit)
+        with cas_ckpt.open("memory://") as repo, repo.blocks.writer() as batch:
+            roots.append(TreeWriter(batch, repo.hasher, repo.pool).write(state))
+        with cas_ckpt.open("memory://") as repo:
+            repo.save(state)
+            assert_state_equal(state, repo.load())
+    monkeypatch.setattr(_small, "_headers", None)
+    with cas_ckpt.open("memory://") as repo, repo.blocks.writer() as batch:
+        assert TreeWriter(batch, repo.hasher, repo.pool).write(state) == roots[1]
+    assert roots[0] != roots[1]
+
+
+def test_a_re_save_stores_a_small_block_again_whose_only_copy_failed_its_hash(tmp_path: Path) -> None:
+    """An unchanged re-save reuses its small blocks in one check for all of them, but not a
+    block this process has seen fail its hash: that one is written again, and then loads."""
+    state = {f"p{i}": np.full(1000, i, np.float32) for i in range(50)}
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        repo.save(state, ref="main")
+        victim = repo.hasher.raw(state["p17"].tobytes())
+        path, offset, _ = repo.blocks.locate(victim)
+    flip_byte(path, offset + 100, 0xFF)
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        repo.save(state, ref="main")
+        assert repo.last_save is not None and repo.last_save.blocks_written == 1  # the commit only
+        with pytest.raises(CorruptBlock):
+            repo.load("main")
+        repo.save(state, ref="main")
+        assert repo.last_save is not None and repo.last_save.blocks_written == 2  # and p17 again
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        assert_state_equal(state, repo.load("main"))

@@ -11,7 +11,6 @@ import tempfile
 import textwrap
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -162,15 +161,13 @@ WRITES = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(writes=WRITES, pooled=st.booleans(), settle_after=st.integers(0, 40))
-def test_a_local_sink_holds_every_write_in_order(
-    writes: list[tuple[int, bool]], pooled: bool, settle_after: int
-) -> None:
-    """Whatever the mix of gathered, direct and pooled writes, the pack is the writes in order,
-    each as it was when its buffer became the caller's again (write, or settle if kept)."""
-    with tempfile.TemporaryDirectory() as root, ThreadPoolExecutor(2) as pool:
+@given(writes=WRITES, settle_after=st.integers(0, 40))
+def test_a_local_sink_holds_every_write_in_order(writes: list[tuple[int, bool]], settle_after: int) -> None:
+    """Whatever the mix of gathered and direct, kept and copied writes, the pack is the writes in
+    order, each as it was when its buffer became the caller's again (write, or settle if kept)."""
+    with tempfile.TemporaryDirectory() as root:
         backend = LocalBackend(root)
-        sink = backend.create(pool if pooled else None)
+        sink = backend.create()
         expected, kept = [], []
         for i, (size, keep) in enumerate(writes):
             if i == settle_after:

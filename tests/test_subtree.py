@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
@@ -45,10 +44,8 @@ class CountingStore(BlockStore):
     def keys(self) -> Iterator[bytes]:
         return self.inner.keys()
 
-    def writer(
-        self, *, verify_existing: bool = False, compression: str = "none", pool: Executor | None = None
-    ) -> BlockWriter:
-        return self.inner.writer(verify_existing=verify_existing, compression=compression, pool=pool)
+    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> BlockWriter:
+        return self.inner.writer(verify_existing=verify_existing, compression=compression)
 
     def delete(
         self, cids: set[bytes], *, min_age: float = 0.0, before_unlink: Callable[[], None] | None = None

@@ -11,7 +11,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import NamedTuple
@@ -47,11 +46,11 @@ class Sink(ABC):
     @abstractmethod
     def write(self, data: bytes | memoryview, *, keep: bool = False) -> None:
         """Append ``data``. The caller may reuse its buffer as soon as this returns, unless
-        ``keep``: then it leaves the bytes unchanged until the sink is published or aborted, and
-        a sink created with a pool may copy them later, on one of its threads."""
+        ``keep``: then it leaves the bytes unchanged until the sink is published or aborted (or
+        settled), and the sink may hold them by reference and write them later."""
 
-    def settle(self) -> None:  # noqa: B027 - only sinks that copy on a pool wait here
-        """Wait until every kept write is copied: the callers' buffers are free again."""
+    def settle(self) -> None:  # noqa: B027 - only sinks that hold kept writes act here
+        """Write out every kept write held by reference: the callers' buffers are free again."""
 
     @abstractmethod
     def publish(self, name: str) -> bool:
@@ -178,11 +177,8 @@ class Backend(ABC):
         return False
 
     @abstractmethod
-    def create(self, pool: Executor | None = None) -> Sink:
-        """A new, private object to write (a temp file, a spool): see :class:`Sink`.
-
-        ``pool``: threads the sink may copy kept writes on (``Sink.write(keep=True)``).
-        """
+    def create(self) -> Sink:
+        """A new, private object to write (a temp file, a spool): see :class:`Sink`."""
 
     @abstractmethod
     def delete(self, name: str) -> None:

@@ -2,8 +2,7 @@
 
 A sink is a temp file in ``tmp/``, held under an ``flock`` until it is published (so cleaning never
 removes a live writer's file). Small writes are gathered into one syscall, and the kernel is asked
-to start writeback after each write so the final ``fsync`` is short (from a pool thread when the
-sink has one: the request blocks while the disk's queue is full). Publishing fsyncs the
+to start writeback after each write so the final ``fsync`` is short. Publishing fsyncs the
 file, links it into ``packs/`` (a link never replaces an existing file) and fsyncs the directory:
 only then is the object visible, and durable. Reads go through one descriptor per object, opened
 without following links and only for regular files, a bounded number kept open (and as many
@@ -14,7 +13,6 @@ a chunk's size copies out of the object's mapping instead (see ``LocalBackend._c
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import fcntl
@@ -25,7 +23,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import TypeVar
 
@@ -61,36 +58,33 @@ def open_regular(path: Path) -> int:
 class LocalSink(Sink):
     """A temp file under ``tmp/``, published by linking it into ``packs/``.
 
-    Every write lands at an offset fixed when it is made (``pwrite``), so a kept write can be
-    copied on a pool thread while later ones are placed after it; sealing waits for all of them.
-    Small writes are gathered into one ``pwritev`` of up to ``GATHER_BYTES``: a kept one by
-    reference (its bytes are copied once, by the kernel), any other copied first. A run of kept
-    writes goes to the pool: the saving thread goes on encoding while the kernel copies it.
+    Writes are made on the caller's thread, in file order. Small ones are gathered into one
+    ``pwritev`` of up to ``GATHER_BYTES``: a kept one by reference (its bytes are copied once, by
+    the kernel), any other copied first. Writes to one file never run in parallel anyway (the
+    kernel holds the file's lock for each), and copies on other threads fell behind the hashing
+    on two cores: their backlog took a fifth of a 255 MiB save (see docs/performance.md).
     """
 
-    def __init__(self, backend: LocalBackend, pool: Executor | None = None) -> None:
+    def __init__(self, backend: LocalBackend) -> None:
         self._backend = backend
-        self._pool = pool
         self.path: Path | None = _fs.temp_name(backend.tmp_dir, TEMP_SUFFIX)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _fs.O_NOFOLLOW, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until published: see clean_temp
         self._fd: int | None = fd
         self._run: list[bytes | memoryview] = []  # small writes gathered, in file order
         self._run_bytes = 0
-        self._run_kept = True  # every write in the run is kept: it may be copied on the pool
         self._size = 0  # where the next write goes
-        self._copies: collections.deque[Future[None]] = collections.deque()  # in flight on the pool
 
     def write(self, data: bytes | memoryview, *, keep: bool = False) -> None:
         view = memoryview(data)
         size = view.nbytes
         if size >= SMALL_WRITE:
             self._flush()
+            self._write_at(self._size, [data])
             self._size += size
-            self._place(self._size - size, [data], keep)
             return
         if not keep:
-            data, self._run_kept = bytes(view), False  # the caller may reuse its buffer
+            data = bytes(view)  # the caller may reuse its buffer
         self._run.append(data)
         self._run_bytes += size
         self._size += size
@@ -99,57 +93,23 @@ class LocalSink(Sink):
 
     def _flush(self) -> None:
         if self._run:
-            run, offset, kept = self._run, self._size - self._run_bytes, self._run_kept
-            self._run, self._run_bytes, self._run_kept = [], 0, True
-            self._place(offset, run, kept)
+            run, offset = self._run, self._size - self._run_bytes
+            self._run, self._run_bytes = [], 0
+            self._write_at(offset, run)
 
-    def _place(self, offset: int, pieces: list[bytes | memoryview], kept: bool) -> None:
-        """Write ``pieces`` from ``offset``: on the pool if they are kept, else now; either way
-        their writeback starts from the pool (the request blocks while the disk's queue is full)."""
-        if self._pool is None:
-            self._write_back(offset, self._write_at(offset, pieces))
-            return
-        self._check_copies()
-        if kept:
-            self._copies.append(self._pool.submit(self._copy, offset, pieces))
-        else:
-            length = self._write_at(offset, pieces)
-            self._copies.append(self._pool.submit(self._write_back, offset, length))
-
-    def _copy(self, offset: int, pieces: list[bytes | memoryview]) -> None:
-        self._write_back(offset, self._write_at(offset, pieces))
-
-    def _write_at(self, offset: int, pieces: list[bytes | memoryview]) -> int:
+    def _write_at(self, offset: int, pieces: list[bytes | memoryview]) -> None:
+        """Write ``pieces`` from ``offset`` and start their writeback (the final fsync is short)."""
         assert self._fd is not None, "sink is closed"
         with _fs.naming(self.path):
-            return _fs.pwritev_all(self._fd, pieces, offset)
-
-    def _write_back(self, offset: int, length: int) -> None:
-        if self._fd is not None:
-            _fs.start_writeback(self._fd, offset, length)  # a hint: the final fsync is short
-
-    def _check_copies(self) -> None:
-        """Raise the error of a finished copy (a full disk) at the next write, not only at the end."""
-        while self._copies and self._copies[0].done():
-            self._copies.popleft().result()
+            length = _fs.pwritev_all(self._fd, pieces, offset)
+        _fs.start_writeback(self._fd, offset, length)
 
     def settle(self) -> None:
-        self._flush()  # a gathered run refers to kept buffers too
-        self._wait_copies()
-
-    def _wait_copies(self) -> None:
-        """Wait for every copy in flight; raise the first error once all have ended."""
-        first = None
-        while self._copies:
-            error = self._copies.popleft().exception()
-            first = first or error
-        if first is not None:
-            raise first
+        self._flush()  # a gathered run refers to kept buffers
 
     def _seal(self) -> Path:
         """Write what is buffered, fsync and close; the temp file is complete and durable."""
         self._flush()
-        self._wait_copies()
         assert self._fd is not None and self.path is not None, "sink is closed"
         with _fs.naming(self.path):
             os.fsync(self._fd)
@@ -183,8 +143,6 @@ class LocalSink(Sink):
             self.path = None
 
     def abort(self) -> None:
-        with contextlib.suppress(Exception):
-            self._wait_copies()  # never close the descriptor under a copy still writing to it
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -391,8 +349,8 @@ class LocalBackend(Backend):
         return st.f_bavail * st.f_frsize
 
     # -- writes --------------------------------------------------------------------------------
-    def create(self, pool: Executor | None = None) -> LocalSink:
-        return LocalSink(self, pool)
+    def create(self) -> LocalSink:
+        return LocalSink(self)
 
     def delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Executor
 
 from cas_ckpt.backends.base import Backend, ObjectInfo, Sink
 from cas_ckpt.errors import CorruptStore
@@ -68,7 +67,7 @@ class MemoryBackend(Backend):
         out.cast("B")[:] = memoryview(data)[offset : offset + out.nbytes]
         return True
 
-    def create(self, pool: Executor | None = None) -> MemorySink:
+    def create(self) -> MemorySink:
         return MemorySink(self)
 
     def delete(self, name: str) -> None:

@@ -27,7 +27,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -717,7 +717,7 @@ class S3Backend(Backend):
         if self.cache is not None:
             self.cache.drop(name)
 
-    def create(self, pool: Executor | None = None) -> S3Sink:
+    def create(self) -> S3Sink:
         return S3Sink(self)
 
     def delete(self, name: str) -> None:

@@ -77,9 +77,9 @@ class BlockWriter(ABC):
         """Add a block; return False (and write nothing) if it is already stored.
 
         ``stored``: its encoding from :meth:`encode`; without one a compressing writer encodes
-        it here. ``keep``: the caller leaves ``data`` unchanged until the writer commits or
-        aborts, so it may be copied to the medium later, on the writer's pool (``bytes`` are
-        always kept: they cannot change).
+        it here. ``keep``: the caller leaves ``data`` unchanged until the writer commits,
+        aborts or settles, so it may be written by reference later, with its neighbours in one
+        call (``bytes`` are always kept: they cannot change).
         """
         size = memoryview(data).nbytes
         if stored is None and self.compresses:
@@ -113,6 +113,10 @@ class BlockWriter(ABC):
             if self.closed:
                 raise RepositoryError("block writer is already closed")
             stats, pending = self.stats, self._pending
+            if self._all_stored([cid for cid, _, _ in blocks]):  # an unchanged re-save
+                stats.blocks_reused += len(blocks)
+                stats.bytes_reused += sum(data.nbytes for _, data, _ in blocks)
+                return 0
             for cid, data, stored in blocks:
                 if cid in pending or self._stored(cid):
                     stats.blocks_reused += 1
@@ -127,8 +131,8 @@ class BlockWriter(ABC):
                 new += 1
         return new
 
-    def settle(self) -> None:  # noqa: B027 - a writer that copies nothing later has nothing to wait for
-        """Wait until the blocks put with ``keep=True`` are copied: their buffers are free again."""
+    def settle(self) -> None:  # noqa: B027 - a writer that holds no kept blocks has nothing to write
+        """Write out the blocks put with ``keep=True`` still held: their buffers are free again."""
 
     def has(self, cid: bytes) -> bool:
         """True if the block is stored or already in this batch."""
@@ -138,6 +142,11 @@ class BlockWriter(ABC):
     def _stored(self, cid: bytes) -> bool:
         """Whether ``put`` may reuse the stored copy instead of writing the block."""
         return self._store._has(cid)
+
+    def _all_stored(self, cids: list[bytes]) -> bool:
+        """Whether :meth:`_stored` holds for every one of ``cids`` (False may be a guess: the
+        caller then asks block by block)."""
+        return all(map(self._stored, cids))
 
     @abstractmethod
     def _append(self, cid: bytes, stored: Stored, size: int, keep: bool = False) -> None:
@@ -286,16 +295,13 @@ class BlockStore(ABC):
 
     # -- writes --------------------------------------------------------------------------------
     @abstractmethod
-    def writer(
-        self, *, verify_existing: bool = False, compression: str = "none", pool: Executor | None = None
-    ) -> BlockWriter:
+    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> BlockWriter:
         """Start a batch of writes.
 
         ``verify_existing``: before reusing a stored copy of a block, read it back and check its
         hash; a damaged copy is then replaced by the one being written (an import that repairs).
         ``compression``: ``"none"`` or ``"zstd"`` (``blocks.compression``); what a block is
-        named by never depends on it. ``pool``: threads that may copy kept blocks to the medium
-        (``put(keep=True)``) while the caller goes on; the writer waits for them before commit.
+        named by never depends on it.
         """
 
     def put(self, cid: cidlib.CIDLike, data: bytes) -> bool:

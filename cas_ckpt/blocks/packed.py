@@ -68,11 +68,10 @@ class PackWriter(BlockWriter):
 
     def __init__(
         self, store: PackedBlockStore, *, verify_existing: bool = False, compression: str = "none",
-        version: int = 1, pool: Executor | None = None,
+        version: int = 1,
     ) -> None:
         super().__init__(store)
         self._packed = store
-        self._pool = pool
         self.verify_existing = verify_existing
         self._compressor = Compressor(compression)
         self.version = 2 if self._compressor.enabled else version
@@ -86,6 +85,9 @@ class PackWriter(BlockWriter):
         if not self._packed._has(cid):
             return False
         return not self.verify_existing or self._packed._intact(cid)
+
+    def _all_stored(self, cids: list[bytes]) -> bool:
+        return not self.verify_existing and self._packed._has_all(cids)
 
     @property
     def compresses(self) -> bool:
@@ -102,7 +104,7 @@ class PackWriter(BlockWriter):
         if self._sink is not None and self._offset + length > self._packed.pack_size and self._entries:
             self._seal()
         if self._sink is None:
-            self._sink = self._packed.backend.create(self._pool)
+            self._sink = self._packed.backend.create()
             self._sink.write(MAGICS[self.version])
             self._offset = len(PACK_MAGIC)
         self._sink.write(stored.data, keep=keep or type(stored.data) is bytes)
@@ -586,6 +588,12 @@ class PackedBlockStore(BlockStore):
             return False
         return not self._bad or any(c not in self._bad for c in self._copies(cid))
 
+    def _has_all(self, cids: list[bytes]) -> bool:
+        """:meth:`_has` of each, with no call per CID while no copy is known to be damaged."""
+        if self._bad:
+            return all(map(self._has, cids))
+        return all(map(self._index.__contains__, cids))
+
     def _intact(self, cid: bytes) -> bool:
         """Read every copy of ``cid``: True if one passes its hash (the others are marked)."""
         try:
@@ -629,11 +637,9 @@ class PackedBlockStore(BlockStore):
         return damaged
 
     # -- writes --------------------------------------------------------------------------------
-    def writer(
-        self, *, verify_existing: bool = False, compression: str = "none", pool: Executor | None = None
-    ) -> PackWriter:
+    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> PackWriter:
         self._check_writable()
-        return PackWriter(self, verify_existing=verify_existing, compression=compression, pool=pool)
+        return PackWriter(self, verify_existing=verify_existing, compression=compression)
 
     @property
     def _publisher(self) -> ThreadPoolExecutor:
