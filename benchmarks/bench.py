@@ -580,10 +580,15 @@ def copy_hash_floor(state: BenchState, hash_name: str, source: Path) -> dict[str
 
 
 def write_floor_source(state: BenchState, path: Path) -> None:
-    """The state's array bytes back to back in one file, read once so the page cache holds it."""
+    """The state's array bytes back to back in one file, read once so the page cache holds it.
+
+    Written to disk before anything is measured: its writeback (the whole state, 1 GiB at full
+    size) otherwise ran under the first repetition's save, whichever tool went first."""
     with open(path, "wb") as f:
         for array in state.arrays.values():
             f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+        f.flush()
+        os.fsync(f.fileno())
     with open(path, "rb") as f:
         while f.read(16 * MiB):
             pass

@@ -398,47 +398,53 @@ end:
 }
 
 static PyObject *small_container(PyObject *self, PyObject *args) {
-    PyObject *keys, *arrays, *cids, *parts;
+    PyObject *key_list, *array_list, *cid_list, *parts;
     int code;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "OO!O!iO!n", &keys, &PyList_Type, &arrays, &PyList_Type, &cids,
-                          &code, &PyDict_Type, &parts, &limit))
+    if (!PyArg_ParseTuple(args, "OO!O!iO!n", &key_list, &PyList_Type, &array_list, &PyList_Type,
+                          &cid_list, &code, &PyDict_Type, &parts, &limit))
         return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(arrays);
-    if ((keys != Py_None && (!PyList_CheckExact(keys) || PyList_GET_SIZE(keys) != count))
-        || PyList_GET_SIZE(cids) != count || code < 0 || code > 127) {
+    Py_ssize_t count = PyList_GET_SIZE(array_list);
+    if ((key_list != Py_None && (!PyList_CheckExact(key_list) || PyList_GET_SIZE(key_list) != count))
+        || PyList_GET_SIZE(cid_list) != count || code < 0 || code > 127) {
         PyErr_SetString(PyExc_ValueError, "keys (or None), arrays and CIDs of one length, a code of 0-127");
         return NULL;
     }
     Out o = {NULL, 0, 0};
     PyObject *result = NULL, *dtype = NULL, *last = NULL, *described = NULL;
+    /* Tuples, and references held to what is looked at: an attribute read runs Python code,
+     * which could change the lists or the parts meanwhile. */
+    PyObject *keys = key_list == Py_None ? Py_NewRef(Py_None) : PyList_AsTuple(key_list);
+    PyObject *arrays = PyList_AsTuple(array_list), *cids = PyList_AsTuple(cid_list);
+    if (keys == NULL || arrays == NULL || cids == NULL) goto failed;
     if (!put_head(&o, count, 16, keys == Py_None ? 0x90 : 0x80, keys == Py_None ? ARRAY_TAGS : MAP_TAGS))
         goto failed;
     Py_ssize_t head = o.size; /* the limit counts the items, as TreeWriter._container does */
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *array = PyList_GET_ITEM(arrays, i);
+        PyObject *array = PyTuple_GET_ITEM(arrays, i);
         if ((dtype = PyObject_GetAttr(array, s_dtype)) == NULL) { PyErr_Clear(); goto not_usual; }
         if (dtype != last) { /* runs of one dtype: one look-up per run */
             PyObject *id = PyLong_FromVoidPtr(dtype);
             if (id == NULL) goto failed;
-            described = PyDict_GetItemWithError(parts, id);
+            PyObject *found = PyDict_GetItemWithError(parts, id);
             Py_DECREF(id);
-            if (described == NULL) {
+            if (found == NULL) {
                 if (PyErr_Occurred()) goto failed;
                 result = PyLong_FromSsize_t(i); /* the caller adds its parts and calls again */
                 goto done;
             }
-            if (!PyTuple_CheckExact(described) || PyTuple_GET_SIZE(described) != 2
-                || !PyBytes_CheckExact(PyTuple_GET_ITEM(described, 0))
-                || !PyBytes_CheckExact(PyTuple_GET_ITEM(described, 1))) {
+            if (!PyTuple_CheckExact(found) || PyTuple_GET_SIZE(found) != 2
+                || !PyBytes_CheckExact(PyTuple_GET_ITEM(found, 0))
+                || !PyBytes_CheckExact(PyTuple_GET_ITEM(found, 1))) {
                 PyErr_SetString(PyExc_ValueError, "parts are (before, after) pairs of bytes");
                 goto failed;
             }
-            last = dtype; /* the arrays hold their dtypes: the pointer stays valid */
+            Py_XSETREF(described, Py_NewRef(found));
+            Py_XSETREF(last, Py_NewRef(dtype)); /* held: its address is never another's meanwhile */
         }
         Py_CLEAR(dtype);
-        int put = put_item(&o, keys == Py_None ? NULL : PyList_GET_ITEM(keys, i), array,
-                           PyList_GET_ITEM(cids, i), described, code);
+        int put = put_item(&o, keys == Py_None ? NULL : PyTuple_GET_ITEM(keys, i), array,
+                           PyTuple_GET_ITEM(cids, i), described, code);
         if (put < 0) goto failed;
         if (put == 0 || o.size - head > limit) goto not_usual;
     }
@@ -451,6 +457,11 @@ failed:
     result = NULL;
 done:
     Py_XDECREF(dtype);
+    Py_XDECREF(last);
+    Py_XDECREF(described);
+    Py_XDECREF(keys);
+    Py_XDECREF(arrays);
+    Py_XDECREF(cids);
     PyMem_Free(o.data);
     return result;
 }

@@ -100,7 +100,7 @@ class SmallBlocks:
         small = [x for x in items if type(x) is np.ndarray or type(x) is SmallArray]
         if not small or sum(x.nbytes for x in small) <= SMALL_SPLIT:
             return None
-        # Arrays of a whole container are found by their batches, not one by one (see add).
+        # Arrays of a whole container are found by their batches, not one by one (see _find).
         whole = len(small) == len(items) and all(type(x) is np.ndarray and x.nbytes <= chunk_size
                                                  for x in small)
         batches: list[Batch] = []

@@ -172,8 +172,9 @@ def parse_dtype(name: object) -> np.dtype[Any]:
     if found is not None:
         return found
     if isinstance(name, str):
-        if name in ML_DTYPE_NAMES and name in _ml_dtypes():
-            return _ml_dtypes()[name]
+        ml_dtype = _ml_dtypes().get(name) if name in ML_DTYPE_NAMES else None
+        if ml_dtype is not None:
+            return ml_dtype
         if _NUMPY_DTYPE.match(name):
             return np.dtype(name)
     raise DecodeError(f"unknown dtype {name!r}")
