@@ -204,13 +204,19 @@ def test_an_array_changed_in_place_is_saved_with_its_new_content() -> None:
 
 
 # -- damaged or hostile stores -----------------------------------------------------------------
-def test_a_damaged_small_block_fails_a_verified_load(tmp_path: Path) -> None:
+def _saved_with_p17_damaged(root: Path) -> tuple[dict[str, Any], bytes]:
+    """50 small arrays saved to ``root`` as ``main``, the block of ``p17`` then damaged on disk."""
     state = {f"p{i}": np.full(1000, i, np.float32) for i in range(50)}
-    with cas_ckpt.open(tmp_path / "r") as repo:
+    with cas_ckpt.open(root) as repo:
         repo.save(state, ref="main")
         victim = repo.hasher.raw(state["p17"].tobytes())
         path, offset, _ = repo.blocks.locate(victim)
     flip_byte(path, offset + 100, 0xFF)
+    return state, victim
+
+
+def test_a_damaged_small_block_fails_a_verified_load(tmp_path: Path) -> None:
+    state, victim = _saved_with_p17_damaged(tmp_path / "r")
     with cas_ckpt.open(tmp_path / "r") as repo:
         with pytest.raises(CorruptBlock) as info:
             repo.load("main")
@@ -789,12 +795,7 @@ def test_a_container_larger_than_a_page_is_paged_as_before(monkeypatch: pytest.M
 def test_a_re_save_stores_a_small_block_again_whose_only_copy_failed_its_hash(tmp_path: Path) -> None:
     """An unchanged re-save reuses its small blocks in one check for all of them, but not a
     block this process has seen fail its hash: that one is written again, and then loads."""
-    state = {f"p{i}": np.full(1000, i, np.float32) for i in range(50)}
-    with cas_ckpt.open(tmp_path / "r") as repo:
-        repo.save(state, ref="main")
-        victim = repo.hasher.raw(state["p17"].tobytes())
-        path, offset, _ = repo.blocks.locate(victim)
-    flip_byte(path, offset + 100, 0xFF)
+    state, _ = _saved_with_p17_damaged(tmp_path / "r")
     with cas_ckpt.open(tmp_path / "r") as repo:
         repo.save(state, ref="main")
         assert repo.last_save is not None and repo.last_save.blocks_written == 1  # the commit only
