@@ -1,9 +1,10 @@
 """The compiled parts, both optional: cas_ckpt._hashpool (SHA-256 of many small blocks, and a
 load's copies out of pack mappings, no GIL; see cas_ckpt/cid.py) and cas_ckpt._headers (the small
 maps of array headers decoded without a Python hook, see cas_ckpt/codec.py; a container's usual
-small arrays made in one loop, see cas_ckpt/tree.py). Where they cannot be built (no C compiler,
-no OpenSSL headers), the install goes on: cas_ckpt then hashes with hashlib, copies with numpy
-and decodes with msgpack, to the same CIDs and values."""
+small arrays made, for a load, or encoded with their links, for a save, in one loop, see
+cas_ckpt/tree.py and cas_ckpt/_small.py). Where they cannot be built (no C compiler, no OpenSSL
+headers), the install goes on: cas_ckpt then hashes with hashlib, copies with numpy, and decodes
+and encodes with msgpack, to the same CIDs, values and bytes."""
 
 from setuptools import Extension, setup
 

@@ -157,19 +157,18 @@ class SmallBlocks:
         cids: list[bytes] = []
         for batch in batches:
             cids += batch.put(writer)
-        arrays = [x for batch in batches for x in batch.arrays]
-        while True:
-            body = None if _headers is None else \
-                _headers.small_container(keys, arrays, cids, code, self._parts, limit)
-            if body is None:
-                for batch in batches:
-                    self._find(batch)
-                return None
-            if type(body) is bytes:
-                return body
-            name = name_of(arrays[body])
-            before, after = _AROUND_SHAPE.get((name, chunk_size)) or _around_shape(name, chunk_size, packer)
-            self._parts[id(arrays[body].dtype)] = (before, after + _LINK_36)
+        body: bytes | int | None = None
+        if _headers is not None:
+            arrays = [x for batch in batches for x in batch.arrays]
+            # An int: the index of an array whose dtype has no parts yet.
+            while type(body := _headers.small_container(keys, arrays, cids, code, self._parts, limit)) is int:
+                name = name_of(arrays[body])
+                around = _around_shape(name, chunk_size, packer)
+                self._parts[id(arrays[body].dtype)] = (around[0], around[1] + _LINK_36)
+        if body is None:
+            for batch in batches:
+                self._find(batch)
+        return body  # type: ignore[return-value]  # bytes or None once the loop has ended
 
     def clear(self) -> None:
         """Cancel the batches still queued (a failed save) and forget them all: ids of freed
@@ -308,7 +307,11 @@ def one_chunk_encodings(
 
 
 def _around_shape(name: str, chunk_size: int, packer: msgpack.Packer) -> tuple[bytes, bytes]:
-    """The encoding of a one-chunk ndarray map before its shape, and after it up to the link."""
+    """The encoding of a one-chunk ndarray map before its shape, and after it up to the link
+    (kept in ``_AROUND_SHAPE``, which the loops over many arrays read first, without a call)."""
+    kept = _AROUND_SHAPE.get((name, chunk_size))
+    if kept is not None:
+        return kept
     before = b"\x84" + packer.pack("dtype") + packer.pack(name) + packer.pack("shape")
     after = packer.pack("chunk_size") + packer.pack(chunk_size) + _CHUNKS_ONE
     if len(_AROUND_SHAPE) < 1024:  # a few dtypes, one chunk size per repository
