@@ -1,5 +1,6 @@
 """The compiled parts, both optional: cas_ckpt._hashpool (SHA-256 of many small blocks, and a
-load's copies out of pack mappings, no GIL; see cas_ckpt/cid.py) and cas_ckpt._headers (the small
+load's copies out of pack mappings, no GIL; 16 chunks of one length at once where the CPU has
+AVX-512, in _sha256_x16.c; see cas_ckpt/cid.py) and cas_ckpt._headers (the small
 maps of array headers decoded without a Python hook, see cas_ckpt/codec.py; a container's usual
 small arrays made, for a load, or encoded with their links, for a save, in one loop, see
 cas_ckpt/tree.py and cas_ckpt/_small.py). Where they cannot be built (no C compiler, no OpenSSL
@@ -12,7 +13,8 @@ setup(
     ext_modules=[
         Extension(
             "cas_ckpt._hashpool",
-            sources=["cas_ckpt/_hashpool.c"],
+            sources=["cas_ckpt/_hashpool.c", "cas_ckpt/_sha256_x16.c"],
+            depends=["cas_ckpt/_sha256_x16.h"],
             libraries=["crypto"],  # OpenSSL's libcrypto: the SHA-256 hashlib itself uses
             optional=True,
         ),

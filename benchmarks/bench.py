@@ -305,9 +305,9 @@ def prewarm(nbytes: int) -> None:
 
     In a VM that hands free guest memory back to the host (virtio-balloon free page reporting,
     as on the machine these figures come from), the first touch of such a page faults on the
-    host too: 1-3 s per GiB that lands at random on whichever operation allocates first. Loads
-    are preceded by this so that they measure the software, as on bare metal, where a first
-    touch costs about 0.1 s per GiB.
+    host too: 1-3 s per GiB that lands at random on whichever operation allocates first. Saves
+    (whose page cache comes from free memory) and loads are preceded by this so that they
+    measure the software, as on bare metal, where a first touch costs about 0.1 s per GiB.
     """
     if PREWARM["enabled"] and nbytes > 0:
         np.empty(nbytes, dtype=np.uint8).fill(1)
@@ -474,6 +474,7 @@ def prefixed(tree: Any, prefix: str) -> tuple[dict[str, np.ndarray], dict[str, A
 def cas_save(state: BenchState, repo_dir: Path, step: int, hash_name: str = "sha2-256"
              ) -> dict[str, Any]:
     files0, disk0 = dir_stats(repo_dir) if repo_dir.exists() else (0, 0)
+    prewarm(2 * state.nbytes)  # the page cache it fills comes from free memory too
     t0 = time.perf_counter()
     repo = cas_ckpt.open(repo_dir, hash=hash_name)
     open_s = time.perf_counter() - t0
@@ -627,6 +628,7 @@ def _jsonable(extras: dict[str, Any]) -> dict[str, Any]:
 
 def base_save(tool: str, state: BenchState, path: Path) -> dict[str, Any]:
     extras_json = json.dumps(state.extras)
+    prewarm(2 * state.nbytes)
     with Meter() as m:
         if tool == "torch":
             import torch
@@ -1001,7 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where repositories and files are written (default: a new temp dir)")
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--no-prewarm", action="store_true",
-                        help="do not touch fresh memory before each load (see prewarm())")
+                        help="do not touch fresh memory before each save and load (see prewarm())")
     parser.add_argument("--quiet", action="store_true", help="print only the final tables")
     parser.add_argument("--render", type=Path, metavar="JSON",
                         help="print the tables of an earlier run's JSON and exit")

@@ -25,6 +25,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "_sha256_x16.h"
+
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -33,6 +35,10 @@
 #define MAX_THREADS 64
 #define CLAIM_BYTES (256 * 1024) /* bytes a thread takes from a job under one lock */
 #define PIECE (64 * 1024)         /* bytes copied, then hashed while in cache */
+#define GROUP_MIN_LEN (64 * 1024) /* buffers this long and of one length are hashed 16 at once */
+#define GROUP_MIN 10              /* fewer buffers of a length are hashed one by one: 16 lanes
+                                     cost what 16 buffers do, 1.6-1.7 times one OpenSSL hash */
+#define GROUP_PIECE (16 * 1024)   /* a grouped buffer's bytes copied per step: 16 lanes in L2 */
 
 static EVP_MD *sha256;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -42,6 +48,8 @@ static unsigned long generation; /* bumped in a forked child: earlier jobs have 
 static int running;              /* pool threads started in this generation */
 static int populate = 1;         /* MADV_POPULATE_WRITE works here (Linux 5.14 and later) */
 static long page_size = 4096;
+static int grouping;             /* x16_available(): buffers of one length hashed 16 at once */
+static unsigned long long grouped; /* buffers hashed in groups so far (for the tests) */
 
 typedef struct Job {
     PyObject_HEAD
@@ -72,14 +80,67 @@ static void dequeue(Job *job) { /* with the lock held */
     job->later = NULL;
 }
 
-/* Claim up to CLAIM_BYTES of `job`'s buffers; with the lock held. */
-static Py_ssize_t claim(Job *job, Py_ssize_t *stop) {
+/* What one thread took under the lock: a range of one job's buffers, or a group of buffers
+ * of one length from the queue's jobs (hashed 16 at once). */
+typedef struct {
+    Job *job;
+    Py_ssize_t start, stop; /* the range, when `lanes` is 0 */
+    int lanes;
+    Job *jobs[X16_LANES];
+    Py_ssize_t index[X16_LANES];
+} Claim;
+
+/* The jobs a group may take buffers from, `first` first, then the queue; with the lock held. */
+static Job *next_candidate(Job *first, Job *at) {
+    Job *next = at == first ? queue_head : at->later;
+    return next == first ? next->later : next;
+}
+
+/* Buffers of `job`'s next one's length, up to 16, that a group could take; with the lock held. */
+static int group_size(Job *job, Py_ssize_t len) {
+    int lanes = 0;
+    for (Job *at = job; at != NULL && lanes < X16_LANES; at = next_candidate(job, at)) {
+        if (at->digests == NULL || at->generation != generation) continue;
+        for (Py_ssize_t i = at->next; i < at->count && lanes < X16_LANES && at->views[i].len == len; i++)
+            lanes++;
+    }
+    return lanes;
+}
+
+/* Claim a group led by `job`'s next buffer if enough of one length are waiting; with the lock
+ * held. Each job gives its next buffers in order, so claims stay ranges from `next` on. */
+static int claim_group(Job *job, Claim *claim) {
+    if (!grouping || job->digests == NULL || job->next >= job->count) return 0;
+    Py_ssize_t len = job->views[job->next].len;
+    if (len < GROUP_MIN_LEN || group_size(job, len) < GROUP_MIN) return 0;
+    int lanes = 0;
+    Job *at = job;
+    while (at != NULL && lanes < X16_LANES) {
+        Job *after = next_candidate(job, at); /* before `at` can leave the queue */
+        if (at->digests != NULL && at->generation == generation) {
+            while (at->next < at->count && lanes < X16_LANES && at->views[at->next].len == len) {
+                claim->jobs[lanes] = at;
+                claim->index[lanes++] = at->next++;
+            }
+            if (at->next == at->count && at->queued) dequeue(at);
+        }
+        at = after;
+    }
+    claim->lanes = lanes;
+    return 1;
+}
+
+/* Claim a group (see claim_group), else up to CLAIM_BYTES of `job`'s buffers; with the lock held. */
+static void claim(Job *job, Claim *claim) {
+    claim->job = job;
+    claim->lanes = 0;
+    if (claim_group(job, claim)) return;
     Py_ssize_t start = job->next, end = start, size = 0;
     while (end < job->count && (end == start || size < CLAIM_BYTES)) size += job->views[end++].len;
     job->next = end;
     if (end == job->count && job->queued) dequeue(job);
-    *stop = end;
-    return start;
+    claim->start = start;
+    claim->stop = end;
 }
 
 /* Make the whole pages of [buf, buf + len) resident at once rather than fault them one by one
@@ -114,14 +175,54 @@ static int do_buffer(Job *job, Py_ssize_t i, EVP_MD_CTX *ctx) {
     return !hashing || EVP_DigestFinal_ex(ctx, job->digests + DIGEST * i, &size);
 }
 
-/* Do buffers [start, stop) of `job` (without the lock), then count them done (with it). */
-static void hash_claimed(Job *job, Py_ssize_t start, Py_ssize_t stop, EVP_MD_CTX *ctx) {
-    int failed = ctx == NULL;
-    for (Py_ssize_t i = start; i < stop && !failed; i++) failed = !do_buffer(job, i, ctx);
+/* A group's buffers, filled first where their jobs fill, hashed 16 at once. A lane past the
+ * group's size repeats the first buffer, and its digest goes nowhere. */
+static void do_group(Claim *claim) {
+    const unsigned char *lane[X16_LANES];
+    unsigned char *out[X16_LANES];
+    Py_ssize_t len = claim->jobs[0]->views[claim->index[0]].len;
+    for (int j = 0; j < X16_LANES; j++) {
+        int used = j < claim->lanes;
+        Job *job = claim->jobs[used ? j : 0];
+        Py_ssize_t i = claim->index[used ? j : 0];
+        lane[j] = job->views[i].buf;
+        out[j] = used ? job->digests + DIGEST * i : NULL;
+        if (used && job->filling) populate_pages(job->views[i].buf, len);
+    }
+    X16State state;
+    x16_init(&state);
+    for (Py_ssize_t done = 0; done < len; done += GROUP_PIECE) {
+        size_t piece = (size_t)(len - done < GROUP_PIECE ? len - done : GROUP_PIECE);
+        for (int j = 0; j < claim->lanes; j++) {
+            Job *job = claim->jobs[j];
+            Py_ssize_t i = claim->index[j];
+            if (job->filling)
+                memcpy((char *)job->views[i].buf + done, (const char *)job->source.buf + job->starts[i] + done, piece);
+        }
+        x16_blocks(&state, lane, (size_t)done, piece / 64);
+    }
+    x16_final(&state, lane, (size_t)len, out);
+}
+
+/* Do what was claimed (without the lock), then count it done (with it). */
+static void hash_claimed(Claim *claim, EVP_MD_CTX *ctx) {
+    int failed = 0;
+    if (claim->lanes > 0) {
+        do_group(claim);
+    } else {
+        failed = ctx == NULL;
+        for (Py_ssize_t i = claim->start; i < claim->stop && !failed; i++) failed = !do_buffer(claim->job, i, ctx);
+    }
     pthread_mutex_lock(&lock);
-    job->failed |= failed;
-    job->unfinished -= stop - start;
-    if (job->unfinished == 0) pthread_cond_broadcast(&job_done);
+    if (claim->lanes > 0) {
+        grouped += (unsigned long long)claim->lanes;
+        for (int j = 0; j < claim->lanes; j++)
+            if (--claim->jobs[j]->unfinished == 0) pthread_cond_broadcast(&job_done);
+    } else {
+        claim->job->failed |= failed;
+        claim->job->unfinished -= claim->stop - claim->start;
+        if (claim->job->unfinished == 0) pthread_cond_broadcast(&job_done);
+    }
     pthread_mutex_unlock(&lock);
 }
 
@@ -131,10 +232,10 @@ static void *worker(void *arg) {
     pthread_mutex_lock(&lock);
     while (generation == mine) {
         if (queue_head == NULL) { pthread_cond_wait(&work_ready, &lock); continue; }
-        Job *job = queue_head;
-        Py_ssize_t stop, start = claim(job, &stop);
+        Claim taken;
+        claim(queue_head, &taken);
         pthread_mutex_unlock(&lock);
-        hash_claimed(job, start, stop, ctx);
+        hash_claimed(&taken, ctx);
         pthread_mutex_lock(&lock);
     }
     pthread_mutex_unlock(&lock);
@@ -170,18 +271,18 @@ static void finish(Job *job) {
             job->unfinished = job->count;
         }
     }
+    Claim taken;
     while (job->next < job->count) {
-        Py_ssize_t stop, start = claim(job, &stop);
+        claim(job, &taken);
         pthread_mutex_unlock(&lock);
-        hash_claimed(job, start, stop, ctx);
+        hash_claimed(&taken, ctx);
         pthread_mutex_lock(&lock);
     }
     while (job->unfinished > 0) {
         if (queue_head == NULL) { pthread_cond_wait(&job_done, &lock); continue; }
-        Job *other = queue_head; /* its owner's dealloc waits for this claim: it stays alive */
-        Py_ssize_t stop, start = claim(other, &stop);
+        claim(queue_head, &taken); /* their owners' deallocs wait for this claim: they stay alive */
         pthread_mutex_unlock(&lock);
-        hash_claimed(other, start, stop, ctx);
+        hash_claimed(&taken, ctx);
         pthread_mutex_lock(&lock);
     }
     pthread_mutex_unlock(&lock);
@@ -366,7 +467,16 @@ static PyObject *submit(PyObject *module, PyObject *args) {
     return (PyObject *)job;
 }
 
+static PyObject *grouped_count(PyObject *module, PyObject *unused) {
+    pthread_mutex_lock(&lock);
+    unsigned long long count = grouped;
+    pthread_mutex_unlock(&lock);
+    return PyLong_FromUnsignedLongLong(count);
+}
+
 static PyMethodDef methods[] = {
+    {"grouped", grouped_count, METH_NOARGS,
+     "grouped() -> int: buffers this process has hashed 16 at once (GROUPING: where it can)."},
     {"submit", submit, METH_VARARGS,
      "submit(buffers, prefix: bytes | None, threads: int, source=None) -> Job\n\n"
      "Queue the SHA-256 of each contiguous buffer for the pool, started with up to `threads`\n"
@@ -393,6 +503,9 @@ PyMODINIT_FUNC PyInit__hashpool(void) {
         }
         pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
         page_size = sysconf(_SC_PAGESIZE);
+        grouping = x16_available();
     }
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "GROUPING", grouping) < 0) Py_CLEAR(m);
+    return m;
 }

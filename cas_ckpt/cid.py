@@ -10,7 +10,9 @@ the compiled ``_hashpool`` (``setup.py``), which never take the GIL, so that has
 the Python walk over the state instead of after each block. Where it was not built, hashlib
 gives the same CIDs on the thread that asks for them. The same threads fill a load's buffers
 from a pack's mapping and check them (:func:`start_copies`), a piece at a time while it is in
-cache, with no Python call per block.
+cache, with no Python call per block. Where the CPU has AVX-512, the pool hashes 10-16 queued
+buffers of one length (64 KiB or more: a save's chunks, a load's blocks) at once, one per vector
+lane (``_sha256_x16.c``): the same digests, 1.6-1.8 times OpenSSL's throughput on one core.
 
 Only the CIDs cas_ckpt writes are accepted: version 1, codec ``raw`` (0x55) or ``messagepack``
 (0x0201), multihash ``sha2-256`` (0x12) or ``blake3`` (0x1e), 32-byte digests, nothing trailing.
@@ -120,6 +122,12 @@ class Hasher:
     def pooled(self) -> bool:
         """Whether :meth:`raw_many` hashes on the compiled pool (else on the asking thread)."""
         return _hashpool is not None and self.hash_code == SHA2_256
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the pool hashes 16 equal-length buffers at once here (AVX-512): it then
+        needs 16 of them queued to do so (see ``_sha256_x16.c``)."""
+        return self.pooled and bool(_hashpool.GROUPING)  # type: ignore[union-attr]
 
     def raw_many(self, buffers: Sequence[object]) -> Pending:
         """Start the CIDs of many raw chunk blocks (C-contiguous buffers): hashed from now on

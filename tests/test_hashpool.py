@@ -8,6 +8,7 @@ it cannot read whole, and works in a forked child (which has none of the parent'
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -374,3 +375,87 @@ def test_valgrind_finds_nothing_in_the_pool(tool: str, tmp_path: Path) -> None:
     ours = re.compile(rf"^==\d+== +({frames}) 0x[0-9A-F]+: \w+ \(_hashpool\.c:\d+\)", re.M)
     reports = [r for r in log.read_text().split("-" * 64) if ours.search(r)]
     assert reports == [], "\n".join(reports[:2])
+
+
+# -- 16 buffers of one length at once (_sha256_x16.c) -------------------------------------------
+GROUP_LEN = 64 * 1024  # GROUP_MIN_LEN in _hashpool.c
+grouping = pytest.mark.skipif(not getattr(hashpool, "GROUPING", 0), reason="no AVX-512 here")
+
+
+@grouping
+def test_the_stress_script_passes_natively_with_groups_across_threads() -> None:
+    """The valgrind script's threads, dropped jobs and fork, with the groups valgrind never runs."""
+    script = Path(__file__).parent / "scripts" / "hashpool_stress.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@grouping
+def test_a_group_is_taken_where_16_buffers_of_one_length_wait_and_not_below_10() -> None:
+    before = hashpool.grouped()
+    hashpool.submit([bytes(GROUP_LEN)] * 16, PREFIX, 0).result()
+    assert hashpool.grouped() - before == 16
+    before = hashpool.grouped()
+    hashpool.submit([bytes(GROUP_LEN)] * 9, PREFIX, 0).result()
+    hashpool.submit([bytes(GROUP_LEN - 64)] * 16, PREFIX, 0).result()  # too short to group
+    assert hashpool.grouped() == before
+
+
+@grouping
+@pytest.mark.parametrize("filling", [False, True])
+def test_grouped_digests_are_sha256_for_every_length_of_the_last_block(filling: bool) -> None:
+    """Every remainder mod 64 (one padding block or two), 16 lanes each with bytes of its own,
+    and a group of 11 (lanes past it repeat the first buffer): hashlib's digests, in order."""
+    rng = np.random.default_rng(7)
+    before = hashpool.grouped()
+    for extra in range(129):
+        count = 16 if extra % 2 else 11
+        blobs = [rng.bytes(GROUP_LEN + extra) for _ in range(count)]
+        if filling:
+            outs = [bytearray(len(b)) for b in blobs]
+            got = hashpool.submit(outs, PREFIX, 1, b"".join(blobs)).result()
+            assert [bytes(o) for o in outs] == blobs
+        else:
+            got = hashpool.submit(blobs, PREFIX, 1).result()
+        assert got == [PREFIX + hashlib.sha256(b).digest() for b in blobs], extra
+    assert hashpool.grouped() - before > 16 * 64  # the groups, not the one-by-one path, did it
+
+
+@grouping
+@settings(max_examples=40, deadline=None)
+@given(plan=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), max_size=14),
+       threads=st.integers(0, 3), filling=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_groups_across_jobs_give_each_job_its_own_cids(
+    plan: list[tuple[int, int]], threads: int, filling: bool, seed: int
+) -> None:
+    """Jobs of one to six buffers of a few lengths (a group takes the next buffers of several
+    queued jobs); one job is dropped unread. Each other job gets hashlib's CIDs, in its order."""
+    rng = np.random.default_rng(seed)
+    lengths = [GROUP_LEN, GROUP_LEN + 1, 2 * GROUP_LEN + 55, 1 << 20]
+    jobs, wants = [], []
+    for kind, count in plan:
+        blobs = [rng.bytes(lengths[kind]) for _ in range(count)]
+        if filling:
+            outs = [np.zeros(len(b), np.uint8) for b in blobs]
+            jobs.append((hashpool.submit(outs, PREFIX, threads, b"".join(blobs)), outs))
+        else:
+            jobs.append((hashpool.submit(blobs, PREFIX, threads), None))
+        wants.append(blobs)
+    if jobs:
+        del jobs[len(jobs) // 2]  # its dealloc waits for any group holding its buffers
+        del wants[len(wants) // 2]
+    for (job, outs), blobs in zip(jobs, wants, strict=True):
+        assert job.result() == [PREFIX + hashlib.sha256(b).digest() for b in blobs]
+        if outs is not None:
+            assert [o.tobytes() for o in outs] == blobs
+
+
+def test_a_save_of_many_chunks_hashes_them_in_groups_where_it_can(tmp_path: Path) -> None:
+    """The lead of a save's hashing holds enough chunks of one length for groups to form."""
+    state = {f"w{i}": np.random.default_rng(i).random(1 << 19) for i in range(24)}  # 4 MiB each
+    before = hashpool.grouped()
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        repo.save(state)
+        loaded = repo.load()
+    assert all(np.array_equal(loaded[k], v) for k, v in state.items())
+    assert (hashpool.grouped() - before > 0) == bool(hashpool.GROUPING)
