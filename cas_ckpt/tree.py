@@ -67,9 +67,11 @@ MAX_LINKS = 16384  # chunk links kept in one descriptor before they move into li
 MAX_DEPTH = 256
 FILLS_IN_FLIGHT = 4  # arrays being read at once during a load
 HASH_AHEAD = 8 * 1024 * 1024  # chunk bytes hashed ahead of the one being written (see _HashAhead)
-# Where the pool hashes 16 chunks of one length at once, two threads need 32 queued to each take
-# a group: a lead of 8 MiB never let a group form (a's fresh save 155 ms with it, 131 with this).
-HASH_AHEAD_GROUPED = 34 * 1024 * 1024
+# Where the pool hashes 16 chunks of one length at once, each hashing thread (the pool's and the
+# saving thread) needs 16 queued to take a group: a lead of 8 MiB never let one form (a's fresh
+# save 155 ms with it, 131 with 34 MiB on two cores).
+GROUP_LEAD = 16 * 1024 * 1024  # per hashing thread
+HASH_AHEAD_GROUPED = (cidlib.POOL_THREADS + 1) * GROUP_LEAD + 2 * 1024 * 1024
 # Node reads allowed for one load. A tree cas_ckpt writes reads each node about once (a node holds
 # at least 64 KiB of structure, or a page of ~1 MiB); a hostile DAG whose nodes each link twice to
 # the one below would otherwise expand to 2**depth reads (a "billion laughs").
@@ -239,8 +241,8 @@ class _HashAhead:
 
     On two cores, hashing far ahead takes the CPU from the thread writing; the writes then lag
     behind and end in a backlog with a core idle. A bounded lead keeps both busy to the end, and
-    each chunk is still in the CPU cache when written (a lead of 8 MiB; 34 MiB where the pool
-    hashes 16 chunks of one length at once, so that each of two threads can take a group).
+    each chunk is still in the CPU cache when written (a lead of 8 MiB; where the pool hashes 16
+    chunks of one length at once, 16 MiB per hashing thread, so that each can take a group).
     Chunks are consumed in the order they were queued (both walks visit the state in one
     order); one consumed early is submitted then.
     ``start`` begins one chunk's digest: on the compiled pool where it serves (sha2-256, no
