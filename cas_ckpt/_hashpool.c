@@ -15,6 +15,10 @@
  * run of blocks in a pack's mapping): a thread populates a buffer's pages, copies its bytes a
  * piece at a time and hashes each piece while it is in cache. A load's chunks are then read
  * and checked with no Python call per chunk, no GIL and no task hand-over.
+ *
+ * Where the CPU has AVX-512, a thread about to take a buffer of 64 KiB or more takes instead up
+ * to 16 of that length, from its job and the jobs queued after it, and hashes them at once, one
+ * per vector lane (claim_group, do_group, _sha256_x16.c): a save queues one job per chunk.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -96,11 +100,14 @@ static Job *next_candidate(Job *first, Job *at) {
     return next == first ? next->later : next;
 }
 
-/* Buffers of `job`'s next one's length, up to 16, that a group could take; with the lock held. */
+/* A job a group may take buffers from: one that hashes, of this generation (see finish). */
+static int groupable(const Job *job) { return job->digests != NULL && job->generation == generation; }
+
+/* Buffers of length `len`, up to 16, that a group led by `job` could take; with the lock held. */
 static int group_size(Job *job, Py_ssize_t len) {
     int lanes = 0;
     for (Job *at = job; at != NULL && lanes < X16_LANES; at = next_candidate(job, at)) {
-        if (at->digests == NULL || at->generation != generation) continue;
+        if (!groupable(at)) continue;
         for (Py_ssize_t i = at->next; i < at->count && lanes < X16_LANES && at->views[i].len == len; i++)
             lanes++;
     }
@@ -110,14 +117,14 @@ static int group_size(Job *job, Py_ssize_t len) {
 /* Claim a group led by `job`'s next buffer if enough of one length are waiting; with the lock
  * held. Each job gives its next buffers in order, so claims stay ranges from `next` on. */
 static int claim_group(Job *job, Claim *claim) {
-    if (!grouping || job->digests == NULL || job->next >= job->count) return 0;
+    if (!grouping || !groupable(job) || job->next >= job->count) return 0;
     Py_ssize_t len = job->views[job->next].len;
     if (len < GROUP_MIN_LEN || group_size(job, len) < GROUP_MIN) return 0;
     int lanes = 0;
     Job *at = job;
     while (at != NULL && lanes < X16_LANES) {
         Job *after = next_candidate(job, at); /* before `at` can leave the queue */
-        if (at->digests != NULL && at->generation == generation) {
+        if (groupable(at)) {
             while (at->next < at->count && lanes < X16_LANES && at->views[at->next].len == len) {
                 claim->jobs[lanes] = at;
                 claim->index[lanes++] = at->next++;

@@ -12,7 +12,7 @@ gives the same CIDs on the thread that asks for them. The same threads fill a lo
 from a pack's mapping and check them (:func:`start_copies`), a piece at a time while it is in
 cache, with no Python call per block. Where the CPU has AVX-512, the pool hashes 10-16 queued
 buffers of one length (64 KiB or more: a save's chunks, a load's blocks) at once, one per vector
-lane (``_sha256_x16.c``): the same digests, 1.6-1.8 times OpenSSL's throughput on one core.
+lane (``_sha256_x16.c``): the same digests, 1.55 times OpenSSL's throughput through the pool.
 
 Only the CIDs cas_ckpt writes are accepted: version 1, codec ``raw`` (0x55) or ``messagepack``
 (0x0201), multihash ``sha2-256`` (0x12) or ``blake3`` (0x1e), 32-byte digests, nothing trailing.

@@ -241,8 +241,9 @@ class _HashAhead:
 
     On two cores, hashing far ahead takes the CPU from the thread writing; the writes then lag
     behind and end in a backlog with a core idle. A bounded lead keeps both busy to the end, and
-    each chunk is still in the CPU cache when written (a lead of 8 MiB; where the pool hashes 16
-    chunks of one length at once, 16 MiB per hashing thread, so that each can take a group).
+    at 8 MiB each chunk is still in the CPU cache when written. Where the pool hashes 16 chunks
+    of one length at once the lead is 16 MiB per hashing thread, so that each can take a group
+    (the write then reads the chunk from memory again: hashing it cost more).
     Chunks are consumed in the order they were queued (both walks visit the state in one
     order); one consumed early is submitted then.
     ``start`` begins one chunk's digest: on the compiled pool where it serves (sha2-256, no
@@ -303,7 +304,8 @@ class TreeWriter:
         # ids of prepared containers of many small arrays, each with its batches where they
         # hold every item (see SmallBlocks.give_blocks)
         self._own_node: dict[int, list[_small.Batch] | None] = {}
-        grouped = hasher.grouped and not writer.compresses
+        self._pooled = hasher.pooled and not writer.compresses  # chunk hashes on the compiled pool
+        grouped = self._pooled and hasher.grouped
         self._hashing = _HashAhead(self._start_digest, HASH_AHEAD_GROUPED if grouped else HASH_AHEAD)
         self._small = _small.SmallBlocks(
             hasher, self._encode_small if writer.compresses else None, pool, self._describe_small
@@ -542,7 +544,7 @@ class TreeWriter:
         return codec.ext(TUPLE, body) if kind == "tuple" else body
 
     def _start_digest(self, chunk: memoryview, float_size: int) -> _Digesting:
-        if self.hasher.pooled and not self.writer.compresses:
+        if self._pooled:
             return _Pooled(self.hasher.raw_many([chunk]))
         return self.pool.submit(self._digest, chunk, float_size)
 
