@@ -19,6 +19,9 @@
  * Where the CPU has AVX-512, a thread about to take a buffer of 64 KiB or more takes instead up
  * to 16 of that length, from its job and the jobs queued after it, and hashes them at once, one
  * per vector lane (claim_group, do_group, _sha256_x16.c): a save queues one job per chunk.
+ * It takes the shorter buffers of a job (a load's or a save's small arrays) a megabyte at a
+ * time and hashes them 16 lanes at once too, whatever their lengths: a lane that finishes one
+ * takes the next (do_mixed, x16_many).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -43,6 +46,9 @@
 #define GROUP_MIN 10              /* fewer buffers of a length are hashed one by one: 16 lanes
                                      cost what 16 buffers do, 1.6-1.7 times one OpenSSL hash */
 #define GROUP_PIECE (16 * 1024)   /* a grouped buffer's bytes copied per step: 16 lanes in L2 */
+#define MIXED_MIN 8               /* a claim of fewer buffers below GROUP_MIN_LEN is hashed
+                                     one by one; of more, 16 lanes at a time (x16_many) */
+#define MIXED_BYTES (1024 * 1024) /* such a claim's bytes: its lanes idle only at its end */
 
 static EVP_MD *sha256;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -54,6 +60,7 @@ static int populate = 1;         /* MADV_POPULATE_WRITE works here (Linux 5.14 a
 static long page_size = 4096;
 static int grouping;             /* x16_available(): buffers of one length hashed 16 at once */
 static unsigned long long grouped; /* buffers hashed in groups so far (for the tests) */
+static unsigned long long mixed;   /* and short ones hashed 16 lanes at a time (do_mixed) */
 
 typedef struct Job {
     PyObject_HEAD
@@ -143,7 +150,13 @@ static void claim(Job *job, Claim *claim) {
     claim->lanes = 0;
     if (claim_group(job, claim)) return;
     Py_ssize_t start = job->next, end = start, size = 0;
-    while (end < job->count && (end == start || size < CLAIM_BYTES)) size += job->views[end++].len;
+    if (grouping && job->digests != NULL && job->views[start].len < GROUP_MIN_LEN) {
+        /* short buffers, for do_mixed: up to the next long one */
+        while (end < job->count && size < MIXED_BYTES && job->views[end].len < GROUP_MIN_LEN)
+            size += job->views[end++].len;
+    } else {
+        while (end < job->count && (end == start || size < CLAIM_BYTES)) size += job->views[end++].len;
+    }
     job->next = end;
     if (end == job->count && job->queued) dequeue(job);
     claim->start = start;
@@ -211,12 +224,65 @@ static void do_group(Claim *claim) {
     x16_final(&state, lane, (size_t)len, out);
 }
 
+typedef struct { size_t len, index; } Sized;
+
+static int longest_first(const void *a, const void *b) {
+    size_t x = ((const Sized *)a)->len, y = ((const Sized *)b)->len;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+typedef struct { Job *job; Py_ssize_t start; } Range;
+
+/* x16_many's `started`: fill the buffer from the job's source just before its lane reads it. */
+static void fill_started(void *arg, size_t b) {
+    const Range *range = arg;
+    Py_buffer *view = &range->job->views[range->start + (Py_ssize_t)b];
+    populate_pages(view->buf, view->len);
+    memcpy(view->buf, (const char *)range->job->source.buf + range->job->starts[range->start + (Py_ssize_t)b],
+           (size_t)view->len);
+}
+
+/* A range of MIXED_MIN or more buffers, each below GROUP_MIN_LEN, of a job that hashes: hashed
+ * 16 lanes at a time, longest first, so that the lanes run out of work at about the same
+ * moment. 0 if it is not such a range (or memory ran out): then hash it one by one. */
+static int do_mixed(Claim *claim) {
+    Job *job = claim->job;
+    size_t n = (size_t)(claim->stop - claim->start);
+    if (!grouping || job->digests == NULL || n < MIXED_MIN) return 0;
+    for (Py_ssize_t i = claim->start; i < claim->stop; i++)
+        if (job->views[i].len >= GROUP_MIN_LEN) return 0;
+    Sized *sized = malloc(n * sizeof(Sized));
+    const unsigned char **p = malloc(n * sizeof(*p));
+    size_t *len = malloc(n * sizeof(size_t)), *order = malloc(n * sizeof(size_t));
+    unsigned char **out = malloc(n * sizeof(*out));
+    int done = sized != NULL && p != NULL && len != NULL && order != NULL && out != NULL;
+    if (done) {
+        for (size_t b = 0; b < n; b++) {
+            Py_ssize_t i = claim->start + (Py_ssize_t)b;
+            p[b] = job->views[i].buf;
+            len[b] = (size_t)job->views[i].len;
+            out[b] = job->digests + DIGEST * i;
+            sized[b] = (Sized){len[b], b};
+        }
+        qsort(sized, n, sizeof(Sized), longest_first);
+        for (size_t b = 0; b < n; b++) order[b] = sized[b].index;
+        Range range = {job, claim->start};
+        x16_many(p, len, order, n, out, job->filling ? fill_started : NULL, &range);
+    }
+    free(sized);
+    free(p);
+    free(len);
+    free(order);
+    free(out);
+    return done;
+}
+
 /* Do what was claimed (without the lock), then count it done (with it). */
 static void hash_claimed(Claim *claim, EVP_MD_CTX *ctx) {
-    int failed = 0;
+    int failed = 0, in_lanes = 0;
     if (claim->lanes > 0) {
         do_group(claim);
-    } else {
+    } else if (!(in_lanes = do_mixed(claim))) {
         failed = ctx == NULL;
         for (Py_ssize_t i = claim->start; i < claim->stop && !failed; i++) failed = !do_buffer(claim->job, i, ctx);
     }
@@ -226,6 +292,7 @@ static void hash_claimed(Claim *claim, EVP_MD_CTX *ctx) {
         for (int j = 0; j < claim->lanes; j++)
             if (--claim->jobs[j]->unfinished == 0) pthread_cond_broadcast(&job_done);
     } else {
+        if (in_lanes) mixed += (unsigned long long)(claim->stop - claim->start);
         claim->job->failed |= failed;
         claim->job->unfinished -= claim->stop - claim->start;
         if (claim->job->unfinished == 0) pthread_cond_broadcast(&job_done);
@@ -481,9 +548,19 @@ static PyObject *grouped_count(PyObject *module, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(count);
 }
 
+static PyObject *mixed_count(PyObject *module, PyObject *unused) {
+    pthread_mutex_lock(&lock);
+    unsigned long long count = mixed;
+    pthread_mutex_unlock(&lock);
+    return PyLong_FromUnsignedLongLong(count);
+}
+
 static PyMethodDef methods[] = {
     {"grouped", grouped_count, METH_NOARGS,
      "grouped() -> int: buffers this process has hashed 16 at once (GROUPING: where it can)."},
+    {"mixed", mixed_count, METH_NOARGS,
+     "mixed() -> int: buffers below 64 KiB, of any lengths, this process has hashed 16 lanes\n"
+     "at a time (GROUPING: where it can)."},
     {"submit", submit, METH_VARARGS,
      "submit(buffers, prefix: bytes | None, threads: int, source=None) -> Job\n\n"
      "Queue the SHA-256 of each contiguous buffer for the pool, started with up to `threads`\n"

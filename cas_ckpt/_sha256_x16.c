@@ -4,9 +4,11 @@
  * figures in docs/performance.md come from). The rounds of one buffer depend on each other;
  * sixteen independent buffers do not, and one AVX-512 instruction runs a round step for all of
  * them: 2.7 GiB/s there. A save's chunks and a load's blocks are mostly buffers of one length
- * (1 MiB), which is what this takes: 16 buffers of equal length (a lane may repeat another's
- * pointer; its digest is then simply not used). The digests are SHA-256's, byte for byte:
- * tests/test_hashpool.py compares them with hashlib over every length of padding.
+ * (1 MiB), which x16_blocks and x16_final take: 16 buffers of equal length (a lane may repeat
+ * another's pointer; its digest is then simply not used). Small arrays are short buffers of
+ * all lengths: x16_many gives each lane its own, and a lane done with one takes the next.
+ * The digests are SHA-256's, byte for byte: tests/test_hashpool.py compares them with hashlib
+ * over every length of padding.
  *
  * Built for any x86-64 (the AVX-512 code is compiled for that target alone) and used only where
  * the CPU and OS support it (x16_available); elsewhere the pool hashes with OpenSSL as before.
@@ -134,6 +136,89 @@ T void x16_final(X16State *state, const unsigned char *const p[X16_LANES], size_
             }
 }
 
+/* A lane of x16_many: the blocks it hashes next, from its buffer and then from its padding. */
+typedef struct {
+    const unsigned char *at; /* the next block */
+    size_t left;             /* blocks from `at` before the segment ends */
+    size_t buffer;           /* which of the buffers (its place in `order`) */
+    int padding;             /* `at` points into pad: the buffer's last blocks */
+    uint8_t pad[128];
+} Lane;
+
+/* Lane j of `state` back to SHA-256's start, to hash buffer `order[next]` from its first block. */
+static void lane_start(X16State *state, Lane *lane, int j, const unsigned char *const *p,
+                       const size_t *len, const size_t *order, size_t next) {
+    for (int i = 0; i < 8; i++) state->h[i][j] = H0[i];
+    lane->buffer = next;
+    lane->at = p[order[next]];
+    lane->left = len[order[next]] / 64;
+    lane->padding = 0;
+}
+
+/* Point the lane at its buffer's last (len % 64) bytes, padded, with the length: 1 or 2 blocks. */
+static void lane_pad(Lane *lane, const unsigned char *buf, size_t len) {
+    size_t rem = len % 64, tail = rem < 56 ? 64 : 128;
+    uint64_t bits = (uint64_t)len * 8;
+    memcpy(lane->pad, buf + len / 64 * 64, rem);
+    lane->pad[rem] = 0x80;
+    memset(lane->pad + rem + 1, 0, tail - rem - 1 - 8);
+    for (int k = 0; k < 8; k++) lane->pad[tail - 1 - k] = (uint8_t)(bits >> (8 * k));
+    lane->at = lane->pad;
+    lane->left = tail / 64;
+    lane->padding = 1;
+}
+
+static void lane_digest(const X16State *state, int j, unsigned char *out) {
+    for (int i = 0; i < 8; i++) {
+        uint32_t v = state->h[i][j];
+        out[4 * i] = (unsigned char)(v >> 24);
+        out[4 * i + 1] = (unsigned char)(v >> 16);
+        out[4 * i + 2] = (unsigned char)(v >> 8);
+        out[4 * i + 3] = (unsigned char)v;
+    }
+}
+
+T void x16_many(const unsigned char *const *p, const size_t *len, const size_t *order, size_t n,
+                unsigned char *const *out, void (*started)(void *, size_t), void *arg) {
+    X16State state;
+    Lane lanes[X16_LANES];
+    int active[X16_LANES], busy = 0;
+    size_t next = 0;
+    for (int j = 0; j < X16_LANES; j++) active[j] = 0;
+    for (;;) {
+        /* Lanes at the end of a segment move on: to the padding, to the next buffer, or idle. */
+        for (int j = 0; j < X16_LANES; j++) {
+            Lane *lane = &lanes[j];
+            while (!active[j] || lane->left == 0) {
+                if (active[j] && !lane->padding) {
+                    size_t b = order[lane->buffer];
+                    lane_pad(lane, p[b], len[b]);
+                    continue;
+                }
+                if (active[j]) { lane_digest(&state, j, out[order[lane->buffer]]); active[j] = 0; busy--; }
+                if (next == n) break;
+                if (started != NULL) started(arg, order[next]);
+                lane_start(&state, lane, j, p, len, order, next++);
+                active[j] = 1;
+                busy++;
+            }
+        }
+        if (busy == 0) return;
+        size_t steps = SIZE_MAX;
+        const unsigned char *spare = NULL; /* an idle lane hashes a busy one's blocks, unused */
+        for (int j = 0; j < X16_LANES; j++)
+            if (active[j]) {
+                if (lanes[j].left < steps) steps = lanes[j].left;
+                spare = lanes[j].at;
+            }
+        const unsigned char *at[X16_LANES];
+        for (int j = 0; j < X16_LANES; j++) at[j] = active[j] ? lanes[j].at : spare;
+        x16_blocks(&state, at, 0, steps);
+        for (int j = 0; j < X16_LANES; j++)
+            if (active[j]) { lanes[j].at += 64 * steps; lanes[j].left -= steps; }
+    }
+}
+
 #else /* not x86-64 with GCC or clang: never used */
 int x16_available(void) { return 0; }
 void x16_init(X16State *state) { (void)state; }
@@ -143,5 +228,9 @@ void x16_blocks(X16State *state, const unsigned char *const p[X16_LANES], size_t
 void x16_final(X16State *state, const unsigned char *const p[X16_LANES], size_t len,
                unsigned char *const out[X16_LANES]) {
     (void)state; (void)p; (void)len; (void)out;
+}
+void x16_many(const unsigned char *const *p, const size_t *len, const size_t *order, size_t n,
+              unsigned char *const *out, void (*started)(void *, size_t), void *arg) {
+    (void)p; (void)len; (void)order; (void)n; (void)out; (void)started; (void)arg;
 }
 #endif

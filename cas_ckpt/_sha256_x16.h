@@ -15,4 +15,10 @@ void x16_blocks(X16State *state, const unsigned char *const p[X16_LANES], size_t
 /* the rest of each lane's `len` bytes from p[j] + len / 64 * 64, padded; digests to out[j] (or none if NULL) */
 void x16_final(X16State *state, const unsigned char *const p[X16_LANES], size_t len,
                unsigned char *const out[X16_LANES]);
+/* The digests of n buffers of any lengths, buffer order[0] first: a lane that finishes one
+ * takes the next, so lanes stay busy until the last few. Buffer b is p[b], len[b] bytes, its
+ * digest to out[b]; started(arg, b), if not NULL, is called just before b's first block is
+ * read (a caller may fill it then, so that it is hashed while in cache). */
+void x16_many(const unsigned char *const *p, const size_t *len, const size_t *order, size_t n,
+              unsigned char *const *out, void (*started)(void *, size_t), void *arg);
 #endif

@@ -125,8 +125,9 @@ class Hasher:
 
     @property
     def grouped(self) -> bool:
-        """Whether the pool hashes 16 equal-length buffers at once here (AVX-512): it then
-        needs 16 of them queued to do so (see ``_sha256_x16.c``)."""
+        """Whether the pool hashes 16 buffers at once here (AVX-512): 10 or more queued of one
+        length (64 KiB or more), or 8 or more shorter ones of one job, of any lengths (see
+        ``_sha256_x16.c``)."""
         return self.pooled and bool(_hashpool.GROUPING)  # type: ignore[union-attr]
 
     def raw_many(self, buffers: Sequence[object]) -> Pending:

@@ -488,13 +488,14 @@ class TreeWriter:
         return body
 
     def _body(self, value: Any, path: str) -> bytes:
-        batches = self._own_node.get(id(value)) if type(value) in (dict, list) else None
+        # a container of plain small arrays only (a tuple's Tagged is marked too: see _mark)
+        batches = self._own_node.get(id(value)) if type(value) in (dict, list, Tagged) else None
         if batches:
             keys = list(value) if type(value) is dict else None
             body = self._small.container_encoding(keys, batches, self.writer, NDARRAY, self.chunk_size,
                                                   self._packer, _small_dtype, PAGE_LIMIT - 16)
             if body is not None:
-                return body
+                return codec.ext(TUPLE, body) if type(value) is Tagged else body
         if isinstance(value, dict):
             pack, small = self._pack, self._write_small
             items = [pack(k) + (small(v) if type(v) in _SMALL else self._encode(v, join_path(path, k)))

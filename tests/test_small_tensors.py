@@ -109,6 +109,19 @@ def test_layout_follows_the_rule_and_round_trips(
         assert [layout_of(v) for v in stored_entries(repo)] == expected_layout(sizes, chunk_size)
 
 
+@pytest.mark.parametrize("kind", ["dict", "list", "tuple"])
+def test_a_container_of_plain_small_arrays_only_gives_them_blocks_whatever_its_kind(kind: str) -> None:
+    """Five arrays of 16383 bytes and nothing else: over 64 KiB, so blocks, as the rule says
+    (a tuple of them once stayed inline: its container's one-loop encoding was skipped, and
+    the arrays, left for it, were not found one by one)."""
+    sizes = [16383] * 5
+    state = container(kind, [make_array(n, np.dtype(np.uint8), i, False) for i, n in enumerate(sizes)])
+    with cas_ckpt.open("memory://") as repo:
+        repo.save(state, ref="main")
+        assert_state_equal(state, repo.load("main"))
+        assert [layout_of(v) for v in stored_entries(repo)] == ["block"] * 5
+
+
 @FEWER
 @given(count=st.integers(8, 120), seed=st.integers(0, 2**32 - 1),
        changed=st.floats(0.0, 1.0), verify=st.booleans())

@@ -1,7 +1,8 @@
 """Exercise cas_ckpt._hashpool from several threads, with jobs (hashing, and filling from a
 source) taken, dropped and refused, and a forked child: run under valgrind by
 tests/test_hashpool.py (long mode), and natively, where the buffers of one length are hashed in
-groups across the threads' jobs (valgrind's CPU has no AVX-512: the groups do not run there)."""
+groups across the threads' jobs and short ones 16 lanes at a time (valgrind's CPU has no
+AVX-512: neither runs there)."""
 
 import hashlib
 import os
@@ -17,6 +18,8 @@ WANT = [PREFIX + hashlib.sha256(b).digest() for b in BLOBS]
 SOURCE = b"".join(BLOBS)
 SAME = [os.urandom(70_000) for _ in range(40)]  # one length: hashed 16 at once where it can be
 SAME_WANT = [PREFIX + hashlib.sha256(b).digest() for b in SAME]
+SHORT = [os.urandom(n) for n in range(0, 20_000, 97)]  # below 64 KiB: lanes of mixed lengths
+SHORT_WANT = [PREFIX + hashlib.sha256(b).digest() for b in SHORT]
 
 
 def run() -> None:
@@ -36,6 +39,12 @@ def run() -> None:
         outs = [bytearray(len(b)) for b in SAME]
         assert _hashpool.submit(outs, PREFIX, threads, b"".join(SAME)).result() == SAME_WANT
         assert outs == SAME
+        assert _hashpool.submit(SHORT, PREFIX, threads).result() == SHORT_WANT
+        dropped = _hashpool.submit(SHORT, PREFIX, threads)
+        del dropped
+        outs = [bytearray(len(b)) for b in SHORT]
+        assert _hashpool.submit(outs, PREFIX, threads, b"".join(SHORT)).result() == SHORT_WANT
+        assert outs == SHORT
 
 
 workers = [threading.Thread(target=run) for _ in range(3)]
@@ -61,4 +70,5 @@ if pid == 0:
     os._exit(0 if ok and _hashpool.submit(SAME, PREFIX, 2).result() == SAME_WANT else 1)
 assert os.waitpid(pid, 0)[1] == 0
 assert _hashpool.grouped() > 0 or not _hashpool.GROUPING, "no group was hashed"
+assert _hashpool.mixed() > 0 or not _hashpool.GROUPING, "no short buffers were hashed in lanes"
 print("ok")
