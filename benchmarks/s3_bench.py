@@ -13,6 +13,13 @@ MiB in all, random (nothing deduplicates). Compared, on the same bytes:
   pattern of a cas_ckpt load (moto reads a whole object for every ranged GET, so on moto this
   costs far more than on S3).
 
+Each operation runs ``--reps`` times (default 3), cas_ckpt and boto3 taking turns to go first,
+each after touching twice the state's bytes of fresh memory (``bench.prewarm``: in a VM that hands
+freed memory back to its host, the first touch of fresh pages costs 1-3 s per GiB, which fell on
+whichever load ran first: before 2026-12-04 that was always cas_ckpt's, one run each). The table
+shows medians, and the ratios against the transfer manager are the medians of the repetitions'
+paired ratios.
+
     .venv/bin/python benchmarks/s3_bench.py --size-mb 256 --json s3-bench.json
 """
 
@@ -25,6 +32,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +48,7 @@ import numpy as np
 import cas_ckpt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import Meter  # the sibling runner's peak-memory meter
+from bench import Meter, prewarm  # the sibling runner's peak-memory meter and memory prewarm
 
 MiB = 1024 * 1024
 
@@ -76,49 +84,60 @@ def make_state(size_mb: int, arrays: int) -> dict[str, np.ndarray[Any, Any]]:
     return {f"layer{i}": rng.random(n, dtype=np.float32) for i in range(arrays)}
 
 
-def timed(run: Callable[[], Any]) -> tuple[float, Any]:
+def timed(run: Callable[[], Any], nbytes: int) -> tuple[float, Any]:
+    prewarm(2 * nbytes)
     started = time.perf_counter()
     result = run()
     return time.perf_counter() - started, result
 
 
 def bench_cas(url: str, state: dict[str, Any], cache: str) -> tuple[dict[str, float], Meter]:
-    """Seconds per operation, and the save's meter (its peak memory above the state)."""
+    """Seconds per operation into a new repository at ``url``, and the save's meter (its peak
+    memory above the state). Loads run on an open repository, as a training job holds one;
+    opening it (listing packs, reading their indexes) is its own row."""
+    nbytes = sum(a.nbytes for a in state.values())
+    prewarm(2 * nbytes)
     with cas_ckpt.open(url) as repo, Meter() as meter:
         repo.save(state)
     seconds: dict[str, float] = {"cas_ckpt save": meter.seconds}
-    with cas_ckpt.open(url, create=False, storage_options={"cache_dir": cache}) as repo:
-        seconds["cas_ckpt load"], loaded = timed(repo.load)
+    seconds["cas_ckpt open"], repo = timed(lambda: cas_ckpt.open(url, create=False), 0)
+    with repo:
+        seconds["cas_ckpt load"], loaded = timed(repo.load, nbytes)
         assert all(np.array_equal(loaded[k], v) for k, v in state.items())
-    with cas_ckpt.open(url, create=False, storage_options={"cache_dir": cache}) as repo:
-        seconds["cas_ckpt load, cache warm"], loaded = timed(repo.load)
-        assert all(np.array_equal(loaded[k], v) for k, v in state.items())
+    del loaded
+    for label in ("cas_ckpt load, filling cache", "cas_ckpt load, cache warm"):
+        with cas_ckpt.open(url, create=False, storage_options={"cache_dir": cache}) as repo:
+            seconds[label], loaded = timed(repo.load, nbytes)
+            assert all(np.array_equal(loaded[k], v) for k, v in state.items())
+        del loaded
     return seconds, meter
 
 
-def bench_boto3(bucket: str, state: dict[str, Any]) -> dict[str, float]:
+def bench_boto3(bucket: str, prefix: str, state: dict[str, Any]) -> dict[str, float]:
     client = boto3.client("s3")
     blobs = {name: array.tobytes() for name, array in state.items()}
+    nbytes = sum(len(b) for b in blobs.values())
 
     def put() -> None:
         for name, data in blobs.items():
-            client.put_object(Bucket=bucket, Key=f"plain/{name}", Body=data)
+            client.put_object(Bucket=bucket, Key=f"{prefix}/plain/{name}", Body=data)
 
     def get() -> None:
         for name, data in blobs.items():
-            assert client.get_object(Bucket=bucket, Key=f"plain/{name}")["Body"].read() == data
+            assert client.get_object(Bucket=bucket, Key=f"{prefix}/plain/{name}")["Body"].read() == data
 
     def upload() -> None:
         for name, data in blobs.items():
-            client.upload_fileobj(io.BytesIO(data), bucket, f"managed/{name}")
+            client.upload_fileobj(io.BytesIO(data), bucket, f"{prefix}/managed/{name}")
 
     whole = b"".join(blobs.values())
-    client.put_object(Bucket=bucket, Key="ranged/all", Body=whole)
+    client.put_object(Bucket=bucket, Key=f"{prefix}/ranged/all", Body=whole)
     ranges = [(start, min(start + 16 * MiB, len(whole))) for start in range(0, len(whole), 16 * MiB)]
 
     def ranged() -> None:
         def one(span: tuple[int, int]) -> bytes:
-            r = client.get_object(Bucket=bucket, Key="ranged/all", Range=f"bytes={span[0]}-{span[1] - 1}")
+            r = client.get_object(Bucket=bucket, Key=f"{prefix}/ranged/all",
+                                  Range=f"bytes={span[0]}-{span[1] - 1}")
             return r["Body"].read()
 
         with ThreadPoolExecutor(16) as pool:
@@ -127,10 +146,10 @@ def bench_boto3(bucket: str, state: dict[str, Any]) -> dict[str, float]:
     def download() -> None:
         for name, data in blobs.items():
             out = io.BytesIO()
-            client.download_fileobj(bucket, f"managed/{name}", out)
+            client.download_fileobj(bucket, f"{prefix}/managed/{name}", out)
             assert out.getvalue() == data
 
-    return {label: timed(run)[0] for label, run in [
+    return {label: timed(run, nbytes)[0] for label, run in [
         ("boto3 put_object", put), ("boto3 get_object", get),
         ("boto3 upload_fileobj", upload), ("boto3 download_fileobj", download),
         ("boto3 16 MiB ranged GETs", ranged),
@@ -140,12 +159,22 @@ def bench_boto3(bucket: str, state: dict[str, Any]) -> dict[str, float]:
 BASELINE = {"save": "boto3 upload_fileobj", "load": "boto3 download_fileobj"}
 
 
-def report(seconds: dict[str, float], nbytes: int) -> str:
-    lines = [f"{'operation':<28} {'seconds':>8} {'MiB/s':>8} {'vs boto3 transfer manager':>26}"]
-    for label, value in seconds.items():
-        kind = "save" if any(w in label for w in ("save", "put", "upload")) else "load"
-        ratio = seconds[BASELINE[kind]] / value
-        lines.append(f"{label:<28} {value:8.2f} {nbytes / MiB / value:8.1f} {ratio:25.2f}x")
+def _kind(label: str) -> str:
+    return "save" if any(w in label for w in ("save", "put", "upload")) else "load"
+
+
+def report(runs: list[dict[str, float]], nbytes: int) -> str:
+    """Medians over the repetitions; each row's speed against the transfer manager is the median
+    of the repetitions' paired ratios (the open row has no baseline)."""
+    lines = [f"{'operation':<30} {'seconds':>8} {'MiB/s':>8} {'vs boto3 transfer manager':>26}"]
+    for label in runs[0]:
+        value = statistics.median(run[label] for run in runs)
+        if label == "cas_ckpt open":
+            lines.append(f"{label:<30} {value:8.2f}")
+            continue
+        base = BASELINE[_kind(label)]
+        speed = statistics.median(run[base] / run[label] for run in runs)
+        lines.append(f"{label:<30} {value:8.2f} {nbytes / MiB / value:8.1f} {speed:25.2f}x")
     return "\n".join(lines)
 
 
@@ -153,23 +182,39 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=256, help="total state size (default 256)")
     parser.add_argument("--arrays", type=int, default=8, help="number of arrays (default 8)")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
     state = make_state(args.size_mb, args.arrays)
     nbytes = sum(a.nbytes for a in state.values())
-    with s3_server() as endpoint, tempfile.TemporaryDirectory() as cache:
+    runs: list[dict[str, float]] = []
+    peaks: list[int] = []
+    with s3_server() as endpoint:
         bucket = f"bench-{uuid.uuid4().hex[:12]}"
         boto3.client("s3").create_bucket(Bucket=bucket)
-        seconds, save = bench_cas(f"s3://{bucket}/cas", state, cache)
-        seconds.update(bench_boto3(bucket, state))
+        for rep in range(args.reps):
+            with tempfile.TemporaryDirectory() as cache:
+                if rep % 2:  # the first to run meets a server that has not just worked
+                    seconds = bench_boto3(bucket, f"r{rep}", state)
+                    cas, save = bench_cas(f"s3://{bucket}/cas-r{rep}", state, cache)
+                else:
+                    cas, save = bench_cas(f"s3://{bucket}/cas-r{rep}", state, cache)
+                    seconds = bench_boto3(bucket, f"r{rep}", state)
+            runs.append({**cas, **seconds})
+            peaks.append(save.peak)
     print(f"{nbytes / MiB:.0f} MiB in {len(state)} arrays, endpoint {endpoint}, "
-          f"{os.cpu_count()} CPUs, Python {platform.python_version()}")
-    print(report(seconds, nbytes))
-    print(f"cas_ckpt save: peak memory {save.peak / MiB:.0f} MiB above the state ({save.method})")
+          f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {args.reps} repetitions")
+    print(report(runs, nbytes))
+    print(f"cas_ckpt save: peak memory {max(peaks) / MiB:.0f} MiB above the state ({save.method})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bytes": nbytes, "arrays": len(state), "endpoint": endpoint,
-                       "cpus": os.cpu_count(), "seconds": seconds, "save_peak_bytes": save.peak},
+                       "cpus": os.cpu_count(), "reps": args.reps, "runs": runs,
+                       "seconds": {label: statistics.median(run[label] for run in runs)
+                                   for label in runs[0]},
+                       "save_peak_bytes": max(peaks)},
                       f, indent=2)
     return 0
 

@@ -78,3 +78,64 @@ def test_benchmark_runner_tiny(tmp_path: Path) -> None:
 
     targets = results["targets"]
     assert targets and all(isinstance(row["pass"], bool) for row in targets)
+
+
+def _bench_module():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    return bench
+
+
+def _summary(seconds: list[float]) -> dict[str, object]:
+    return {"median_seconds": sorted(seconds)[len(seconds) // 2], "peak_bytes_max": 0,
+            "runs": [{"seconds": s, "peak_bytes": 0} for s in seconds]}
+
+
+def test_targets_are_judged_on_paired_ratios() -> None:
+    """A verdict is the median of the repetitions' own ratios, not the ratio of two medians. Here
+    cas_ckpt was slower than the baseline in two repetitions of three (the first a slow spell for
+    both), yet the two medians are equal, which alone would read as a PASS at the 1.0 limit."""
+    bench = _bench_module()
+    fresh = "fresh save >= 1.0x safetensors+fsync speed"
+    ops = {
+        "cas_ckpt": {op: _summary([2.0, 0.9, 1.0]) for op in
+                     ("save_fresh", "save_unchanged", "save_changed", "load_verify", "load_noverify",
+                      "hash_floor", "copy_hash_floor")},
+        "safetensors": {"save": _summary([1.8, 1.0, 0.95]), "load": _summary([1.8, 1.0, 0.95])},
+    }
+    results = {"states": {"e": {"ops": ops}}}
+    row = next(r for r in bench.evaluate_targets(results) if r["target"] == fresh)
+    assert row["ratios"] == pytest.approx([2.0 / 1.8, 0.9, 1.0 / 0.95])
+    assert row["ratio_of_medians"] == 1.0
+    assert row["ratio"] == pytest.approx(1.0 / 0.95) and row["pass"] is False
+    machine = {"cpu_model": "x", "cpus": 2, "mem_total_gib": 1, "python": "3", "numpy": "2"}
+    table = bench.render({"machine": machine, "config": {"size": "tiny", "reps": 3}, "states": {},
+                          "targets": [row]})
+    assert "1.05    1.00  MISS  (0.90-1.11)" in table
+    ops["safetensors"]["save"] = _summary([2.2, 1.0, 1.1])  # now slower in two of three
+    row = next(r for r in bench.evaluate_targets(results) if r["target"] == fresh)
+    assert row["ratio"] == pytest.approx(1.0 / 1.1) and row["pass"] is True
+
+
+def test_s3_benchmark_runner(s3_env: str, tmp_path: Path) -> None:
+    """benchmarks/s3_bench.py against the test session's S3 server: two repetitions, every row,
+    loads checked against the state inside the runner."""
+    out = tmp_path / "s3.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH.parent / "s3_bench.py"), "--size-mb", "4", "--arrays", "2",
+         "--reps", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())
+    assert results["reps"] == 2 and len(results["runs"]) == 2
+    rows = {"cas_ckpt save", "cas_ckpt open", "cas_ckpt load", "cas_ckpt load, filling cache",
+            "cas_ckpt load, cache warm", "boto3 put_object", "boto3 get_object",
+            "boto3 upload_fileobj", "boto3 download_fileobj", "boto3 16 MiB ranged GETs"}
+    assert all(set(run) == rows for run in results["runs"])
+    assert all(value > 0 for run in results["runs"] for value in run.values())
+    for label in rows:
+        assert label in proc.stdout
