@@ -139,3 +139,28 @@ def test_s3_benchmark_runner(s3_env: str, tmp_path: Path) -> None:
     assert all(value > 0 for run in results["runs"] for value in run.values())
     for label in rows:
         assert label in proc.stdout
+
+
+def test_before_and_after_runner(tmp_path: Path) -> None:
+    """benchmarks/ab.py: the base revision in a worktree of its own, the working tree beside it,
+    each side's samples from its own cas_ckpt, a ratio per round; the worktree is gone after."""
+    out = tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH.parent / "ab.py"), "--base", "HEAD", "--size", "tiny",
+         "--state", "a", "--ops", "save_fresh,load_verify", "--rounds", "2", "--reps", "1",
+         "--no-build", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())
+    assert len(results["rounds"]) == 2
+    for one in results["rounds"]:
+        assert set(one) == {"base", "head"}
+        for side in one.values():
+            assert set(side) == {"save_fresh", "load_verify"} and all(len(s) == 1 for s in side.values())
+    for op, verdict in results["verdict"].items():
+        assert len(verdict["ratios"]) == 2 and verdict["ratio"] > 0, op
+        assert op in proc.stdout
+    worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True,
+                               text=True, check=True).stdout
+    assert "cas-ab-" not in worktrees
