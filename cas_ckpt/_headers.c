@@ -19,7 +19,10 @@
  * pick_small(container, ...) makes, in one loop, the empty arrays of a container's usual small
  * arrays (a header of exactly dtype, shape, chunk_size and one chunk link), exactly those that
  * TreeReader._load_small would make one call each; tests/test_small_tensors.py checks that on
- * generated containers.
+ * generated containers. They are views, made through numpy's C API, into buffers shared by the
+ * small arrays of one load (the arena: 1 MiB first, doubling up to 16 MiB). numpy asks for huge
+ * pages for buffers of 4 MiB and more: here, 83 MiB taken in buffers of 1 MiB or less and
+ * written once took 46-62 ms, in 16 MiB buffers 12 ms (docs/performance.md).
  *
  * small_container(keys, arrays, cids, ...) encodes, in one loop, a container of small arrays
  * that a save gave blocks of their own, byte for byte as the Python path encodes it one item at
@@ -28,6 +31,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+
+#define ARENA_FIRST (1 << 20)  /* a load's first buffer of small arrays */
+#define ARENA_MAX (16 << 20)   /* the largest: each next one doubles up to here */
+#define ARENA_ALIGN 64         /* each small array starts on a cache line of its buffer */
 
 #define LINK_CODE 42
 #define MAX_PREFIXES 16
@@ -187,15 +196,29 @@ static PyObject *decode_map(PyObject *self, PyObject *arg) {
 
 static PyObject *s_code, *s_value, *s_cid, *s_dtype, *s_shape, *s_chunk_size, *s_chunks;
 
-/* Item `item` of a container as a new empty array, if it is the usual small array: a
- * Tagged(code, header) whose header is exactly {dtype, shape, chunk_size, chunks} with dtype a
- * name in `dtypes` ({name: (dtype, itemsize)}), shape a list of at most 64 ints >= 0, one
- * chunk that is a Link, and 1 to `limit` bytes. 1 and the array and its chunk's CID; 0 for
- * anything else (the caller's general path reads it, or says what is wrong); -1 on error. */
+/* Whether item `item` of a container is the usual small array: a Tagged(code, header) whose
+ * header is exactly {dtype, shape, chunk_size, chunks} with dtype a name in `dtypes` ({name:
+ * (dtype, itemsize)}), shape a list of at most 64 ints >= 0, one chunk that is a Link, and 1 to
+ * `limit` bytes. 1 with its dtype, shape and chunk CID in `picked` (new references) and its
+ * size; 0 for anything else (the caller's general path reads it, or says what is wrong); -1 on
+ * error. */
+typedef struct {
+    PyObject *key, *cid, *shape;
+    PyArray_Descr *dtype;
+    Py_ssize_t nbytes;
+} Picked;
+
+static void picked_clear(Picked *p) {
+    Py_CLEAR(p->key);
+    Py_CLEAR(p->cid);
+    Py_CLEAR(p->shape);
+    Py_CLEAR(p->dtype);
+}
+
 static int small_array(PyObject *item, PyObject *tagged, PyObject *code, PyObject *dtypes,
-                       long long limit, PyObject *empty, PyObject **array, PyObject **cid) {
+                       long long limit, Picked *picked) {
     int found = 0;
-    PyObject *tag = NULL, *header = NULL, *chunks, *shape, *name, *described;
+    PyObject *tag = NULL, *header = NULL, *chunks, *shape, *name, *described, *dtype;
     if (Py_TYPE(item) != (PyTypeObject *)tagged) return 0;
     if ((tag = PyObject_GetAttr(item, s_code)) == NULL) return -1;
     int same = PyObject_RichCompareBool(tag, code, Py_EQ);
@@ -207,6 +230,8 @@ static int small_array(PyObject *item, PyObject *tagged, PyObject *code, PyObjec
     if (name == NULL || !PyUnicode_CheckExact(name)) goto done;
     described = PyDict_GetItemWithError(dtypes, name);
     if (described == NULL || !PyTuple_Check(described) || PyTuple_GET_SIZE(described) != 2) goto done;
+    dtype = PyTuple_GET_ITEM(described, 0);
+    if (!PyArray_DescrCheck(dtype)) goto done;
     if (PyDict_GetItemWithError(header, s_chunk_size) == NULL) goto done;
     chunks = PyDict_GetItemWithError(header, s_chunks);
     if (chunks == NULL || !PyList_CheckExact(chunks) || PyList_GET_SIZE(chunks) != 1
@@ -226,24 +251,107 @@ static int small_array(PyObject *item, PyObject *tagged, PyObject *code, PyObjec
         nbytes *= size;
     }
     if (nbytes < 1 || nbytes > limit) goto done;
-    if ((*cid = PyObject_GetAttr(PyList_GET_ITEM(chunks, 0), s_cid)) == NULL) goto failed;
-    *array = PyObject_CallFunctionObjArgs(empty, shape, PyTuple_GET_ITEM(described, 0), NULL);
-    if (*array == NULL) { Py_CLEAR(*cid); goto failed; }
+    if ((picked->cid = PyObject_GetAttr(PyList_GET_ITEM(chunks, 0), s_cid)) == NULL) goto failed;
+    /* A list of its own: the header may have changed by the time the array is made. */
+    if ((picked->shape = PyList_GetSlice(shape, 0, PyList_GET_SIZE(shape))) == NULL) goto failed;
+    Py_INCREF(dtype);
+    picked->dtype = (PyArray_Descr *)dtype;
+    picked->nbytes = (Py_ssize_t)nbytes;
     found = 1;
 done:
     if (found == 0 && PyErr_Occurred()) found = -1;
     Py_XDECREF(header);
     return found;
 failed:
+    picked_clear(picked);
     Py_XDECREF(header);
     return -1;
 }
 
+static Py_ssize_t aligned(Py_ssize_t nbytes) {
+    return (nbytes + ARENA_ALIGN - 1) & ~(Py_ssize_t)(ARENA_ALIGN - 1);
+}
+
+/* The arena is a list [buffer or None, bytes used, size of the next buffer], kept by the caller
+ * for one load. Where `nbytes` more do not fit in the buffer, a new one replaces it (arrays in
+ * the old one keep it alive). The place for `nbytes` bytes; NULL on error. */
+static char *arena_take(PyObject *arena, Py_ssize_t nbytes) {
+    PyObject *buffer = PyList_GET_ITEM(arena, 0);
+    Py_ssize_t used = PyLong_AsSsize_t(PyList_GET_ITEM(arena, 1));
+    Py_ssize_t next = PyLong_AsSsize_t(PyList_GET_ITEM(arena, 2));
+    if ((used == -1 || next == -1) && PyErr_Occurred())
+        return NULL;
+    if (buffer == Py_None || used + nbytes > PyArray_NBYTES((PyArrayObject *)buffer)) {
+        npy_intp size = next < ARENA_FIRST ? ARENA_FIRST : next;
+        if (size < nbytes)
+            size = nbytes;
+        if ((buffer = PyArray_SimpleNew(1, &size, NPY_UINT8)) == NULL)
+            return NULL;
+        PyList_SetItem(arena, 0, buffer); /* takes the reference */
+        PyObject *grown = PyLong_FromSsize_t(size * 2 < ARENA_MAX ? size * 2 : ARENA_MAX);
+        if (grown == NULL)
+            return NULL;
+        PyList_SetItem(arena, 2, grown);
+        used = 0;
+    }
+    PyObject *now = PyLong_FromSsize_t(used + aligned(nbytes));
+    if (now == NULL)
+        return NULL;
+    PyList_SetItem(arena, 1, now);
+    return PyArray_BYTES((PyArrayObject *)buffer) + used;
+}
+
+/* Whether `arena` is one that arena_take can carve from: no place outside its buffer. */
+static int arena_valid(PyObject *arena) {
+    if (PyList_GET_SIZE(arena) != 3 || !PyLong_CheckExact(PyList_GET_ITEM(arena, 1))
+        || !PyLong_CheckExact(PyList_GET_ITEM(arena, 2)))
+        return 0;
+    PyObject *buffer = PyList_GET_ITEM(arena, 0);
+    Py_ssize_t used = PyLong_AsSsize_t(PyList_GET_ITEM(arena, 1));
+    Py_ssize_t next = PyLong_AsSsize_t(PyList_GET_ITEM(arena, 2));
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (next < 0 || next > ARENA_MAX || used < 0)
+        return 0;
+    if (buffer == Py_None)
+        return used == 0;
+    if (!PyArray_CheckExact(buffer))
+        return 0;
+    PyArrayObject *array = (PyArrayObject *)buffer;
+    return PyArray_NDIM(array) == 1 && PyArray_TYPE(array) == NPY_UINT8
+           && PyArray_ISCARRAY(array) && used <= PyArray_NBYTES(array);
+}
+
+/* The empty array of `picked` in the arena (its buffer kept alive by the array). */
+static PyObject *array_in(Picked *picked, PyObject *arena) {
+    npy_intp dims[64];
+    int ndim = (int)PyList_GET_SIZE(picked->shape);
+    char *data = arena_take(arena, picked->nbytes);
+    if (data == NULL)
+        return NULL;
+    for (int i = 0; i < ndim; i++) /* each checked by small_array: 1 to limit */
+        dims[i] = (npy_intp)PyLong_AsSsize_t(PyList_GET_ITEM(picked->shape, i));
+    PyObject *buffer = PyList_GET_ITEM(arena, 0);
+    Py_INCREF(picked->dtype); /* PyArray_NewFromDescr takes a reference */
+    PyObject *array = PyArray_NewFromDescr(&PyArray_Type, picked->dtype, ndim, dims, NULL, data,
+                                           NPY_ARRAY_CARRAY, NULL);
+    if (array == NULL)
+        return NULL;
+    Py_INCREF(buffer);
+    if (PyArray_SetBaseObject((PyArrayObject *)array, buffer) < 0) { /* takes `buffer` */
+        Py_DECREF(array);
+        return NULL;
+    }
+    return array;
+}
+
 static PyObject *pick_small(PyObject *self, PyObject *args) {
-    PyObject *items, *tagged, *code, *dtypes, *empty, *key, *item;
+    PyObject *items, *tagged, *code, *dtypes, *arena, *key, *item;
     long long limit;
-    if (!PyArg_ParseTuple(args, "O!OOO!LO", &PyDict_Type, &items, &tagged, &code, &PyDict_Type,
-                          &dtypes, &limit, &empty))
+    if (!PyArg_ParseTuple(args, "O!OOO!LO!", &PyDict_Type, &items, &tagged, &code, &PyDict_Type,
+                          &dtypes, &limit, &PyList_Type, &arena))
         return NULL;
     if (link_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "configure() was not called");
@@ -253,26 +361,47 @@ static PyObject *pick_small(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "limit must be between 1 and 2**30");
         return NULL;
     }
+    if (!arena_valid(arena)) {
+        PyErr_SetString(PyExc_ValueError, "the arena is a list [None, 0, 0] or [a 1-d writable "
+                        "C-ordered uint8 buffer, bytes used of it, size of the next buffer]");
+        return NULL;
+    }
+    Py_ssize_t count = 0, size = PyDict_GET_SIZE(items);
+    Picked *picks = PyMem_Calloc(size ? (size_t)size : 1, sizeof(Picked));
     PyObject *out = PyDict_New(), *cids = PyList_New(0), *arrays = PyList_New(0), *rest = PyList_New(0);
-    if (out == NULL || cids == NULL || arrays == NULL || rest == NULL) goto failed;
+    if (picks == NULL || out == NULL || cids == NULL || arrays == NULL || rest == NULL) goto failed;
+    /* First every item's place (None meanwhile) and which are the usual small arrays... */
     Py_ssize_t pos = 0;
-    while (PyDict_Next(items, &pos, &key, &item)) {
-        PyObject *array = NULL, *cid = NULL;
-        Py_INCREF(key); /* held across the call to empty() */
+    while (count < size && PyDict_Next(items, &pos, &key, &item)) {
+        Py_INCREF(key);
         Py_INCREF(item);
-        int found = small_array(item, tagged, code, dtypes, limit, empty, &array, &cid);
-        int failed = found < 0
-                     || PyDict_SetItem(out, key, found ? array : Py_None) < 0
-                     || (found ? PyList_Append(cids, cid) < 0 || PyList_Append(arrays, array) < 0
-                               : PyList_Append(rest, key) < 0);
-        Py_XDECREF(array);
-        Py_XDECREF(cid);
-        Py_DECREF(key);
+        int found = small_array(item, tagged, code, dtypes, limit, &picks[count]);
+        int failed = found < 0 || PyDict_SetItem(out, key, Py_None) < 0
+                     || (!found && PyList_Append(rest, key) < 0);
+        if (found > 0)
+            picks[count++].key = key; /* keeps the reference taken above */
+        else
+            Py_DECREF(key);
         Py_DECREF(item);
         if (failed) goto failed;
     }
+    /* ...then their arrays, side by side in the arena. */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *array = array_in(&picks[i], arena);
+        int failed = array == NULL || PyDict_SetItem(out, picks[i].key, array) < 0
+                     || PyList_Append(cids, picks[i].cid) < 0 || PyList_Append(arrays, array) < 0;
+        Py_XDECREF(array);
+        if (failed) goto failed;
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        picked_clear(&picks[i]);
+    PyMem_Free(picks);
     return Py_BuildValue("(NNNN)", out, cids, arrays, rest);
 failed:
+    if (picks != NULL)
+        for (Py_ssize_t i = 0; i < count; i++)
+            picked_clear(&picks[i]);
+    PyMem_Free(picks);
     Py_XDECREF(out);
     Py_XDECREF(cids);
     Py_XDECREF(arrays);
@@ -500,10 +629,11 @@ static PyMethodDef methods[] = {
      "decode_map(payload) -> dict | None: a small map of str, unsigned ints and lists of unsigned "
      "ints or links, as msgpack decodes it; None for any other payload."},
     {"pick_small", pick_small, METH_VARARGS,
-     "pick_small(items, tagged_type, code, dtypes, limit, empty) -> (out, cids, arrays, rest):\n"
-     "a container's usual small arrays (see small_array in _headers.c) made by empty(shape,\n"
-     "dtype), in `out` under their keys, with their chunks' CIDs; every other key is in `out`\n"
-     "with None (in order) and in `rest`, for the caller's general path."},
+     "pick_small(items, tagged_type, code, dtypes, limit, arena) -> (out, cids, arrays, rest):\n"
+     "a container's usual small arrays (see small_array in _headers.c), empty, as views into the\n"
+     "arena's buffers (arena: the list [None, 0, 0] at a load's start, kept for the load), in\n"
+     "`out` under their keys, with their chunks' CIDs; every other key is in `out` with None (in\n"
+     "order) and in `rest`, for the caller's general path."},
     {"small_container", small_container, METH_VARARGS,
      "small_container(keys, arrays, cids, code, parts, limit) -> bytes | int | None: the map\n"
      "(keys: a list of str and ints >= 0) or list (keys: None) of the arrays as one-chunk ext `code` values\n"
@@ -531,5 +661,6 @@ PyMODINIT_FUNC PyInit__headers(void) {
         || (s_chunk_size = PyUnicode_InternFromString("chunk_size")) == NULL
         || (s_chunks = PyUnicode_InternFromString("chunks")) == NULL)
         return NULL;
+    import_array(); /* numpy's C API, for pick_small's arrays; returns NULL if numpy fails */
     return PyModule_Create(&module);
 }

@@ -131,12 +131,16 @@ except ImportError:  # not built (setup.py): TreeReader._load_small takes each a
     _pick_small = None
 else:
     # A container's usual small arrays, made in one compiled loop: what _load_small makes of
-    # each (tests/test_small_tensors.py checks that on generated containers).
+    # each (tests/test_small_tensors.py checks that on generated containers), as views into
+    # buffers of up to 16 MiB that the small arrays of one load share (``arena``: see
+    # TreeReader.load).
     _SMALL_DTYPES = {name: (dtype, dtype.itemsize) for name, dtype in _PARSED.items()
                      if id(dtype) in _BUFFER_DTYPES}
 
-    def _pick_small(items: dict[Any, Any]) -> tuple[dict[Any, Any], list[bytes], list[Any], list[Any]]:
-        return _headers.pick_small(items, Tagged, NDARRAY, _SMALL_DTYPES, INLINE_LIMIT, np.empty)  # type: ignore[no-any-return]
+    def _pick_small(
+        items: dict[Any, Any], arena: list[Any]
+    ) -> tuple[dict[Any, Any], list[bytes], list[Any], list[Any]]:
+        return _headers.pick_small(items, Tagged, NDARRAY, _SMALL_DTYPES, INLINE_LIMIT, arena)  # type: ignore[no-any-return]
 
 
 def dtype_name(dtype: np.dtype[Any]) -> str | None:
@@ -741,6 +745,10 @@ class TreeReader:
         self._waits: list[Callable[[], Any]] = []  # the store's own reads started (start_reads)
         self._futures: list[Future[None]] = []  # reads on the fill threads; load() waits for both
         self._small: _small.SmallReads | None = None
+        # The buffers a load's small arrays share (_pick_small): [buffer or None, bytes used,
+        # size of the next]. Separate allocations of 1-16 KiB each took four times as long to
+        # make and first write as the same bytes in buffers large enough for huge pages.
+        self._arena: list[Any] = [None, 0, 0]
         self.node_reads = 0
         self.mapped = self.copied = 0  # arrays an mmap load mapped, and those it had to copy
 
@@ -848,7 +856,8 @@ class TreeReader:
                 future.result()
             failed = False
         finally:
-            self._small, self._waits, self._futures = None, [], []
+            # The arena too: its last buffer lives on in the arrays made in it, not in the reader.
+            self._small, self._waits, self._futures, self._arena = None, [], [], [None, 0, 0]
             if self._fills is not None:
                 self._fills.shutdown(cancel_futures=failed)  # the reads running end first
                 self._fills = None
@@ -902,7 +911,7 @@ class TreeReader:
         if _pick_small is not None and self._small is not None and not self.mmap and depth < MAX_DEPTH:
             # The usual small arrays at once, in their places; the other keys, holding None
             # meanwhile, in order below.
-            out, cids, arrays, rest = _pick_small(value)
+            out, cids, arrays, rest = _pick_small(value, self._arena)
             self._small.add_many(cids, arrays)
             items = ((key, value[key]) for key in rest)
         else:

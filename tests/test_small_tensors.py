@@ -8,6 +8,8 @@ hashing and reading) is crossed by the property tests, which also check bit-exac
 
 from __future__ import annotations
 
+import itertools
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,9 @@ from cas_ckpt import cid as cidlib
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import CorruptBlock, DecodeError, InvalidCID, OutOfMemory
 from cas_ckpt.tree import INLINE_LIMIT, NDARRAY, TreeReader
+
+if os.environ.get("CAS_CKPT_REQUIRE_NATIVE") == "1":  # CI: the compiled paths must be tested
+    assert tree._pick_small is not None, "cas_ckpt._headers was not built (setup.py)"
 
 KiB = 1024
 TINY, SPLIT = 1 * KiB, 64 * KiB  # the limits docs/format.md states (not read from the code)
@@ -596,7 +601,7 @@ def test_the_compiled_pick_of_small_arrays_is_what_load_small_makes(items: dict[
     with cas_ckpt.open("memory://") as repo:
         reader = TreeReader(repo.blocks, repo.pool)
         reader._small = _small.SmallReads(repo.blocks, repo.pool, False, lambda: repo.pool)
-        out, cids, arrays, rest = pick(items)
+        out, cids, arrays, rest = pick(items, [None, 0, 0])
         assert list(out) == list(items)
         taken = [k for k in items if k not in rest]
         assert rest == [k for k in items if out[k] is None]
@@ -614,6 +619,86 @@ def test_the_compiled_pick_of_small_arrays_is_what_load_small_makes(items: dict[
             assert type(got) is np.ndarray and got.shape == want.shape and got.dtype is want.dtype
             assert got.flags.c_contiguous and got.flags.writeable
             assert cids[taken.index(key)] == item.value["chunks"][0].cid
+
+
+def _byte_range(array: np.ndarray[Any, Any]) -> tuple[int, int]:
+    start = array.__array_interface__["data"][0]
+    return start, start + array.nbytes
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(1, INLINE_LIMIT // 8), min_size=1, max_size=400),
+       per_container=st.integers(1, 60))
+def test_the_compiled_pick_lays_small_arrays_side_by_side_in_the_loads_buffers(
+    sizes: list[int], per_container: int
+) -> None:
+    """Across the containers of one load, every small array is a writable, C-ordered view of
+    its own 64-byte-aligned bytes in a buffer of the arena: none overlaps another or leaves its
+    buffer; the buffers grow from 1 MiB by doubling up to 16 MiB (one larger than its array is
+    never needed: arrays are at most 16 KiB)."""
+    if tree._pick_small is None:
+        pytest.skip("cas_ckpt._headers was not built")
+    arena: list[Any] = [None, 0, 0]
+    made: list[np.ndarray[Any, Any]] = []
+    buffers: list[np.ndarray[Any, Any]] = []
+    for first in range(0, len(sizes), per_container):
+        container = {i: Tagged(NDARRAY, {**_USUAL, "dtype": "<f8", "shape": [n]})
+                     for i, n in enumerate(sizes[first : first + per_container], start=first)}
+        out, _, arrays, rest = tree._pick_small(container, arena)
+        assert rest == [] and [out[k] for k in container] == arrays
+        made += arrays
+        if not buffers or buffers[-1] is not arena[0]:
+            buffers.append(arena[0])
+    assert [a.shape for a in made] == [(n,) for n in sizes]
+    assert [b.nbytes for b in buffers] == [min(1 << (20 + i), 16 << 20) for i in range(len(buffers))]
+    spans = sorted(_byte_range(a) for a in made)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))  # no overlap
+    for array in made:
+        assert array.base is not None and any(array.base is b for b in buffers)
+        low, high = _byte_range(array.base)
+        start, end = _byte_range(array)
+        assert low <= start and end <= high and (start - low) % 64 == 0
+        assert array.flags.c_contiguous and array.flags.writeable and array.dtype == np.float64
+
+
+def test_the_compiled_pick_refuses_an_arena_it_could_write_outside_of() -> None:
+    if tree._pick_small is None:
+        pytest.skip("cas_ckpt._headers was not built")
+    items = {"a": Tagged(NDARRAY, _USUAL)}
+    for arena in ([None, 5, 0], [np.zeros(10, np.uint8), 11, 0], [np.zeros(10, np.uint8), -1, 0],
+                  [np.zeros(10, np.float32), 0, 0], [np.zeros((2, 5), np.uint8), 0, 0],
+                  [np.zeros(20, np.uint8)[::2], 0, 0], [None, 0, 1 << 40], [None, 0], [None, 0.0, 0]):
+        with pytest.raises(ValueError, match="arena"):
+            tree._pick_small(items, arena)
+    arena = [np.zeros(64, np.uint8), 8, 0]  # 60 bytes do not fit after the 8 used: a new buffer
+    out, _, _, _ = tree._pick_small(items, arena)
+    assert out["a"].base is arena[0] and arena[0].nbytes == 1 << 20 and arena[1:] == [64, 2 << 20]
+
+
+def test_loaded_small_arrays_are_their_own_and_free_their_buffers_when_dropped(tmp_path: Path) -> None:
+    """Small arrays that share a load's buffer never share bytes: writing one leaves its
+    neighbours as loaded. Once the loaded state is dropped, nothing (the reader included) keeps
+    the buffers alive."""
+    import gc
+    import weakref
+
+    rng = np.random.default_rng(3)
+    state = {f"c{c}": {f"t{i}": rng.standard_normal(int(rng.integers(1, 2000)), np.float32)
+                       for i in range(50)} for c in range(30)}
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        repo.save(state)
+        loaded = repo.load()
+        assert_state_equal(loaded, state)
+        arrays = [a for c in loaded.values() for a in c.values()]
+        if tree._pick_small is not None:
+            assert all(a.base is not None for a in arrays)  # views into the load's buffers
+        for i, array in enumerate(arrays):
+            array[...] = i
+        assert all((array == i).all() for i, array in enumerate(arrays))
+        buffers = {id(a.base): weakref.ref(a.base) for a in arrays if a.base is not None}
+        del loaded, arrays, array
+        gc.collect()
+        assert all(ref() is None for ref in buffers.values())
 
 
 @pytest.mark.parametrize("verify", [True, False])
