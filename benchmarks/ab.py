@@ -35,17 +35,19 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+# The sibling runner, with the cas_ckpt this process imports: in a side's child, that side's
+# (PYTHONPATH names its tree first); in the parent, only its states and sizes are used.
+import bench  # noqa: E402
+
+import cas_ckpt  # noqa: E402
+
 OPS = ("save_fresh", "save_unchanged", "load_verify", "load_noverify", "load_mmap")
 
 
 # -- the child: one side's measurements ------------------------------------------------------
 def measure(state_name: str, size: str, ops: list[str], reps: int, workdir: Path) -> dict[str, Any]:
     """``reps`` samples of each op on ``state_name``, with the cas_ckpt this process imports."""
-    sys.path.insert(0, str(HERE))
-    import bench
-
-    import cas_ckpt
-
     state = bench.build_state(state_name, bench.SIZES[size], 5 + ord(state_name))
     saved = workdir / "saved"
     bench.forked(lambda: bench.cas_save(state, saved, 1))  # what the re-saves and loads use
@@ -132,8 +134,8 @@ def render(verdict: dict[str, Any], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="HEAD", help="the revision before (default HEAD)")
-    parser.add_argument("--state", default="a", choices=list("abcde"))
-    parser.add_argument("--size", default="medium", choices=["tiny", "small", "medium", "half", "full"])
+    parser.add_argument("--state", default="a", choices=list(bench.STATES))
+    parser.add_argument("--size", default="medium", choices=list(bench.SIZES))
     parser.add_argument("--ops", default="save_fresh,load_verify",
                         help=f"comma-separated, from {','.join(OPS)} (default save_fresh,load_verify)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of both sides (default 4)")
