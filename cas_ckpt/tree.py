@@ -162,7 +162,8 @@ def _dtype_name(dtype: np.dtype[Any]) -> str | None:
     if name is not None:
         return name
     if dtype.num >= _USER_DTYPES:
-        return _ml_names().get(dtype)
+        # Only ml_dtypes' own dtypes have names here, and none exists before it is imported.
+        return _ml_names().get(dtype) if "ml_dtypes" in sys.modules else None
     name = dtype.str
     return name if _NUMPY_DTYPE.match(name) else None
 
@@ -696,7 +697,7 @@ def _cast(value: Any, dtype: Any, target: np.dtype[Any]) -> Any:
 def _is_float(dtype: np.dtype[Any]) -> bool:
     if dtype.kind == "f":
         return True
-    name = _ml_names().get(dtype, "") if dtype.num >= _USER_DTYPES else ""
+    name = (dtype_name(dtype) or "") if dtype.num >= _USER_DTYPES else ""
     return name.startswith(("float", "bfloat"))
 
 
