@@ -40,7 +40,7 @@ from cas_ckpt.errors import (
     RefNotFound,
     RepositoryError,
 )
-from cas_ckpt.maintenance.diff import leaves
+from cas_ckpt.maintenance.diff import Folded, leaves
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
 from cas_ckpt.replication import TransferReport
 from cas_ckpt.repository import Repository
@@ -472,7 +472,10 @@ def scalar_summary(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def describe_leaf(path: str, leaf: Any) -> dict[str, Any]:
-    """One row of ``ls``: path, type, and dtype/shape/size or the value itself."""
+    """One row of ``ls``: path, type, and dtype/shape/size or the value itself (a long list of
+    scalars: how many, of what)."""
+    if isinstance(leaf, Folded):
+        return {"path": path, "type": leaf.kind, "items": len(leaf.items), "of": leaf.noun}
     if isinstance(leaf, Tagged) and leaf.code == NDARRAY and isinstance(leaf.value, dict):
         summary = array_summary(leaf.value)
         return {"path": path, "type": "array", **summary}
@@ -506,6 +509,8 @@ def _ls_line(row: dict[str, Any]) -> str:
         detail = human(row["nbytes"] or 0)
     elif row["type"] == "scalar":
         detail = f"{row['dtype']} {row['value']!r}"
+    elif "items" in row:
+        detail = f"… {row['items']} {row['of']}s"
     else:
         detail = json.dumps(row.get("value"))
     return f"{row['path'] or '<root>'}\t{row['type']}\t{detail}"

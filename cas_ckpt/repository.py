@@ -57,6 +57,7 @@ from cas_ckpt.maintenance.gc import collect as gc_collect
 from cas_ckpt.maintenance.usage import Usage, usage
 from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore, check_ref_name
+from cas_ckpt.refs.base import run_of
 from cas_ckpt.replication import TransferReport, Update
 from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter, cast_floats
 
@@ -477,17 +478,37 @@ class Repository:
         return not self.blocks.has(commit.tree)
 
     def forks(self, history: Iterable[Commit]) -> dict[CID, list[str]]:
-        """Fork points in ``history``: for each ref whose head is off it, the newest shared commit."""
+        """Fork points in ``history``: for each run (a ref, with a manager's ``<ref>.steps/N``
+        refs) whose refs lead off it, the newest shared commit, naming the run once."""
         on_line = {c.cid for c in history}
+        point: dict[CID, CID | None] = {}  # commit off the line -> its fork point (None: none)
         found: dict[CID, list[str]] = {}
         for name, head in sorted(self.refs().items()):
-            if head in on_line:
-                continue  # on this line (a head or a .steps/N ref), not a fork
-            for commit in self.log(head):
-                if commit.cid in on_line:
-                    found.setdefault(commit.cid, []).append(name)
-                    break
+            fork = self._fork_point(head, on_line, point)
+            if fork is not None:
+                runs = found.setdefault(fork, [])
+                if run_of(name) not in runs:
+                    runs.append(run_of(name))
         return found
+
+    def _fork_point(self, head: CID, on_line: set[CID], point: dict[CID, CID | None]) -> CID | None:
+        """The newest commit of ``head``'s history on the line (None if ``head`` is on it, or
+        never meets it); ``point`` remembers it for every commit walked, so refs sharing a
+        history (a run's step refs) walk it once."""
+        if head in on_line:
+            return None  # on this line (a head or a .steps/N ref), not a fork
+        walked: list[CID] = []
+        fork: CID | None = None
+        for commit in self.log(head):
+            if commit.cid in point:
+                fork = point[commit.cid]
+                break
+            if commit.cid in on_line:
+                fork = commit.cid
+                break
+            walked.append(commit.cid)
+        point.update(dict.fromkeys(walked, fork))
+        return fork
 
     def refs(self, prefix: str = "") -> dict[str, CID]:
         """Every ref (optionally only those under ``prefix``) and the root CID it holds."""
