@@ -28,6 +28,7 @@ from cas_ckpt.blocks.compression import SETTINGS
 from cas_ckpt.codec import HistoryLink, Link, Tagged
 from cas_ckpt.commit import is_commit
 from cas_ckpt.errors import (
+    AmbiguousPath,
     BlockNotFound,
     CasCkptError,
     CheckpointExpired,
@@ -58,7 +59,8 @@ from cas_ckpt.tree import (
 
 EXIT_OK = 0  # success (diff: identical; fsck: no problem)
 EXIT_CHECK = 1  # the command ran and found something: fsck problems, diff differences
-EXIT_USAGE = 2  # bad arguments: unknown option, malformed CID or ref name, wrong kind of block
+EXIT_USAGE = 2  # bad arguments: unknown option, malformed CID or ref name, wrong kind of block,
+# a path that reads two ways
 EXIT_NOT_FOUND = 3  # unknown ref, CID not stored, path not in the checkpoint, data collected by GC
 EXIT_REPO = 4  # no repository there, newer format, damaged store or block
 EXIT_ERROR = 5  # any other failure: bad CAR file, ref moved concurrently, lock timeout, I/O error
@@ -105,7 +107,7 @@ def exit_code(exc: CasCkptError) -> int:
     """The documented exit code for an error."""
     if isinstance(exc, CommandError):
         return exc.code
-    if isinstance(exc, (InvalidCID, InvalidRefName)):
+    if isinstance(exc, (InvalidCID, InvalidRefName, AmbiguousPath)):
         return EXIT_USAGE
     if isinstance(exc, (RefNotFound, BlockNotFound, PathNotFound, CheckpointExpired)):
         return EXIT_NOT_FOUND
@@ -632,9 +634,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         root = resolve_live(repo, args.target)
         reader = TreeReader(repo.blocks, repo.pool)
         start: Any = Link(bytes(repo.tree(root)))
+        where = ""
         if args.path:
-            start = reader.select(start, args.path.split("."), cidlib.to_str(root))
-        found = leaves(reader, start, args.path or "")
+            selection = reader.select(start, args.path, cidlib.to_str(root))
+            start, where = selection.value, selection.path
+        found = leaves(reader, start, where)
     rows = [describe_leaf(path, leaf) for path, leaf in found.items()]
     if args.json:
         _print_json(rows)

@@ -557,7 +557,10 @@ def export(
     if layout is not None and limit is None:
         _export_layout(exporter, root, layout, target)
     else:
-        value = root if path is None else reader.select(Link(tree), path.split("."), cidlib.to_str(tree))
+        value, base = root, ""
+        if path is not None:
+            selection = reader.select(Link(tree), path, cidlib.to_str(tree))
+            value, base = selection.value, selection.path
         blobs: dict[str, bytes] = {}
         metadata: dict[str, str] = {}
         tensors: list[_Tensor] = []
@@ -570,7 +573,7 @@ def export(
             value = root[layout["prefix"]]
             blobs = {k: v for k, v in layout["blobs"].items() if k != INDEX}
             metadata = _common_metadata(layout)
-        exporter.leaves(value, "", path or "", tensors, metadata)
+        exporter.leaves(value, "", base, tensors, metadata)
         if tied:
             tensors = _untie(tensors, metadata)
         _export_tensors(exporter, tensors, metadata or None, target, limit, blobs)

@@ -387,8 +387,13 @@ class Repository:
         """Load a checkpoint (or the sub-tree at ``path``, e.g. ``"optimizer.state.3"``).
 
         ``target`` is a ref name or a CID. Only the blocks of the requested sub-tree are read.
-        ``path`` is a dotted string (keys containing dots still match) or a sequence of exact
-        keys and indices.
+        ``path`` is a sequence of exact keys and indices, or a dotted string, read every way the
+        keys allow (they may hold dots, as a state dict's do): a key (``"model.layer.0.weight"``),
+        or a key prefix, which gives the map of the keys under it, named as in their map
+        (``"model.encoder.layer.5"``: ``{"encoder.layer.5.attn.weight": ...}``, what
+        ``module.load_state_dict(..., strict=False)`` takes); a path ending in ``.`` is a prefix
+        only. :class:`PathNotFound` if no reading finds anything, :class:`AmbiguousPath` if
+        several do (``docs/guide.md``, "Loading part of a checkpoint").
         Torch tensors come back as torch tensors (on ``map_location`` if given), numpy as numpy.
         ``mmap=True`` returns numpy arrays as read-only views of the pack files where a
         store can map them, and torch tensors over copy-on-write mappings (writable; a write
@@ -402,12 +407,7 @@ class Repository:
         reader = self._reader(verify, map_location, mmap)
         tree = self._tree_of(root, reader)
         try:
-            if path is None:
-                value = Link(tree)
-            elif isinstance(path, str):
-                value = reader.select(Link(tree), path.split("."), cidlib.to_str(root))
-            else:
-                value = reader.select(Link(tree), list(path), cidlib.to_str(root), exact=True)
+            value = Link(tree) if path is None else reader.select(Link(tree), path, cidlib.to_str(root)).value
             loaded = reader.load(value)
             if reader.copied:
                 _log.warning(

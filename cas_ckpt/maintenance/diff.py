@@ -134,10 +134,10 @@ def _leaves_below(reader: TreeReader, tree: bytes, path: str | None) -> dict[str
     if not path:
         return leaves(reader, Link(tree))
     try:
-        start = reader.select(Link(tree), path.split("."), cidlib.to_str(tree))
+        selection = reader.select(Link(tree), path, cidlib.to_str(tree))
     except PathNotFound:  # present on one side only: all added, or all removed
         return {}
-    return leaves(reader, start, path)
+    return leaves(reader, selection.value, selection.path)
 
 
 def _change(reader: TreeReader, path: str, old: Any, new: Any) -> Change:
