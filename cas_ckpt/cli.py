@@ -182,8 +182,12 @@ def _register_reading(sub: Any, json_flag: Any) -> None:
     p.add_argument("prefix", nargs="?", default="", help="only refs starting with this")
     p = _add(sub, "reflog", cmd_reflog, "a ref's updates, newest first", json_flag)
     p.add_argument("name", metavar="NAME")
-    p = _add(sub, "du", cmd_du, "logical versus stored bytes, and what gc would free", json_flag)
-    p.add_argument("--by-ref", action="store_true", help="also one line per ref")
+    p = _add(sub, "du", cmd_du, "stored bytes per run, shared and exclusive (what deleting it "
+             "would free), and what gc would free", json_flag)
+    p.add_argument("--by-ref", action="store_true", help="one line per ref instead of per run")
+    p.add_argument("--reflog-expiry", type=_seconds, default=DEFAULT_REFLOG_EXPIRY, metavar="SECONDS",
+                   help="count what reflog entries newer than this reach as kept, as gc does "
+                        "(default 2592000: 30 days)")
     p = _add(sub, "diff", cmd_diff, "compare two checkpoints (exit 1 if they differ)", json_flag)
     p.add_argument("a", metavar="A", help="ref or CID")
     p.add_argument("b", metavar="B", help="ref or CID")
@@ -753,6 +757,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return EXIT_OK
     _print(f"live {report.live_blocks} blocks, history-only {report.lineage_blocks}, "
            f"unreachable {report.unreachable_blocks} ({human(report.unreachable_bytes)})")
+    if report.held_packs:
+        _print(f"kept {_count(report.held_packs, 'pack')} younger than the medium's minimum grace "
+               f"({report.min_grace:g} s) that gc would otherwise merge or free: "
+               f"{report.held_blocks} unreachable blocks ({human(report.held_bytes)}) in them wait for "
+               "a later gc")
     if report.dry_run:
         for cid in report.unreachable:
             _print(f"would remove {cid}")
@@ -788,23 +797,34 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 def cmd_du(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
-        usage = repo.stats()
-        freeable = repo.gc(dry_run=True).unreachable_bytes  # what gc with its defaults removes
+        usage = repo.stats(reflog_expiry=args.reflog_expiry)
     if args.json:
-        _print_json({**jsonable(usage), "unreachable_bytes": usage.unreachable_bytes,
-                     "dedup_ratio": usage.dedup_ratio, "gc_would_free_bytes": freeable})
+        _print_json({**jsonable(usage), "unreachable_blocks": usage.unreachable_blocks,
+                     "unreachable_bytes": usage.unreachable_bytes, "dedup_ratio": usage.dedup_ratio,
+                     "gc_would_free_bytes": usage.freeable_bytes})
         return EXIT_OK
     if args.by_ref:
-        width = max([len("REF"), *(len(r.ref) for r in usage.refs)])
-        _print(f"{'REF':<{width}}  {'LOGICAL':>10}  {'STORED':>10}  {'BLOCKS':>7}")
-        for r in sorted(usage.refs, key=lambda r: r.ref):
-            _print(f"{r.ref:<{width}}  {human(r.logical_bytes):>10}  {human(r.stored_bytes):>10}  "
-                   f"{r.blocks:>7}")
+        _table(["REF", "LOGICAL", "STORED", "BLOCKS"],
+               [[r.ref, human(r.logical_bytes), human(r.stored_bytes), str(r.blocks)] for r in usage.refs])
+    elif usage.runs:
+        _table(["RUN", "REFS", "CHECKPOINTS", "LOGICAL", "STORED", "SHARED", "EXCLUSIVE"],
+               [[r.run, str(r.refs), str(r.checkpoints), human(r.logical_bytes), human(r.stored_bytes),
+                 human(r.shared_bytes), human(r.exclusive_bytes)] for r in usage.runs])
+    held = f"; {human(usage.held_bytes)} more once young packs age" if usage.held_bytes else ""
     _print(f"total: logical {human(usage.logical_bytes)}, stored {human(usage.stored_bytes)} "
            f"(dedup {usage.dedup_ratio:.2f}x); all blocks {human(usage.total_bytes)} in "
-           f"{usage.total_blocks} blocks, unreachable {human(usage.unreachable_bytes)}, "
-           f"gc would free {human(freeable)}")
+           f"{usage.total_blocks} blocks: live {human(usage.live_bytes)}, unreachable "
+           f"{human(usage.unreachable_bytes)} (gc would free {human(usage.freeable_bytes)}{held})")
     return EXIT_OK
+
+
+def _table(header: list[str], rows: list[list[str]]) -> None:
+    """Columns: the first left-aligned, the others right-aligned, two spaces apart."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        rest = (cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True))
+        cells = [row[0].ljust(widths[0]), *rest]
+        _print("  ".join(cells).rstrip())
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

@@ -639,9 +639,11 @@ class Repository:
         """Re-hash every block (or a ``sample`` fraction) and resolve every link from refs."""
         return fsck_check(self.blocks, self.refs_store, sample=sample, progress=progress)
 
-    def stats(self) -> Usage:
-        """Logical versus stored bytes, per ref and for the repository (shared bytes once)."""
-        return usage(self.blocks, self.refs_store)
+    def stats(self, *, reflog_expiry: float = DEFAULT_REFLOG_EXPIRY) -> Usage:
+        """Logical versus stored bytes per ref, per run (shared, and exclusive: what deleting the
+        run would free) and for the repository (shared bytes once), and what GC would free: its
+        ``unreachable`` is :meth:`gc`'s with the same ``reflog_expiry`` (see :class:`Usage`)."""
+        return usage(self.blocks, self.refs_store, reflog_expiry=reflog_expiry)
 
     def diff(self, a: Target, b: Target, *, path: str | None = None) -> DiffReport:
         """Values added, removed and changed from checkpoint ``a`` to ``b`` (below the dotted
