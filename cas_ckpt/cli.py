@@ -43,6 +43,7 @@ from cas_ckpt.errors import (
 )
 from cas_ckpt.maintenance.diff import Folded, leaves
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
+from cas_ckpt.paths import select
 from cas_ckpt.replication import TransferReport
 from cas_ckpt.repository import Repository
 from cas_ckpt.tree import (
@@ -640,7 +641,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         start: Any = Link(bytes(repo.tree(root)))
         where = ""
         if args.path:
-            selection = reader.select(start, args.path, cidlib.to_str(root))
+            selection = select(reader, start, args.path, cidlib.to_str(root))
             start, where = selection.value, selection.path
         found = leaves(reader, start, where)
     rows = [describe_leaf(path, leaf) for path, leaf in found.items()]

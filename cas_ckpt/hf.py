@@ -39,6 +39,7 @@ from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import SafetensorsError, StateTypeError
+from cas_ckpt.paths import select
 from cas_ckpt.tree import (
     BLOB,
     MAX_LINKS,
@@ -559,7 +560,7 @@ def export(
     else:
         value, base = root, ""
         if path is not None:
-            selection = reader.select(Link(tree), path, cidlib.to_str(tree))
+            selection = select(reader, Link(tree), path, cidlib.to_str(tree))
             value, base = selection.value, selection.path
         blobs: dict[str, bytes] = {}
         metadata: dict[str, str] = {}

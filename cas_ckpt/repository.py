@@ -56,6 +56,7 @@ from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY, GCReport
 from cas_ckpt.maintenance.gc import collect as gc_collect
 from cas_ckpt.maintenance.usage import Usage, usage
 from cas_ckpt.maintenance.walk import walk
+from cas_ckpt.paths import select
 from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore, check_ref_name
 from cas_ckpt.refs.base import run_of
 from cas_ckpt.replication import TransferReport, Update
@@ -407,7 +408,9 @@ class Repository:
         reader = self._reader(verify, map_location, mmap)
         tree = self._tree_of(root, reader)
         try:
-            value = Link(tree) if path is None else reader.select(Link(tree), path, cidlib.to_str(root)).value
+            value = Link(tree)
+            if path is not None:
+                value = select(reader, value, path, cidlib.to_str(root)).value
             loaded = reader.load(value)
             if reader.copied:
                 _log.warning(

@@ -26,7 +26,6 @@ code  name        payload
 from __future__ import annotations
 
 import collections
-import difflib
 import functools
 import itertools
 import math
@@ -48,13 +47,11 @@ from cas_ckpt._small import SmallArray
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import (
-    AmbiguousPath,
     CorruptBlock,
     DecodeError,
     InvalidCID,
     MapLocationError,
     OutOfMemory,
-    PathNotFound,
     StateTypeError,
 )
 
@@ -806,45 +803,6 @@ class TreeReader:
             raise OutOfMemory("joining the pages of a container ran out of memory") from None
         return Tagged(TUPLE, items) if spec["kind"] == "tuple" else items
 
-    def select(self, root: Any, path: str | Sequence[Any], root_cid: str) -> Selection:
-        """The raw (unmaterialised) value ``path`` names below ``root`` (see :class:`Selection`).
-
-        A sequence is exact keys and indices, one per level. A dotted string is read every way its
-        keys allow (state-dict keys hold dots): at a map, each run of segments that joins to a key
-        (``layer.0.weight``), and, for all that is left of the path, the keys starting with it and
-        a dot (a key prefix: ``encoder.layer.5`` selects ``encoder.layer.5.attn.weight``...). A
-        path ending in ``.`` is a key prefix only. One reading must find something:
-        :class:`PathNotFound` if none does, :class:`AmbiguousPath` if several do.
-        """
-        if not isinstance(path, str):
-            return self._select_exact(root, list(path), root_cid)
-        prefix_only = path.endswith(".") and len(path) > 1
-        search = _PathSearch(self, (path[:-1] if prefix_only else path).split("."), prefix_only)
-        search.walk(root, 0, [])
-        if not search.found:
-            raise search.not_found(root_cid)
-        if len(search.found) > 1:
-            raise AmbiguousPath(path, root_cid, [s.describe() for s in search.found])
-        return search.found[0]
-
-    def _select_exact(self, root: Any, path: list[Any], root_cid: str) -> Selection:
-        value = self.resolve(root)
-        done: list[str] = []
-        for i, key in enumerate(path):
-            if isinstance(value, dict):
-                if key not in value:
-                    raise _not_found(done, path[i:], value, root_cid)
-            elif isinstance(value, list) or (isinstance(value, Tagged) and value.code == TUPLE):
-                value = value if isinstance(value, list) else _seq(value.value, "tuple")
-                key = _index(key)
-                if key is None or not -len(value) <= key < len(value):
-                    raise _not_found(done, path[i:], value, root_cid)
-            else:
-                raise _not_found(done, path[i:], value, root_cid)
-            done.append(str(key))
-            value = self.resolve(value[key])
-        return Selection(value, ".".join(done))
-
     # -- materialising -------------------------------------------------------------------------
     def load(self, value: Any) -> Any:
         """Turn a decoded value into Python objects, reading what it links to.
@@ -1203,124 +1161,3 @@ def _map(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise DecodeError(f"malformed {what}: expected a map")
     return value
-
-
-def _index(segment: Any) -> int | None:
-    if type(segment) is int:
-        return int(segment)
-    if isinstance(segment, str) and re.fullmatch(r"-?\d+", segment):
-        return int(segment)
-    return None
-
-
-def _not_found(
-    done: list[str], rest: list[Any], where: Any, root_cid: str, *, prefix: bool = False
-) -> PathNotFound:
-    """The error for ``rest`` missing below ``done``: where the path stops, and close keys.
-
-    The rest of the path is matched whole first (flat state-dict keys hold dots: ``0.weight``),
-    then its first segment alone. ``prefix``: the path asked for the keys under a prefix only.
-    """
-    found = ".".join(done)
-    missing = ".".join(map(str, [*done, rest[0]]))
-    at = repr(found) if found else "the root"
-    suggestions: list[str] = []
-    joined = ".".join(map(str, rest))
-    if isinstance(where, dict):
-        keys = [str(k) for k in where]
-        close = difflib.get_close_matches(joined, keys, n=3)
-        close = close or difflib.get_close_matches(str(rest[0]), keys, n=3)
-        suggestions = [".".join([*done, k]) for k in close]
-        detail = f"{at} has no key {rest[0]!r}" + (f" or {joined!r}" if len(rest) > 1 else "")
-        if prefix:
-            detail = f"{at} has no key starting with {joined + '.'!r}"
-    elif isinstance(where, list):
-        detail = f"{at} is a list of {len(where)} items"
-    else:
-        detail = f"{at} holds a value, not a dict or list"
-    return PathNotFound(missing, root_cid, found=found, detail=detail, suggestions=suggestions)
-
-
-@dataclass
-class Selection:
-    """What a path names: ``value``, raw, at ``path`` (the keys that lead to it, joined by dots).
-
-    A key-prefix selection's ``value`` is a map of the matching items, keyed as in the map
-    holding them (what ``model.load_state_dict(..., strict=False)`` takes when that map is a
-    state dict); ``path`` is then that map's, and ``prefix`` the prefix matched.
-    """
-
-    value: Any
-    path: str
-    prefix: str | None = None
-
-    def describe(self) -> str:
-        if self.prefix is None:
-            return f"the value at {self.path!r}"
-        at = repr(self.path) if self.path else "the root"
-        keys = "the key" if len(self.value) == 1 else f"the {len(self.value)} keys"
-        return f"{keys} of {at} starting with {self.prefix + '.'!r}"
-
-
-class _PathSearch:
-    """Every reading of a dotted path, stopping at the second that finds something."""
-
-    def __init__(self, reader: TreeReader, segments: list[str], prefix_only: bool) -> None:
-        self.reader, self.segments, self.prefix_only = reader, segments, prefix_only
-        self.found: list[Selection] = []
-        # The reading that got furthest: (segments used, keys matched, the value there).
-        self.failure: tuple[int, list[str], Any] = (-1, [], None)
-        self.seen: set[tuple[bytes, int]] = set()  # (node, segments used): read the same way twice
-
-    def walk(self, raw: Any, used: int, done: list[str]) -> None:
-        if len(self.found) > 1:
-            return
-        if type(raw) is Link:
-            if (raw.cid, used) in self.seen:
-                return
-            self.seen.add((raw.cid, used))
-        value = self.reader.resolve(raw)
-        rest = self.segments[used:]
-        if not rest:  # a prefix-only path never gets here: its last segments are a prefix
-            self.found.append(Selection(value, ".".join(done)))
-        elif isinstance(value, dict):
-            self._walk_map(value, used, done)
-        elif isinstance(value, list) or (isinstance(value, Tagged) and value.code == TUPLE):
-            items = value if isinstance(value, list) else _seq(value.value, "tuple")
-            index = _index(rest[0])
-            last = self.prefix_only and len(rest) == 1  # an item is no prefix of keys
-            if index is None or not -len(items) <= index < len(items) or last:
-                self._fail(used, done, items)
-            else:
-                self.walk(items[index], used + 1, [*done, str(index)])
-        else:
-            self._fail(used, done, value)
-
-    def _walk_map(self, mapping: dict[Any, Any], used: int, done: list[str]) -> None:
-        rest = self.segments[used:]
-        matched = False
-        # The longest key first (the usual reading of a state dict); a prefix-only path leaves
-        # its last segment to the prefix.
-        for n in range(len(rest) - self.prefix_only, 0, -1):
-            joined = ".".join(rest[:n])
-            keys: list[Any] = [joined] if joined in mapping else []
-            if n == 1 and (number := _index(joined)) is not None and number in mapping:
-                keys.append(number)  # int keys (an optimizer's state) are written as digits
-            for key in keys:
-                matched = True
-                self.walk(mapping[key], used + n, [*done, str(key)])
-        start = ".".join(rest) + "."
-        picked = {k: v for k, v in mapping.items() if type(k) is str and k.startswith(start)}
-        if picked:
-            matched = True
-            self.found.append(Selection(picked, ".".join(done), start[:-1]))
-        if not matched:
-            self._fail(used, done, mapping)
-
-    def _fail(self, used: int, done: list[str], where: Any) -> None:
-        if used > self.failure[0]:
-            self.failure = (used, done, where)
-
-    def not_found(self, root_cid: str) -> PathNotFound:
-        used, done, where = self.failure
-        return _not_found(done, self.segments[used:], where, root_cid, prefix=self.prefix_only)

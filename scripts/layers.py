@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("media", ("backends",)),
     ("blocks", ("blocks", "stores")),
     ("refs", ("refs",)),
-    ("state", ("tree", "_small")),
+    ("state", ("tree", "_small", "paths")),
     ("repository", ("commit", "maintenance", "car", "hf", "replication", "repository")),
     ("training", ("records", "two_tier", "manager", "integrations", "dcp")),
     ("tools", ("testing", "cli", "demo", "__main__")),

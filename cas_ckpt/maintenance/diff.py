@@ -12,6 +12,7 @@ from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import PathNotFound
 from cas_ckpt.maintenance.walk import walk
+from cas_ckpt.paths import select
 from cas_ckpt.tree import NDARRAY, TUPLE, TreeReader, join_path
 
 
@@ -134,7 +135,7 @@ def _leaves_below(reader: TreeReader, tree: bytes, path: str | None) -> dict[str
     if not path:
         return leaves(reader, Link(tree))
     try:
-        selection = reader.select(Link(tree), path, cidlib.to_str(tree))
+        selection = select(reader, Link(tree), path, cidlib.to_str(tree))
     except PathNotFound:  # present on one side only: all added, or all removed
         return {}
     return leaves(reader, selection.value, selection.path)
