@@ -118,7 +118,7 @@ def logical_size(store: BlockStore, root: bytes, memo: dict[bytes, int] | None =
 
 # A block's owners in one int: bit 0, a ref's data (not only a reflog entry's or history);
 # bit 1, more than one owner; the bits above, the first owner's number.
-_REF_DATA, _SHARED, _OWNER = 1, 2, 2
+_REF_DATA, _SHARED, _OWNER_SHIFT = 1, 2, 2
 
 
 def usage(blocks: BlockStore, refs: RefStore, *, reflog_expiry: float = DEFAULT_REFLOG_EXPIRY) -> Usage:
@@ -138,9 +138,9 @@ def usage(blocks: BlockStore, refs: RefStore, *, reflog_expiry: float = DEFAULT_
             flag = _REF_DATA if cid in ref_data else 0
             old = owners.get(cid)
             if old is None:
-                owners[cid] = number << _OWNER | flag
+                owners[cid] = number << _OWNER_SHIFT | flag
             else:
-                owners[cid] = old | flag | (_SHARED if old >> _OWNER != number else 0)
+                owners[cid] = old | flag | (_SHARED if old >> _OWNER_SHIFT != number else 0)
         if name:
             heads = {r.cid for r in roots if r.kind == "ref"}
             logical = sum(logical_size(blocks, h, memo) for h in heads if blocks.has(h))
@@ -193,9 +193,9 @@ def _settle(blocks: BlockStore, result: Usage, owners: dict[bytes, int], names: 
         if bits & _REF_DATA:
             result.stored_bytes += size
         if not bits & _SHARED:
-            exclusive[bits >> _OWNER] += size
+            exclusive[bits >> _OWNER_SHIFT] += size
             if bits & _REF_DATA:
-                exclusive_data[bits >> _OWNER] += size
+                exclusive_data[bits >> _OWNER_SHIFT] += size
     for number, name in enumerate(names):
         if name in runs:
             run = runs[name]
