@@ -212,7 +212,7 @@ def flat_state_dicts(draw: st.DrawFn) -> dict[str, Any]:
     return {".".join(n): draw(values) for n in leaves}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(model=flat_state_dicts(), at_root=st.booleans(), data=st.data())
 def test_a_path_load_equals_the_matching_slice_of_a_full_load(
     model: dict[str, Any], at_root: bool, data: st.DataObject
