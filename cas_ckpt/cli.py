@@ -28,6 +28,7 @@ from cas_ckpt.blocks.compression import SETTINGS
 from cas_ckpt.codec import HistoryLink, Link, Tagged
 from cas_ckpt.commit import is_commit
 from cas_ckpt.errors import (
+    AmbiguousPath,
     BlockNotFound,
     CasCkptError,
     CheckpointExpired,
@@ -40,8 +41,9 @@ from cas_ckpt.errors import (
     RefNotFound,
     RepositoryError,
 )
-from cas_ckpt.maintenance.diff import leaves
+from cas_ckpt.maintenance.diff import Folded, leaves
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
+from cas_ckpt.paths import select
 from cas_ckpt.replication import TransferReport
 from cas_ckpt.repository import Repository
 from cas_ckpt.tree import (
@@ -58,7 +60,8 @@ from cas_ckpt.tree import (
 
 EXIT_OK = 0  # success (diff: identical; fsck: no problem)
 EXIT_CHECK = 1  # the command ran and found something: fsck problems, diff differences
-EXIT_USAGE = 2  # bad arguments: unknown option, malformed CID or ref name, wrong kind of block
+EXIT_USAGE = 2  # bad arguments: unknown option, malformed CID or ref name, wrong kind of block,
+# a path that reads two ways
 EXIT_NOT_FOUND = 3  # unknown ref, CID not stored, path not in the checkpoint, data collected by GC
 EXIT_REPO = 4  # no repository there, newer format, damaged store or block
 EXIT_ERROR = 5  # any other failure: bad CAR file, ref moved concurrently, lock timeout, I/O error
@@ -105,7 +108,7 @@ def exit_code(exc: CasCkptError) -> int:
     """The documented exit code for an error."""
     if isinstance(exc, CommandError):
         return exc.code
-    if isinstance(exc, (InvalidCID, InvalidRefName)):
+    if isinstance(exc, (InvalidCID, InvalidRefName, AmbiguousPath)):
         return EXIT_USAGE
     if isinstance(exc, (RefNotFound, BlockNotFound, PathNotFound, CheckpointExpired)):
         return EXIT_NOT_FOUND
@@ -180,8 +183,12 @@ def _register_reading(sub: Any, json_flag: Any) -> None:
     p.add_argument("prefix", nargs="?", default="", help="only refs starting with this")
     p = _add(sub, "reflog", cmd_reflog, "a ref's updates, newest first", json_flag)
     p.add_argument("name", metavar="NAME")
-    p = _add(sub, "du", cmd_du, "logical versus stored bytes, and what gc would free", json_flag)
-    p.add_argument("--by-ref", action="store_true", help="also one line per ref")
+    p = _add(sub, "du", cmd_du, "stored bytes per run, shared and exclusive (what deleting it "
+             "would free), and what gc would free", json_flag)
+    p.add_argument("--by-ref", action="store_true", help="one line per ref instead of per run")
+    p.add_argument("--reflog-expiry", type=_seconds, default=DEFAULT_REFLOG_EXPIRY, metavar="SECONDS",
+                   help="count what reflog entries newer than this reach as kept, as gc does "
+                        "(default 2592000: 30 days)")
     p = _add(sub, "diff", cmd_diff, "compare two checkpoints (exit 1 if they differ)", json_flag)
     p.add_argument("a", metavar="A", help="ref or CID")
     p.add_argument("b", metavar="B", help="ref or CID")
@@ -472,7 +479,10 @@ def scalar_summary(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def describe_leaf(path: str, leaf: Any) -> dict[str, Any]:
-    """One row of ``ls``: path, type, and dtype/shape/size or the value itself."""
+    """One row of ``ls``: path, type, and dtype/shape/size or the value itself (a long list of
+    scalars: how many, of what)."""
+    if isinstance(leaf, Folded):
+        return {"path": path, "type": leaf.kind, "items": len(leaf.items), "of": leaf.noun}
     if isinstance(leaf, Tagged) and leaf.code == NDARRAY and isinstance(leaf.value, dict):
         summary = array_summary(leaf.value)
         return {"path": path, "type": "array", **summary}
@@ -506,6 +516,8 @@ def _ls_line(row: dict[str, Any]) -> str:
         detail = human(row["nbytes"] or 0)
     elif row["type"] == "scalar":
         detail = f"{row['dtype']} {row['value']!r}"
+    elif "items" in row:
+        detail = f"… {row['items']} {row['of']}s"
     else:
         detail = json.dumps(row.get("value"))
     return f"{row['path'] or '<root>'}\t{row['type']}\t{detail}"
@@ -627,9 +639,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         root = resolve_live(repo, args.target)
         reader = TreeReader(repo.blocks, repo.pool)
         start: Any = Link(bytes(repo.tree(root)))
+        where = ""
         if args.path:
-            start = reader.select(start, args.path.split("."), cidlib.to_str(root))
-        found = leaves(reader, start, args.path or "")
+            selection = select(reader, start, args.path, cidlib.to_str(root))
+            start, where = selection.value, selection.path
+        found = leaves(reader, start, where)
     rows = [describe_leaf(path, leaf) for path, leaf in found.items()]
     if args.json:
         _print_json(rows)
@@ -744,6 +758,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return EXIT_OK
     _print(f"live {report.live_blocks} blocks, history-only {report.lineage_blocks}, "
            f"unreachable {report.unreachable_blocks} ({human(report.unreachable_bytes)})")
+    if report.held_packs:
+        _print(f"kept {_count(report.held_packs, 'pack')} younger than the medium's minimum grace "
+               f"({report.min_grace:g} s) that gc would otherwise merge or free: "
+               f"{report.held_blocks} unreachable blocks ({human(report.held_bytes)}) in them wait for "
+               "a later gc")
     if report.dry_run:
         for cid in report.unreachable:
             _print(f"would remove {cid}")
@@ -779,23 +798,34 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 def cmd_du(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
-        usage = repo.stats()
-        freeable = repo.gc(dry_run=True).unreachable_bytes  # what gc with its defaults removes
+        usage = repo.stats(reflog_expiry=args.reflog_expiry)
     if args.json:
-        _print_json({**jsonable(usage), "unreachable_bytes": usage.unreachable_bytes,
-                     "dedup_ratio": usage.dedup_ratio, "gc_would_free_bytes": freeable})
+        _print_json({**jsonable(usage), "unreachable_blocks": usage.unreachable_blocks,
+                     "unreachable_bytes": usage.unreachable_bytes, "dedup_ratio": usage.dedup_ratio,
+                     "gc_would_free_bytes": usage.freeable_bytes})
         return EXIT_OK
     if args.by_ref:
-        width = max([len("REF"), *(len(r.ref) for r in usage.refs)])
-        _print(f"{'REF':<{width}}  {'LOGICAL':>10}  {'STORED':>10}  {'BLOCKS':>7}")
-        for r in sorted(usage.refs, key=lambda r: r.ref):
-            _print(f"{r.ref:<{width}}  {human(r.logical_bytes):>10}  {human(r.stored_bytes):>10}  "
-                   f"{r.blocks:>7}")
+        _table(["REF", "LOGICAL", "STORED", "BLOCKS"],
+               [[r.ref, human(r.logical_bytes), human(r.stored_bytes), str(r.blocks)] for r in usage.refs])
+    elif usage.runs:
+        _table(["RUN", "REFS", "CHECKPOINTS", "LOGICAL", "STORED", "SHARED", "EXCLUSIVE"],
+               [[r.run, str(r.refs), str(r.checkpoints), human(r.logical_bytes), human(r.stored_bytes),
+                 human(r.shared_bytes), human(r.exclusive_bytes)] for r in usage.runs])
+    held = f"; {human(usage.held_bytes)} more once young packs age" if usage.held_bytes else ""
     _print(f"total: logical {human(usage.logical_bytes)}, stored {human(usage.stored_bytes)} "
            f"(dedup {usage.dedup_ratio:.2f}x); all blocks {human(usage.total_bytes)} in "
-           f"{usage.total_blocks} blocks, unreachable {human(usage.unreachable_bytes)}, "
-           f"gc would free {human(freeable)}")
+           f"{usage.total_blocks} blocks: live {human(usage.live_bytes)}, unreachable "
+           f"{human(usage.unreachable_bytes)} (gc would free {human(usage.freeable_bytes)}{held})")
     return EXIT_OK
+
+
+def _table(header: list[str], rows: list[list[str]]) -> None:
+    """Columns: the first left-aligned, the others right-aligned, two spaces apart."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        rest = (cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True))
+        cells = [row[0].ljust(widths[0]), *rest]
+        _print("  ".join(cells).rstrip())
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from typing import Any, Self
 
 __all__ = [
     "AmbiguousCID",
+    "AmbiguousPath",
     "AncestorNotFound",
     "BlockNotFound",
     "CarError",
@@ -277,6 +278,24 @@ class PathNotFound(CasCkptError, KeyError):
         self.cid = str(cid)
         self.found = found
         self.suggestions = suggestions or []
+
+
+class AmbiguousPath(CasCkptError, ValueError):
+    """A dotted path reads two ways in a checkpoint (its keys hold dots); ``readings`` lists them.
+
+    A sequence of keys (``path=["model", "layer"]``) names one value; a path ending in ``.``
+    (``"model.layer."``) only the keys under that prefix.
+    """
+
+    def __init__(self, path: str, cid: object, readings: list[str]) -> None:
+        super().__init__(
+            f"path {path!r} is ambiguous in checkpoint {cid}: it names {' and '.join(readings)}; "
+            f"pass the keys as a list for one value, or end the path with '.' for the keys under "
+            "the prefix"
+        )
+        self.path = path
+        self.cid = str(cid)
+        self.readings = readings
 
 
 class CarError(CasCkptError, ValueError):

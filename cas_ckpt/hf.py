@@ -39,6 +39,7 @@ from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import SafetensorsError, StateTypeError
+from cas_ckpt.paths import select
 from cas_ckpt.tree import (
     BLOB,
     MAX_LINKS,
@@ -557,7 +558,10 @@ def export(
     if layout is not None and limit is None:
         _export_layout(exporter, root, layout, target)
     else:
-        value = root if path is None else reader.select(Link(tree), path.split("."), cidlib.to_str(tree))
+        value, base = root, ""
+        if path is not None:
+            selection = select(reader, Link(tree), path, cidlib.to_str(tree))
+            value, base = selection.value, selection.path
         blobs: dict[str, bytes] = {}
         metadata: dict[str, str] = {}
         tensors: list[_Tensor] = []
@@ -570,7 +574,7 @@ def export(
             value = root[layout["prefix"]]
             blobs = {k: v for k, v in layout["blobs"].items() if k != INDEX}
             metadata = _common_metadata(layout)
-        exporter.leaves(value, "", path or "", tensors, metadata)
+        exporter.leaves(value, "", base, tensors, metadata)
         if tied:
             tensors = _untie(tensors, metadata)
         _export_tensors(exporter, tensors, metadata or None, target, limit, blobs)

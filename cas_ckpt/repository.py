@@ -56,7 +56,9 @@ from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY, GCReport
 from cas_ckpt.maintenance.gc import collect as gc_collect
 from cas_ckpt.maintenance.usage import Usage, usage
 from cas_ckpt.maintenance.walk import walk
+from cas_ckpt.paths import select
 from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore, check_ref_name
+from cas_ckpt.refs.base import run_of
 from cas_ckpt.replication import TransferReport, Update
 from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter, cast_floats
 
@@ -386,8 +388,13 @@ class Repository:
         """Load a checkpoint (or the sub-tree at ``path``, e.g. ``"optimizer.state.3"``).
 
         ``target`` is a ref name or a CID. Only the blocks of the requested sub-tree are read.
-        ``path`` is a dotted string (keys containing dots still match) or a sequence of exact
-        keys and indices.
+        ``path`` is a sequence of exact keys and indices, or a dotted string, read every way the
+        keys allow (they may hold dots, as a state dict's do): a key (``"model.layer.0.weight"``),
+        or a key prefix, which gives the map of the keys under it, named as in their map
+        (``"model.encoder.layer.5"``: ``{"encoder.layer.5.attn.weight": ...}``, what
+        ``module.load_state_dict(..., strict=False)`` takes); a path ending in ``.`` is a prefix
+        only. :class:`PathNotFound` if no reading finds anything, :class:`AmbiguousPath` if
+        several do (``docs/guide.md``, "Loading part of a checkpoint").
         Torch tensors come back as torch tensors (on ``map_location`` if given), numpy as numpy.
         ``mmap=True`` returns numpy arrays as read-only views of the pack files where a
         store can map them, and torch tensors over copy-on-write mappings (writable; a write
@@ -401,12 +408,9 @@ class Repository:
         reader = self._reader(verify, map_location, mmap)
         tree = self._tree_of(root, reader)
         try:
-            if path is None:
-                value = Link(tree)
-            elif isinstance(path, str):
-                value = reader.select(Link(tree), path.split("."), cidlib.to_str(root))
-            else:
-                value = reader.select(Link(tree), list(path), cidlib.to_str(root), exact=True)
+            value = Link(tree)
+            if path is not None:
+                value = select(reader, value, path, cidlib.to_str(root)).value
             loaded = reader.load(value)
             if reader.copied:
                 _log.warning(
@@ -477,17 +481,37 @@ class Repository:
         return not self.blocks.has(commit.tree)
 
     def forks(self, history: Iterable[Commit]) -> dict[CID, list[str]]:
-        """Fork points in ``history``: for each ref whose head is off it, the newest shared commit."""
+        """Fork points in ``history``: for each run (a ref, with a manager's ``<ref>.steps/N``
+        refs) whose refs lead off it, the newest shared commit, naming the run once."""
         on_line = {c.cid for c in history}
+        point: dict[CID, CID | None] = {}  # commit off the line -> its fork point (None: none)
         found: dict[CID, list[str]] = {}
         for name, head in sorted(self.refs().items()):
-            if head in on_line:
-                continue  # on this line (a head or a .steps/N ref), not a fork
-            for commit in self.log(head):
-                if commit.cid in on_line:
-                    found.setdefault(commit.cid, []).append(name)
-                    break
+            fork = self._fork_point(head, on_line, point)
+            if fork is not None:
+                runs = found.setdefault(fork, [])
+                if run_of(name) not in runs:
+                    runs.append(run_of(name))
         return found
+
+    def _fork_point(self, head: CID, on_line: set[CID], point: dict[CID, CID | None]) -> CID | None:
+        """The newest commit of ``head``'s history on the line (None if ``head`` is on it, or
+        never meets it); ``point`` remembers it for every commit walked, so refs sharing a
+        history (a run's step refs) walk it once."""
+        if head in on_line:
+            return None  # on this line (a head or a .steps/N ref), not a fork
+        walked: list[CID] = []
+        fork: CID | None = None
+        for commit in self.log(head):
+            if commit.cid in point:
+                fork = point[commit.cid]
+                break
+            if commit.cid in on_line:
+                fork = commit.cid
+                break
+            walked.append(commit.cid)
+        point.update(dict.fromkeys(walked, fork))
+        return fork
 
     def refs(self, prefix: str = "") -> dict[str, CID]:
         """Every ref (optionally only those under ``prefix``) and the root CID it holds."""
@@ -618,9 +642,11 @@ class Repository:
         """Re-hash every block (or a ``sample`` fraction) and resolve every link from refs."""
         return fsck_check(self.blocks, self.refs_store, sample=sample, progress=progress)
 
-    def stats(self) -> Usage:
-        """Logical versus stored bytes, per ref and for the repository (shared bytes once)."""
-        return usage(self.blocks, self.refs_store)
+    def stats(self, *, reflog_expiry: float = DEFAULT_REFLOG_EXPIRY) -> Usage:
+        """Logical versus stored bytes per ref, per run (shared, and exclusive: what deleting the
+        run would free) and for the repository (shared bytes once), and what GC would free: its
+        ``unreachable`` is :meth:`gc`'s with the same ``reflog_expiry`` (see :class:`Usage`)."""
+        return usage(self.blocks, self.refs_store, reflog_expiry=reflog_expiry)
 
     def diff(self, a: Target, b: Target, *, path: str | None = None) -> DiffReport:
         """Values added, removed and changed from checkpoint ``a`` to ``b`` (below the dotted

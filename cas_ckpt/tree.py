@@ -26,7 +26,6 @@ code  name        payload
 from __future__ import annotations
 
 import collections
-import difflib
 import functools
 import itertools
 import math
@@ -53,7 +52,6 @@ from cas_ckpt.errors import (
     InvalidCID,
     MapLocationError,
     OutOfMemory,
-    PathNotFound,
     StateTypeError,
 )
 
@@ -162,7 +160,8 @@ def _dtype_name(dtype: np.dtype[Any]) -> str | None:
     if name is not None:
         return name
     if dtype.num >= _USER_DTYPES:
-        return _ml_names().get(dtype)
+        # Only ml_dtypes' own dtypes have names here, and none exists before it is imported.
+        return _ml_names().get(dtype) if "ml_dtypes" in sys.modules else None
     name = dtype.str
     return name if _NUMPY_DTYPE.match(name) else None
 
@@ -696,7 +695,7 @@ def _cast(value: Any, dtype: Any, target: np.dtype[Any]) -> Any:
 def _is_float(dtype: np.dtype[Any]) -> bool:
     if dtype.kind == "f":
         return True
-    name = _ml_names().get(dtype, "") if dtype.num >= _USER_DTYPES else ""
+    name = (dtype_name(dtype) or "") if dtype.num >= _USER_DTYPES else ""
     return name.startswith(("float", "bfloat"))
 
 
@@ -803,33 +802,6 @@ class TreeReader:
         except MemoryError:
             raise OutOfMemory("joining the pages of a container ran out of memory") from None
         return Tagged(TUPLE, items) if spec["kind"] == "tuple" else items
-
-    def select(self, root: Any, path: Sequence[Any], root_cid: str, *, exact: bool = False) -> Any:
-        """The raw (unmaterialised) value at ``path`` below ``root``.
-
-        With ``exact``, each element of ``path`` is one key or index; otherwise the segments of a
-        dotted path may also join up to match keys that contain dots (``layer.0.weight``).
-        """
-        value = self.resolve(root)
-        rest = list(path)
-        done: list[str] = []
-        while rest:
-            if isinstance(value, dict):
-                key, used = (rest[0], 1) if exact else _match_key(value, rest)
-            elif isinstance(value, list) or (isinstance(value, Tagged) and value.code == TUPLE):
-                items = value if isinstance(value, list) else _seq(value.value, "tuple")
-                key, used = _index(rest[0]), 1
-                if key is None or not -len(items) <= key < len(items):
-                    raise _not_found(done, rest, items, root_cid)
-                value = items
-            else:
-                key = None
-            if key is None or (isinstance(value, dict) and key not in value):
-                raise _not_found(done, rest, value, root_cid)
-            done.extend(str(r) for r in rest[:used])
-            rest = rest[used:]
-            value = self.resolve(value[key])
-        return value
 
     # -- materialising -------------------------------------------------------------------------
     def load(self, value: Any) -> Any:
@@ -1189,52 +1161,3 @@ def _map(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise DecodeError(f"malformed {what}: expected a map")
     return value
-
-
-def _index(segment: Any) -> int | None:
-    if type(segment) is int:
-        return int(segment)
-    if isinstance(segment, str) and re.fullmatch(r"-?\d+", segment):
-        return int(segment)
-    return None
-
-
-def _not_found(done: list[str], rest: list[Any], where: Any, root_cid: str) -> PathNotFound:
-    """The error for ``rest`` missing below ``done``: where the path stops, and close keys.
-
-    The rest of the path is matched whole first (flat state-dict keys hold dots: ``0.weight``),
-    then its first segment alone.
-    """
-    found = ".".join(done)
-    missing = ".".join(map(str, [*done, rest[0]]))
-    at = repr(found) if found else "the root"
-    suggestions: list[str] = []
-    if isinstance(where, dict):
-        keys = [str(k) for k in where]
-        close = difflib.get_close_matches(".".join(map(str, rest)), keys, n=3)
-        close = close or difflib.get_close_matches(str(rest[0]), keys, n=3)
-        suggestions = [".".join([*done, k]) for k in close]
-        joined = ".".join(map(str, rest))
-        detail = f"{at} has no key {rest[0]!r}" + (f" or {joined!r}" if len(rest) > 1 else "")
-    elif isinstance(where, list):
-        detail = f"{at} is a list of {len(where)} items"
-    else:
-        detail = f"{at} holds a value, not a dict or list"
-    return PathNotFound(missing, root_cid, found=found, detail=detail, suggestions=suggestions)
-
-
-def _match_key(mapping: dict[Any, Any], rest: list[Any]) -> tuple[Any, int]:
-    """Match the longest run of path segments that names a key (keys may contain dots)."""
-    for used in range(len(rest), 0, -1):
-        parts = rest[:used]
-        if used == 1 and not isinstance(parts[0], str):
-            if parts[0] in mapping:
-                return parts[0], 1
-            continue
-        candidate = ".".join(map(str, parts))
-        if candidate in mapping:
-            return candidate, used
-        if used == 1 and _index(candidate) is not None and _index(candidate) in mapping:
-            return _index(candidate), 1
-    return None, 1
-

@@ -5,5 +5,5 @@
 if command -v npm >/dev/null; then
   npm ci --prefix tests/js --no-audit --no-fund --loglevel=error
 fi
-.venv/bin/python -m ruff check cas_ckpt cas_ckpt_cli tests benchmarks
+.venv/bin/python -m ruff check cas_ckpt cas_ckpt_cli tests benchmarks scripts
 exec .venv/bin/python -m pytest "$@"

@@ -1,5 +1,6 @@
 """Exact comparison of states (type, dtype, shape, layout and bits, recursively), running a
-training script until a step to SIGKILL it there, and damaging a byte of a file."""
+training script until a step to SIGKILL it there, damaging a byte of a file, and a block store
+that counts what is read."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import signal
 import struct
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from cas_ckpt.blocks.base import BlockStore, BlockWriter
 
 
 def assert_state_equal(expected: Any, actual: Any, path: str = "<root>") -> None:
@@ -120,3 +124,52 @@ def flip_byte(path: str | Path, position: int, mask: int = 0x01) -> None:
         byte = f.read(1)
         f.seek(position)
         f.write(bytes([byte[0] ^ mask]))
+
+
+class CountingStore(BlockStore):
+    """Delegates to a real store and records every block read (and size lookup) by CID."""
+
+    def __init__(self, inner: BlockStore) -> None:
+        super().__init__(verify=inner.verify)
+        self.inner = inner
+        self.reads: list[bytes] = []
+        self.sized: list[bytes] = []
+
+    def _read(self, cid: bytes) -> bytes | None:
+        self.reads.append(cid)
+        return self.inner._read(cid)
+
+    def _read_into(self, cid: bytes, out: memoryview) -> bool:
+        self.reads.append(cid)
+        return self.inner._read_into(cid, out)
+
+    def _size(self, cid: bytes) -> int:
+        self.sized.append(cid)
+        return self.inner.size(cid)
+
+    def _has(self, cid: bytes) -> bool:
+        return self.inner.has(cid)
+
+    def keys(self) -> Iterator[bytes]:
+        return self.inner.keys()
+
+    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> BlockWriter:
+        return self.inner.writer(verify_existing=verify_existing, compression=compression)
+
+    def delete(
+        self, cids: set[bytes], *, min_age: float = 0.0, before_unlink: Callable[[], None] | None = None
+    ) -> tuple[int, int]:
+        return self.inner.delete(cids, min_age=min_age, before_unlink=before_unlink)
+
+    def refresh(self) -> None:
+        self.inner.refresh()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def reset(self) -> None:
+        self.reads.clear()
+        self.sized.clear()
+
+    def bytes_read(self) -> int:
+        return sum(self.inner.size(c) for c in self.reads)

@@ -164,3 +164,21 @@ def test_before_and_after_runner(tmp_path: Path) -> None:
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True,
                                text=True, check=True).stdout
     assert "cas-ab-" not in worktrees
+
+
+def test_first_save_runner(tmp_path: Path) -> None:
+    """benchmarks/first_save.py: fresh processes per tool, medians, ratios; a float32 state's
+    first cas_ckpt save imports no ml_dtypes."""
+    out = tmp_path / "first.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH.parent / "first_save.py"), "--reps", "1", "--dtypes", "float32",
+         "--tools", "cas_ckpt,torch", "--layers", "2", "--width", "64", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    medians = json.loads(out.read_text())["medians"]
+    assert set(medians) == {"cas_ckpt float32", "torch float32"}
+    ours = medians["cas_ckpt float32"]
+    assert ours["first_save_s"] > 0 and ours["state_bytes"] == 2 * (64 * 64 + 64) * 4
+    assert ours["ml_dtypes_imported"] is False
+    assert "cas_ckpt / torch (float32)" in proc.stdout

@@ -179,7 +179,9 @@ def test_du(run: Any, repo_dir: Path) -> None:
     assert usage["gc_would_free_bytes"] == 0  # main's reflog keeps step 1
     text = run("du", "--by-ref").out
     assert text.startswith("REF") and "\nmain " in text and "dedup" in text
-    assert run("du").out.startswith("total: ")
+    lines = run("du").out.splitlines()
+    assert lines[0].split() == ["RUN", "REFS", "CHECKPOINTS", "LOGICAL", "STORED", "SHARED", "EXCLUSIVE"]
+    assert [line.split()[0] for line in lines[1:]] == ["main", "other", "total:"]
     with api(repo_dir) as repo:
         repo.delete_ref("other")
         freeable = repo.gc(dry_run=True).unreachable_bytes

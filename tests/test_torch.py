@@ -279,6 +279,57 @@ def test_import_does_not_import_torch(tmp_path: Path) -> None:
     assert out.strip() == "False"
 
 
+def test_ml_dtypes_is_imported_only_for_a_state_that_needs_it(tmp_path: Path) -> None:
+    # Its import takes a second or more: a float32 model's save, async save, load, cast and
+    # training state pay nothing for it; the first bfloat16 tensor imports it, once.
+    out = _run(
+        """
+        import sys
+        import numpy as np
+        import torch
+        import cas_ckpt
+        from cas_ckpt.integrations.training import training_state
+        model = torch.nn.Linear(8, 4)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+        repo = cas_ckpt.open("repo")
+        state = training_state(model=model, optimizer=optimizer, extra={"w": np.arange(3.0)})
+        repo.save(state, ref="plain", step=1)
+        with cas_ckpt.CheckpointManager(repo, "run", async_save=True) as manager:
+            manager.save(1, state)
+        loaded = repo.load("plain", map_location="cpu")
+        assert torch.equal(loaded["model"]["weight"], model.weight)
+        repo.load("run", dtype=torch.float16)
+        repo.load("run", dtype=np.float64)
+        print("ml_dtypes" in sys.modules)
+        repo.save({"b": torch.ones(3, dtype=torch.bfloat16)}, ref="bf16")
+        print("ml_dtypes" in sys.modules, repo.load("bf16")["b"].dtype)
+        """,
+        tmp_path,
+    )
+    assert out.split("\n")[:2] == ["False", "True torch.bfloat16"]
+
+
+def test_a_bfloat16_checkpoint_loads_in_a_fresh_process(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        repo.save({"b": torch.arange(4, dtype=torch.bfloat16), "f": torch.arange(2.0)})
+    out = _run(
+        """
+        import sys
+        import torch
+        import cas_ckpt
+        repo = cas_ckpt.open("repo")
+        f = repo.load(path="f")
+        print("ml_dtypes" in sys.modules, f.dtype)
+        state = repo.load()
+        print(state["b"].dtype, state["b"].tolist(), state["f"].tolist())
+        """,
+        tmp_path,
+    )
+    assert out.split("\n")[:2] == ["False torch.float32", "torch.bfloat16 [0.0, 1.0, 2.0, 3.0] [0.0, 1.0]"]
+
+
 def test_works_with_torch_blocked_and_reads_torch_checkpoints_as_numpy(tmp_path: Path) -> None:
     with cas_ckpt.open(tmp_path / "repo") as repo:
         repo.save({"t": torch.arange(4, dtype=torch.bfloat16), "i": torch.arange(3)}, ref="torch")

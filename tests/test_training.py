@@ -8,10 +8,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import cas_ckpt
+from cas_ckpt.codec import Link
 from cas_ckpt.errors import StateTypeError
-from cas_ckpt.integrations.training import restore_training_state, training_state
+from cas_ckpt.integrations.training import capture_rng, restore_rng, restore_training_state, training_state
+from cas_ckpt.maintenance.diff import leaves
+from cas_ckpt.tree import TreeReader
 
 
 class Ema:
@@ -68,3 +73,49 @@ def test_torch_generators_round_trip() -> None:
     fresh = torch.Generator()
     restore_training_state(repo.load("run"), rng=False, dropout=fresh)
     assert torch.equal(torch.rand(5, generator=fresh), expected)
+
+
+@given(seed=st.integers(0, 2**64), draws_before=st.integers(0, 700), gauss=st.booleans())
+def test_python_rng_state_is_one_uint32_array_restored_bit_for_bit(
+    seed: int, draws_before: int, gauss: bool
+) -> None:
+    random.seed(seed)
+    for _ in range(draws_before):  # any position in the Mersenne Twister's 624 words
+        random.getrandbits(32)
+    if gauss:
+        random.gauss(0, 1)  # leaves gauss_next cached in the state
+    before = random.getstate()
+    repo = cas_ckpt.open("memory://")
+    repo.save({"rng": capture_rng()})
+    saved = repo.load(path="rng.python")
+    assert isinstance(saved[1], np.ndarray) and saved[1].dtype == np.uint32 and saved[1].shape == (625,)
+    random.seed(seed + 1)
+    restore_rng(repo.load(path="rng"))
+    assert random.getstate() == before
+
+
+def test_a_python_rng_state_saved_as_625_ints_still_restores() -> None:
+    random.seed(7)
+    random.gauss(0, 1)
+    before = random.getstate()
+    repo = cas_ckpt.open("memory://")
+    old = {"python": before, "numpy": np.random.get_state(legacy=False)}  # how earlier versions saved it
+    repo.save({"rng": old, "aug": random.Random(3).getstate()})
+    assert isinstance(repo.load(path="rng.python")[1], tuple)
+    random.seed(8)
+    restore_rng(repo.load(path="rng"))
+    assert random.getstate() == before
+    aug = random.Random()
+    restore_training_state(repo.load(), rng=False, aug=aug)
+    assert aug.getstate() == random.Random(3).getstate()
+
+
+def test_a_training_state_lists_in_a_few_lines() -> None:
+    from cas_ckpt import cli
+
+    repo = cas_ckpt.open("memory://")
+    repo.save(training_state(extra={"step": 1}, aug=random.Random(1)))
+    reader = TreeReader(repo.blocks, repo.pool)
+    rows = leaves(reader, Link(bytes(repo.tree())))
+    assert len(rows) < 20, list(rows)
+    assert cli.describe_leaf("rng.python.1", rows["rng.python.1"])["shape"] == [625]

@@ -41,6 +41,15 @@ class WriteStats:
         self.bytes_stored += other.bytes_stored
 
 
+class HeldBack(NamedTuple):
+    """What a sweep leaves for later because the medium keeps young storage (``min_grace``)."""
+
+    packs: int = 0  # storage units (packs) a sweep would otherwise have deleted, rewritten or merged
+    blocks: int = 0  # the blocks being removed that lie in them
+    bytes: int = 0  # their stored bytes
+    grace: float = 0.0  # the medium's minimum age in seconds (S3: an hour)
+
+
 class Stored(NamedTuple):
     """A block as it goes onto the medium: its codec (``blocks.compression``) and bytes."""
 
@@ -322,6 +331,11 @@ class BlockStore(ABC):
         exclusive repository lock. ``before_unlink`` runs before anything is removed and may
         raise to stop (a GC whose lease on a remote lock was lost).
         """
+
+    def held_back(self, cids: set[bytes], *, min_age: float = 0.0) -> HeldBack:
+        """What :meth:`delete` of ``cids`` with ``min_age`` would leave because the medium's own
+        minimum age keeps the storage holding them (GC reports it; nothing here by default)."""
+        return HeldBack()
 
     def damaged(self) -> dict[str, str]:
         """Storage units (packs) found unreadable, and why: reported by fsck, never read from."""

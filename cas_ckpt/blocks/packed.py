@@ -30,7 +30,7 @@ from cas_ckpt.backends.base import Backend, ObjectInfo, Read, Sink
 from cas_ckpt.backends.local import LocalBackend
 from cas_ckpt.backends.memory import MemoryBackend
 from cas_ckpt.backends.s3 import DEFAULT_GRACE, PART_SIZE, READ_SIZE, S3Backend, S3Bucket
-from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
+from cas_ckpt.blocks.base import BlockStore, BlockWriter, HeldBack, Stored
 from cas_ckpt.blocks.compression import CODEC_NONE, Compressor, decode, decode_into
 from cas_ckpt.blocks.pack import (
     FOOTER,
@@ -714,12 +714,8 @@ class PackedBlockStore(BlockStore):
         disk is compacted step by step. Returns (blocks removed, bytes freed).
         """
         self._check_writable()
-        self.refresh(full=True)
-        with self._lock:
-            packs = {name: (list(map(Entry._make, entries)), self._info[name].size, self._info[name].age)
-                     for name, entries in self._packs.items() if name in self._info}
-        plan = plan_sweep(packs, cids, max(min_age, self.backend.min_grace),
-                          small_size=min(SMALL_PACK, self.pack_size // 2))
+        packs = self._sweep_input()
+        plan = self._plan(packs, cids, max(min_age, self.backend.min_grace))
         dead = [name for name, live in plan.items() if not live]
         merge = {name: live for name, live in plan.items() if live}
         if before_unlink is not None and plan:
@@ -746,6 +742,28 @@ class PackedBlockStore(BlockStore):
                 freed -= sum(self._info[name].size for name in written
                              if name in self._info and name not in batch)
         return removed, freed
+
+    def held_back(self, cids: set[bytes], *, min_age: float = 0.0) -> HeldBack:
+        """The packs a sweep with ``min_age`` would touch that the backend's ``min_grace`` (S3: an
+        hour, for writers on other machines) spares, and the blocks of ``cids`` in them."""
+        grace = self.backend.min_grace
+        if grace <= min_age:
+            return HeldBack(grace=grace)
+        packs = self._sweep_input()
+        spared = self._plan(packs, cids, min_age).keys() - self._plan(packs, cids, grace).keys()
+        held = [e for name in spared for e in packs[name][0] if e.cid in cids]
+        return HeldBack(len(spared), len(held), sum(e.length for e in held), grace)
+
+    def _sweep_input(self) -> dict[str, tuple[list[Entry], int, float]]:
+        """Each pack's entries, size and age, as listed now (what a sweep plans from)."""
+        self.refresh(full=True)
+        with self._lock:
+            return {name: (list(map(Entry._make, entries)), self._info[name].size, self._info[name].age)
+                    for name, entries in self._packs.items() if name in self._info}
+
+    def _plan(self, packs: dict[str, tuple[list[Entry], int, float]], cids: set[bytes],
+              min_age: float) -> dict[str, list[Entry]]:
+        return plan_sweep(packs, cids, min_age, small_size=min(SMALL_PACK, self.pack_size // 2))
 
     def _batches(self, merge: dict[str, list[Entry]]) -> Iterator[dict[str, list[Entry]]]:
         """The packs to merge in groups whose live blocks fit in the room the medium has left.

@@ -58,7 +58,7 @@ from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockWriter, Stored, WriteStats
 from cas_ckpt.codec import Link
 from cas_ckpt.errors import DecodeError, RepositoryError, StateTypeError
-from cas_ckpt.integrations.torch import dtype_table
+from cas_ckpt.integrations.torch import savable_dtypes
 from cas_ckpt.refs import check_ref_name
 from cas_ckpt.repository import Repository, Target
 from cas_ckpt.tree import TreeReader, TreeWriter
@@ -402,7 +402,7 @@ def _links(reader: TreeReader, value: Any, count: int, fqn: str) -> list[bytes]:
 @functools.cache
 def _dtypes() -> dict[str, torch.dtype]:
     """The torch dtypes a checkpoint may name: those cas_ckpt stores bit for bit."""
-    return {str(dt).removeprefix("torch."): dt for dt in dtype_table()}
+    return {str(dt).removeprefix("torch."): dt for dt in savable_dtypes()}
 
 
 def _tensor_md(fqn: str, entry: dict[str, Any]) -> TensorStorageMetadata:

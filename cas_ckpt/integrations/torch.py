@@ -1,7 +1,8 @@
 """PyTorch tensors <-> numpy arrays, bit for bit, without copying bytes where the layout allows.
 
 torch is imported lazily: ``import cas_ckpt`` never needs it. Dtypes numpy lacks (bfloat16 and the
-float8 variants) travel as their ``ml_dtypes`` equivalents. What comes back:
+float8 variants) travel as their ``ml_dtypes`` equivalents; ml_dtypes, whose import takes a second or
+more, is imported only when a state holds one of them. What comes back:
 
 * a plain ``torch.Tensor`` on the CPU (or ``map_location``), with the saved shape, dtype and values.
   ``map_location`` is read as ``torch.load`` reads it: a device (str or ``torch.device``), a dict
@@ -20,12 +21,13 @@ float4_e2m1fn_x2), quantized, sparse, nested and meta tensors, and tensor subcla
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
 from cas_ckpt.errors import DecodeError, MapLocationError, StateTypeError
-from cas_ckpt.tree import TensorAdapter, register_tensor_adapter
+from cas_ckpt.tree import TensorAdapter, dtype_name, parse_dtype, register_tensor_adapter
 
 # torch dtype name -> ml_dtypes name, for the dtypes numpy has no native type for.
 _VIA_ML_DTYPES = {
@@ -52,35 +54,57 @@ def _torch() -> Any:
     return torch
 
 
-def _build_tables() -> tuple[dict[Any, np.dtype[Any]], set[Any]]:
-    import ml_dtypes
-
+@functools.cache
+def _native() -> dict[Any, np.dtype[Any]]:
+    """The torch dtypes numpy has a native type for, and that type."""
     torch = _torch()
-    table: dict[Any, np.dtype[Any]] = {}
-    for name in _NATIVE:
-        if hasattr(torch, name):
-            table[getattr(torch, name)] = np.dtype(np.bool_ if name == "bool" else name)
-    via: set[Any] = set()
-    for name, ml_name in _VIA_ML_DTYPES.items():
-        if hasattr(torch, name) and hasattr(ml_dtypes, ml_name):
-            table[getattr(torch, name)] = np.dtype(getattr(ml_dtypes, ml_name))
-            via.add(getattr(torch, name))
-    return table, via
+    return {getattr(torch, name): np.dtype(np.bool_ if name == "bool" else name)
+            for name in _NATIVE if hasattr(torch, name)}
 
 
-_TABLES: tuple[dict[Any, np.dtype[Any]], set[Any]] | None = None
+@functools.cache
+def _via_names() -> dict[Any, str]:
+    """The torch dtypes stored as an ml_dtypes dtype, and its name (no ml_dtypes import needed)."""
+    torch = _torch()
+    return {getattr(torch, name): ml_name for name, ml_name in _VIA_ML_DTYPES.items() if hasattr(torch, name)}
 
 
-def _tables() -> tuple[dict[Any, np.dtype[Any]], set[Any]]:
-    global _TABLES
-    if _TABLES is None:
-        _TABLES = _build_tables()
-    return _TABLES
+@functools.cache
+def _torch_of() -> tuple[dict[np.dtype[Any], Any], dict[str, Any]]:
+    """Native numpy dtypes, and ml_dtypes' dtypes by name, each to its torch dtype."""
+    return ({dtype: torch_dtype for torch_dtype, dtype in _native().items()},
+            {name: torch_dtype for torch_dtype, name in _via_names().items()})
 
 
-def dtype_table() -> dict[Any, np.dtype[Any]]:
-    """Every savable torch dtype and the numpy dtype its bytes are stored as."""
-    return _tables()[0]
+def savable_dtypes() -> frozenset[Any]:
+    """Every torch dtype cas_ckpt stores bit for bit (without importing ml_dtypes)."""
+    return frozenset(_native()) | frozenset(_via_names())
+
+
+def numpy_dtype_of(torch_dtype: Any) -> np.dtype[Any] | None:
+    """The numpy dtype a torch dtype's bytes are stored as; None if it cannot be saved.
+
+    ml_dtypes (an import of a second or more) is imported only for the dtypes that need it:
+    bfloat16 and the float8 variants.
+    """
+    found = _native().get(torch_dtype)
+    if found is not None:
+        return found
+    name = _via_names().get(torch_dtype)
+    if name is None:
+        return None
+    try:
+        return parse_dtype(name)
+    except DecodeError:  # an ml_dtypes too old to have it
+        return None
+
+
+def torch_dtype_of(dtype: np.dtype[Any]) -> Any:
+    """The torch dtype of a numpy dtype (None if torch has none); never imports ml_dtypes: an
+    array of one of its dtypes exists only once it is imported."""
+    native, by_name = _torch_of()
+    found = native.get(dtype)
+    return found if found is not None else by_name.get(dtype_name(dtype) or "")
 
 
 def check_tensor(tensor: Any, path: str) -> None:
@@ -94,7 +118,7 @@ def check_tensor(tensor: Any, path: str) -> None:
         raise StateTypeError(path, f"cannot save a {tensor.layout} tensor; convert it to dense")
     if tensor.device.type == "meta":
         raise StateTypeError(path, "cannot save a meta tensor: it has no data")
-    if tensor.dtype not in dtype_table():
+    if tensor.dtype not in _native() and numpy_dtype_of(tensor.dtype) is None:
         name = str(tensor.dtype).removeprefix("torch.")
         raise StateTypeError(path, _HINTS.get(name, f"unsupported torch dtype {tensor.dtype}"))
 
@@ -109,14 +133,14 @@ def tensor_to_numpy(tensor: Any, path: str) -> tuple[np.ndarray[Any, Any], str]:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    table, via = _tables()
-    if t.dtype not in via:
+    if t.dtype in _native():
         return t.numpy(), "torch"
     # bfloat16 / float8: reinterpret the bytes through an integer view of the same width.
     width = _torch().uint8 if t.element_size() == 1 else _torch().int16
+    dtype = numpy_dtype_of(t.dtype)
     if t.dim() == 0:
-        return t.reshape(1).view(width).numpy().view(table[t.dtype]).reshape(()), "torch"
-    return t.view(width).numpy().view(table[t.dtype]), "torch"
+        return t.reshape(1).view(width).numpy().view(dtype).reshape(()), "torch"
+    return t.view(width).numpy().view(dtype), "torch"
 
 
 def host_copy(tensor: Any, path: str, *, out: Any = None) -> Any:
@@ -153,9 +177,7 @@ def numpy_to_tensor(
         torch = _torch()
     except ImportError:
         return array
-    table, via = _tables()
-    reverse = {v: k for k, v in table.items()}
-    target = reverse.get(array.dtype)
+    target = torch_dtype_of(array.dtype)
     if target is None:
         raise DecodeError(f"array of dtype {array.dtype} cannot become a torch tensor")
     if not array.flags.writeable or not (array.flags.c_contiguous or array.flags.f_contiguous):
@@ -163,7 +185,7 @@ def numpy_to_tensor(
     shape = array.shape
     if not array.ndim:
         array = array.reshape(1)
-    if target in via:
+    if target not in _native():
         width = np.uint8 if array.dtype.itemsize == 1 else np.int16
         tensor = torch.from_numpy(array.view(width)).view(target)
     else:
@@ -257,8 +279,7 @@ def _cast_floats(tensor: Any, dtype: Any) -> Any:
         return tensor
     torch = _torch()
     if not isinstance(dtype, torch.dtype):
-        reverse = {v: k for k, v in dtype_table().items()}
-        found = reverse.get(np.dtype(dtype))
+        found = torch_dtype_of(np.dtype(dtype))
         if found is None:
             raise StateTypeError("dtype", f"{dtype!r} has no torch equivalent")
         dtype = found
@@ -268,7 +289,7 @@ def _cast_floats(tensor: Any, dtype: Any) -> Any:
 def _numpy_dtype(dtype: Any) -> np.dtype[Any] | None:
     if type(dtype).__module__.partition(".")[0] != "torch":
         return None
-    found = dtype_table().get(dtype)
+    found = numpy_dtype_of(dtype)
     if found is None:
         raise StateTypeError("dtype", f"{dtype} has no numpy equivalent")
     return found

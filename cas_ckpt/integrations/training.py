@@ -35,13 +35,28 @@ def _loaded_torch() -> Any:
     return sys.modules.get("torch")
 
 
+def _python_state(state: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A ``random.getstate()`` as saved: ``(version, internal, gauss_next)`` with the Mersenne
+    Twister's 624 words and its position as one uint32 array (one value in a checkpoint, not 625)."""
+    version, internal, gauss = state
+    return version, np.array(internal, dtype=np.uint32), gauss
+
+
+def _python_setstate(saved: Any) -> tuple[Any, ...]:
+    """The argument for ``random.setstate`` of a saved Python RNG state: :func:`_python_state`'s,
+    or the plain one (a list of 625 ints) that states saved by earlier versions hold."""
+    version, internal, gauss = saved
+    return version, tuple(np.asarray(internal, dtype=np.int64).tolist()), gauss
+
+
 def capture_rng(generator: np.random.Generator | None = None) -> dict[str, Any]:
-    """The state of Python's, numpy's and (if imported) torch's CPU and CUDA generators.
+    """The state of Python's (its 625 words as one uint32 array), numpy's and (if imported)
+    torch's CPU and CUDA generators.
 
     ``generator``: also capture this numpy ``Generator`` (its ``bit_generator.state``).
     """
     state: dict[str, Any] = {
-        "python": random.getstate(),
+        "python": _python_state(random.getstate()),
         "numpy": np.random.get_state(legacy=False),
     }
     if generator is not None:
@@ -60,8 +75,7 @@ def restore_rng(state: Mapping[str, Any], generator: np.random.Generator | None 
     ``generator``: restore the captured numpy ``Generator`` state into this one.
     """
     if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
+        random.setstate(_python_setstate(state["python"]))
     if "numpy" in state:
         np.random.set_state(state["numpy"])
     if generator is not None:
@@ -122,7 +136,7 @@ def _state_of(name: str, obj: Any) -> Any:
     if isinstance(obj, np.random.RandomState):
         return obj.get_state(legacy=False)
     if isinstance(obj, random.Random):
-        return obj.getstate()
+        return _python_state(obj.getstate())
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         return obj.state_dict()
     kind = type(obj)
@@ -140,8 +154,7 @@ def _load_into(name: str, obj: Any, saved: Any) -> None:
     elif isinstance(obj, np.random.RandomState):
         obj.set_state(saved)
     elif isinstance(obj, random.Random):
-        version, internal, gauss = saved  # lists come back where tuples went in
-        obj.setstate((version, tuple(internal), gauss))
+        obj.setstate(_python_setstate(saved))
     else:
         _state_of(name, obj)  # the same check (and error) as when saving
         obj.load_state_dict(saved)

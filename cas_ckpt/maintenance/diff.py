@@ -12,6 +12,7 @@ from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import PathNotFound
 from cas_ckpt.maintenance.walk import walk
+from cas_ckpt.paths import select
 from cas_ckpt.tree import NDARRAY, TUPLE, TreeReader, join_path
 
 
@@ -23,6 +24,46 @@ class Change:
     detail: str
     max_abs: float | None = None
     l2: float | None = None
+
+
+FOLD_AT = 16  # listings show a list or tuple of more plain scalars than this as one value
+_SCALARS = {int: "int", float: "float", bool: "bool", type(None): "none"}
+
+
+@dataclass(frozen=True, eq=False)
+class Folded:
+    """A long list or tuple of plain scalars (an RNG state saved as 625 ints, a history of
+    losses) that listings and diffs show as one value: ``… 625 ints``."""
+
+    kind: str  # "list" or "tuple"
+    items: tuple[Any, ...]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Folded) and self.kind == other.kind and len(self.items) == len(
+            other.items) and all(map(_same, self.items, other.items))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def noun(self) -> str:
+        """What the items are: ``int``, ``float``, ``bool``, ``none`` or (mixed) ``scalar``."""
+        kinds = {_SCALARS[type(v)] for v in self.items}
+        return kinds.pop() if len(kinds) == 1 else "scalar"
+
+    def __str__(self) -> str:
+        return f"… {len(self.items)} {self.noun}s"
+
+
+def _same(x: Any, y: Any) -> bool:
+    """Equal and of one type (``1`` is not ``True``); NaN is the same as NaN."""
+    return type(x) is type(y) and (x == y or (x != x and y != y))
+
+
+def fold(value: Any, kind: str) -> Folded | None:
+    """``value`` (a decoded list) as one :class:`Folded` leaf if it is long and all plain scalars."""
+    if len(value) > FOLD_AT and all(type(v) in _SCALARS for v in value):
+        return Folded(kind, tuple(value))
+    return None
 
 
 @dataclass
@@ -41,17 +82,23 @@ class DiffReport:
 
 
 def leaves(reader: TreeReader, value: Any, path: str = "") -> dict[str, Any]:
-    """Flatten a tree into ``{path: leaf}`` in the state's order, leaves left undecoded."""
+    """Flatten a tree into ``{path: leaf}`` in the state's order, leaves left undecoded; a long
+    list or tuple of plain scalars is one :class:`Folded` leaf."""
     out: dict[str, Any] = {}
     stack = [(value, path)]
     while stack:
         item, where = stack.pop()
         item = reader.resolve(item)
+        kind = "list"
         if isinstance(item, Tagged) and item.code == TUPLE and isinstance(item.value, list):
-            item = item.value
+            item, kind = item.value, "tuple"
         if isinstance(item, dict):
             children = [(v, join_path(where, k)) for k, v in item.items()]
         elif isinstance(item, list):
+            folded = fold(item, kind)
+            if folded is not None:
+                out[where] = folded
+                continue
             children = [(v, join_path(where, i)) for i, v in enumerate(item)]
         else:
             out[where] = item
@@ -88,13 +135,20 @@ def _leaves_below(reader: TreeReader, tree: bytes, path: str | None) -> dict[str
     if not path:
         return leaves(reader, Link(tree))
     try:
-        start = reader.select(Link(tree), path.split("."), cidlib.to_str(tree))
+        selection = select(reader, Link(tree), path, cidlib.to_str(tree))
     except PathNotFound:  # present on one side only: all added, or all removed
         return {}
-    return leaves(reader, start, path)
+    return leaves(reader, selection.value, selection.path)
 
 
 def _change(reader: TreeReader, path: str, old: Any, new: Any) -> Change:
+    if isinstance(old, Folded) and isinstance(new, Folded) and len(old.items) == len(new.items):
+        differ = [i for i, (x, y) in enumerate(zip(old.items, new.items, strict=True)) if not _same(x, y)]
+        if differ:
+            first = differ[0]
+            return Change(path, f"{len(differ)} of {len(old.items)} {old.noun}s differ (first at "
+                                f"{first}: {old.items[first]!r} -> {new.items[first]!r})")
+        return Change(path, f"{old.kind} -> {new.kind}")
     if _is_array(old) and _is_array(new):
         ha, hb = old.value, new.value
         if ha.get("dtype") != hb.get("dtype") or ha.get("shape") != hb.get("shape"):
@@ -119,6 +173,8 @@ def _is_array(value: Any) -> bool:
 
 
 def _short(reader: TreeReader, value: Any) -> str:
+    if isinstance(value, Folded):
+        return f"{value.kind} of {len(value.items)} {value.noun}s"
     if isinstance(value, Tagged):
         value = reader.load(value)
     if isinstance(value, (bytes, str)) and len(value) > 60:  # an RNG state, a blob: its size only

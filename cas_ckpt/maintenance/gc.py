@@ -18,7 +18,7 @@ Safety with concurrent saves rests on two things (``docs/gc.md``):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from cas_ckpt import cid as cidlib
@@ -30,7 +30,14 @@ from cas_ckpt.refs import RefStore, check_ref_name
 
 @dataclass
 class GCReport:
-    """What a collection found and did."""
+    """What a collection found and did.
+
+    Unreachable blocks are the stored ones no root reaches (refs, pins, reflog entries younger
+    than the expiry, and the commit nodes of their history): what ``du`` calls unreachable too.
+    Bytes are stored bytes, as the medium holds them (after compression). ``held_*``: what GC
+    would have removed but left for a later run because the medium keeps young storage
+    (``min_grace``, S3: an hour): the packs spared, and the unreachable blocks and bytes in them.
+    """
 
     live_blocks: int
     lineage_blocks: int
@@ -41,6 +48,10 @@ class GCReport:
     temp_files_removed: int
     dry_run: bool
     unreachable: list[str] = field(default_factory=list)
+    held_packs: int = 0
+    held_blocks: int = 0
+    held_bytes: int = 0
+    min_grace: float = 0.0
 
 
 DEFAULT_REFLOG_EXPIRY = 30 * 86400.0
@@ -56,30 +67,56 @@ class Roots:
     weak: dict[bytes, str]
 
 
-def roots(
+@dataclass(frozen=True)
+class Root:
+    """One thing GC keeps: a ref's CID, a pin, or the CID a reflog entry of ``name`` moved to."""
+
+    cid: bytes
+    name: str  # the ref (whose reflog it is, for a reflog entry); "pin" for a pin
+    kind: str  # "ref", "pin" or "reflog"
+
+
+def root_entries(
     refs: RefStore,
     *,
     reflog_expiry: float = DEFAULT_REFLOG_EXPIRY,
     expire_reflogs: Collection[str] = (),
-) -> Roots:
-    """Refs, pins, and reflog entries newer than ``reflog_expiry`` s, except those of the refs
-    ``expire_reflogs`` names (see :func:`governs`)."""
-    strong: dict[bytes, str] = {}
+) -> Iterator[Root]:
+    """Every root, one per ref, pin and live reflog entry (the same CID may come several times):
+    reflog entries newer than ``reflog_expiry`` s, except those of the refs ``expire_reflogs``
+    names (see :func:`governs`). The one definition of what GC keeps, for GC and ``du``."""
     for name in refs.names():
         value = refs.get(name)
         if value is not None:
-            strong.setdefault(value, name)
+            yield Root(value, name, "ref")
     for pin in refs.pins():
-        strong.setdefault(pin, "pin")
-    weak: dict[bytes, str] = {}
+        yield Root(pin, "pin", "pin")
     if reflog_expiry > 0:
         cutoff = time.time() - reflog_expiry
         for name in refs.reflog_names():
             if governs(expire_reflogs, name):
                 continue
             for entry in refs.reflog(name):
-                if entry.time >= cutoff and entry.new is not None and entry.new not in strong:
-                    weak.setdefault(entry.new, f"reflog:{name}")
+                if entry.time >= cutoff and entry.new is not None:
+                    yield Root(entry.new, name, "reflog")
+
+
+def roots(
+    refs: RefStore,
+    *,
+    reflog_expiry: float = DEFAULT_REFLOG_EXPIRY,
+    expire_reflogs: Collection[str] = (),
+) -> Roots:
+    """:func:`root_entries` as GC walks them: refs and pins strong, reflog entries weak."""
+    found = list(root_entries(refs, reflog_expiry=reflog_expiry, expire_reflogs=expire_reflogs))
+    strong: dict[bytes, str] = {}
+    for root in found:
+        if root.kind != "reflog":
+            strong.setdefault(root.cid, root.name)
+    weak: dict[bytes, str] = {}
+    for root in found:
+        if root.kind == "reflog" and root.cid not in strong:
+            weak.setdefault(root.cid, f"reflog:{root.name}")
     return Roots(strong, weak)
 
 
@@ -129,16 +166,20 @@ def collect(
                 "could delete data a repair would need. Run fsck."
             )
         dead, live, lineage = _partition(blocks, reach)
-        dead_bytes = sum(blocks.size(cid) for cid in dead)
+        held = blocks.held_back(dead, min_age=grace)
         report = GCReport(
             live_blocks=live,
             lineage_blocks=lineage,
             unreachable_blocks=len(dead),
-            unreachable_bytes=dead_bytes,
+            unreachable_bytes=sum(map(blocks.stored_size, dead)),
             blocks_freed=0,
             bytes_freed=0,
             temp_files_removed=0,
             dry_run=dry_run,
+            held_packs=held.packs,
+            held_blocks=held.blocks,
+            held_bytes=held.bytes,
+            min_grace=held.grace,
         )
         if dry_run:
             report.unreachable = sorted(cidlib.to_str(c) for c in dead)

@@ -122,15 +122,17 @@ def walk(
     weak: dict[bytes, str] | None = None,
     check_raw: bool = False,
     progress: Callable[[int], None] | None = None,
+    reach: Reach | None = None,
 ) -> Reach:
     """Mark everything ``roots`` (binary CID -> root name) reach; record problems, never raise.
 
     ``weak`` roots (reflog entries) keep what is still there: a block missing below one is an
     expired record, not a problem. They are walked after the strong ones, so a block both need is
     always judged as the strong root needs it. ``check_raw`` also checks that raw chunks exist
-    (fsck); GC does not need to.
+    (fsck); GC does not need to. ``reach``: an earlier walk's, to go on from (what it marked is
+    not walked again).
     """
-    reach = Reach()
+    reach = Reach() if reach is None else reach
     counter = _Counter(progress)
     _mark(store, reach, roots, strong=True, check_raw=check_raw, counter=counter)
     if weak:

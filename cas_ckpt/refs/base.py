@@ -71,6 +71,16 @@ def check_clash(name: str, existing: Iterable[str]) -> None:
             raise InvalidRefName(name, f"clashes with the existing ref {other!r}")
 
 
+STEPS = ".steps/"  # a CheckpointManager's step refs: <run>.steps/<step, 12 digits>
+
+
+def run_of(name: str) -> str:
+    """The run a ref belongs to: ``<run>`` for a manager's step ref ``<run>.steps/<digits>``,
+    else the ref itself (a run is its head ref and its step refs)."""
+    head, steps, step = name.rpartition(STEPS)
+    return head if steps and head and step.isdigit() else name
+
+
 def is_ref_name(name: str) -> bool:
     """True if ``name`` passes :func:`check_ref_name` (listings skip what does not)."""
     try:
