@@ -7,6 +7,7 @@ thresholds: timings on shared machines say nothing in a test.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,7 @@ def test_before_and_after_runner(tmp_path: Path) -> None:
          "--state", "a", "--ops", "save_fresh,load_verify", "--rounds", "2", "--reps", "1",
          "--no-build", "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # its worktree under tmp_path: ours to check
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(out.read_text())
@@ -163,7 +165,8 @@ def test_before_and_after_runner(tmp_path: Path) -> None:
         assert op in proc.stdout
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True,
                                text=True, check=True).stdout
-    assert "cas-ab-" not in worktrees
+    assert str(tmp_path) not in worktrees  # others' worktrees (a parallel ab.py run) are not ours
+    assert not list(tmp_path.glob("cas-ab-*"))
 
 
 def test_first_save_runner(tmp_path: Path) -> None:
