@@ -1004,7 +1004,7 @@ class TreeReader:
         self.store.get_many_into(cids, sizes, out, self.pool, verify=self.verify)
 
     def _sizes(self, cids: list[bytes]) -> list[int]:
-        return [self.store.size(c) for c in cids]
+        return self.store.sizes(cids)
 
     def _load_array(self, header: dict[str, Any]) -> Any:
         if len(header) == 4 and self._small is not None and not self.mmap:

@@ -268,6 +268,10 @@ class BlockStore(ABC):
         """Stored size of the block; :class:`BlockNotFound` if absent."""
         return self._size(cidlib.to_bytes(cid))
 
+    def sizes(self, cids: list[bytes]) -> list[int]:
+        """:meth:`size` of each binary CID; a remote store asks for the unknown ones at once."""
+        return [self._size(cid) for cid in cids]
+
     def stored_size(self, cid: cidlib.CIDLike) -> int:
         """Bytes the block takes on the medium (less than :meth:`size` when compressed)."""
         return self.size(cid)
