@@ -194,7 +194,7 @@ class HttpRemote:
                 response = self.http.request(method, url, headers=headers, preload_content=False,
                                              redirect=False, retries=False, timeout=self.timeout)
             except urllib3.exceptions.HTTPError as exc:  # refused, reset, timed out, TLS...
-                last = f"{type(exc).__name__}: {_reason(exc)}"
+                last = _describe(exc)
                 continue
             try:
                 status = response.status
@@ -213,7 +213,7 @@ class HttpRemote:
                 response.release_conn()
                 return result
             except (BadAnswer, urllib3.exceptions.HTTPError, OSError) as exc:
-                last = str(exc) if isinstance(exc, BadAnswer) else f"{type(exc).__name__}: {_reason(exc)}"
+                last = _describe(exc)
                 response.close()  # never reuse a connection whose answer was not read whole
                 continue
             finally:
@@ -234,9 +234,14 @@ def _retry_after(value: str | None) -> float | None:
         return None
 
 
-def _reason(exc: BaseException) -> str:
-    reason = getattr(exc, "reason", None)
-    return str(reason or exc)
+def _describe(exc: BaseException) -> str:
+    """What went wrong with one attempt, for the error raised after the last."""
+    if isinstance(exc, BadAnswer):
+        return str(exc)
+    text = str(getattr(exc, "reason", None) or exc)
+    if "IncompleteRead" in text:
+        return f"body cut short ({type(exc).__name__}: {text})"
+    return f"{type(exc).__name__}: {text}"
 
 
 def _text(response: Any, limit: int = 300) -> str:
