@@ -63,7 +63,9 @@ class ServerProcess:
 
 
 @contextmanager
-def serve_process(repo: str | Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+def serve_process(
+    repo: str | Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
     server = ServerProcess(repo, *extra, env=env)
     try:
         yield server

@@ -242,7 +242,7 @@ def test_a_damaged_block_is_never_sent(tmp_path: Path, http: urllib3.PoolManager
 # The clients
 # --------------------------------------------------------------------------------------------
 def test_a_served_repository_opens_by_url(served: Any, tmp_path: Path) -> None:
-    path, url, roots = served
+    _, url, roots = served
     with cas_ckpt.open(url + "/") as remote:
         assert remote.read_only and remote.location == url
         assert_state_equal(state(2), remote.load("main"))
@@ -286,9 +286,9 @@ def test_the_cache_serves_a_second_load_without_the_server(tmp_path: Path) -> No
     with cas_ckpt.open(tmp_path / "repo") as repo:
         root = repo.save(state(3))
     cache = tmp_path / "cache"
-    with serve_process(tmp_path / "repo") as server:
-        with cas_ckpt.open(server.url, storage_options={"cache_dir": cache}) as remote:
-            assert_state_equal(state(3), remote.load(root))
+    with serve_process(tmp_path / "repo") as server, \
+            cas_ckpt.open(server.url, storage_options={"cache_dir": cache}) as remote:
+        assert_state_equal(state(3), remote.load(root))
     # The server is gone: every block (the commit, nodes and chunks) comes from the cache.
     from cas_ckpt.backends.http import HttpRemote
     from cas_ckpt.blocks.http import HttpBlockStore
@@ -303,7 +303,7 @@ def test_the_cache_serves_a_second_load_without_the_server(tmp_path: Path) -> No
 
 
 def test_pull_and_clone_send_only_what_is_missing(served: Any, tmp_path: Path) -> None:
-    path, url, roots = served
+    _, url, roots = served
     with cas_ckpt.open(tmp_path / "mine") as mine:
         first = mine.pull(url, "main")
         assert first.refs == {"main": roots["c2"]} and first.commits_sent == 1
