@@ -116,8 +116,8 @@ def serve_here(repo: cas_ckpt.Repository, *, token: str | None = None) -> Iterat
 
 
 class FaultProxy:
-    """Forwards every request to ``upstream`` and spoils the answers to ``/ipfs/`` block requests
-    as ``mode`` says, for the first ``times`` of them (``None``: all):
+    """Forwards every request to ``upstream`` and spoils the answers to ``GET /ipfs/`` requests
+    as ``mode`` says (see :meth:`spoil`):
 
     * ``corrupt``: one byte of the body flipped (the length kept);
     * ``truncate``: the full Content-Length announced, half the body sent, the connection closed;
@@ -133,7 +133,8 @@ class FaultProxy:
         self.upstream = upstream
         self.mode: str | None = None
         self.times: int | None = None
-        self.spoiled = 0
+        self.spoiled = self.after = 0
+        self.reached = threading.Event()
         self.hits: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._never = asyncio.Event()
@@ -144,9 +145,12 @@ class FaultProxy:
         self._loop = _Loop()
         self._runner, self.url = self._loop.start(app)
 
-    def spoil(self, mode: str | None, times: int | None = None) -> None:
+    def spoil(self, mode: str | None, times: int | None = None, *, after: int = 0) -> None:
+        """Spoil block requests as ``mode`` says, ``times`` of them (None: all), once ``after``
+        block requests have passed untouched."""
         with self._lock:
-            self.mode, self.times, self.spoiled = mode, times, 0
+            self.mode, self.times, self.spoiled, self.after = mode, times, 0, after
+            self.reached = threading.Event()  # set when the first spoiled request arrives
 
     async def _open(self, app: web.Application) -> None:
         self._session = ClientSession(auto_decompress=False)
@@ -156,18 +160,22 @@ class FaultProxy:
         self._never.set()
         await self._session.close()
 
-    def _take(self, path: str) -> str | None:
+    def _take(self, method: str, path: str) -> str | None:
         with self._lock:
             self.hits[path] += 1
-            if self.mode is None or not path.startswith("/ipfs/"):
+            if self.mode is None or method != "GET" or not path.startswith("/ipfs/"):
+                return None
+            if self.after > 0:
+                self.after -= 1
                 return None
             if self.times is not None and self.spoiled >= self.times:
                 return None
             self.spoiled += 1
+            self.reached.set()
             return self.mode
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
-        mode = self._take(request.path_qs)
+        mode = self._take(request.method, request.path_qs)
         if mode == "hang":
             await self._never.wait()
         if mode == "reset":
@@ -182,6 +190,12 @@ class FaultProxy:
             body = await upstream.read()
             out_headers = {k: v for k, v in upstream.headers.items()
                            if k.lower() not in ("content-length", "transfer-encoding", "connection")}
+            if request.method == "HEAD":  # the length announced, no body
+                response = web.StreamResponse(status=upstream.status, headers=out_headers)
+                if "Content-Length" in upstream.headers:
+                    response.content_length = int(upstream.headers["Content-Length"])
+                await response.prepare(request)
+                return response
             if mode == "corrupt" and body:
                 body = body[:-1] + bytes([body[-1] ^ 0x40])
             if mode == "type":

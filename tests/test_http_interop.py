@@ -88,8 +88,8 @@ def test_ipld_car_reads_and_walks_the_car_responses(tmp_path: Path, hash_name: s
     path, root, blocks = checkpoint(tmp_path, hash_name)
     with cas_ckpt.open(path, read_only=True) as repo:
         sizes = [repo.blocks.size(c) for c in blocks]
-        children = [cidlib.to_str(link.cid) for link, _ in child_links(decode(repo.blocks.get(root), cid=root))
-                    if type(link) is Link]
+        node = decode(repo.blocks.get(root), cid=root)
+        children = [cidlib.to_str(link.cid) for link, _ in child_links(node) if type(link) is Link]
     with serve_process(path) as server:
         whole = run_node("car", server.url, cidlib.to_str(root))
         one = run_node("car", server.url, cidlib.to_str(root), "block")
