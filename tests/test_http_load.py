@@ -160,7 +160,7 @@ def test_a_pull_killed_mid_transfer_resumes(tmp_path: Path) -> None:
             assert half.refs() == {}  # no ref names a partial checkpoint
             assert half.fsck().ok
             kept = len(half.blocks)
-        assert kept >= 8
+        assert kept >= 2  # two packs at least, of three chunks each
         proxy.spoil(None)
         resumed = subprocess.run([sys.executable, "-c", PULL, str(dst), proxy.url, str(4 * MiB)],
                                  capture_output=True, text=True, timeout=120)
