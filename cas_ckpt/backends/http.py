@@ -42,6 +42,14 @@ class BadAnswer(Exception):
     """An answer that may be right next time (retried): a short body, bytes that fail a check."""
 
 
+class OtherSize(Exception):
+    """The body is whole, passes the caller's check, and is not the size the caller expected."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"{size} bytes")
+        self.size = size
+
+
 class _Retry(Exception):
     def __init__(self, detail: str, wait: float | None = None) -> None:
         super().__init__(detail)
@@ -145,11 +153,18 @@ class HttpRemote:
 
         ``expect_type``: the Content-Type the answer must have (its media type). ``check`` runs
         on the body and raises :class:`BadAnswer` to refuse it (then the request is tried again).
+        A whole body that passes ``check`` but does not fit ``into`` raises :class:`OtherSize`.
         ``cid`` only names the block in errors.
         """
 
         def read(response: Any) -> bytes | memoryview:
             _check_type(response, expect_type)
+            length = response.headers.get("Content-Length")
+            if into is not None and length is not None and length != str(into.nbytes):
+                body = _read_body(response, None, limit)  # a length other than expected: is it
+                if check is not None:                      # the right block all the same?
+                    check(body)
+                raise OtherSize(len(body))
             body = _read_body(response, into, limit)
             if check is not None:
                 check(body)

@@ -182,6 +182,11 @@ class BlockStore(ABC):
     ``writer``; verification and the CID-typed public helpers are written once here.
     """
 
+    # False where asking a block's size costs a request (a remote server): readers that know the
+    # sizes from the parent node (an array's chunks) pass those to reads instead, and the reads
+    # refuse a block of another size (CorruptBlock), as every store's do.
+    sizes_known = True
+
     def __init__(self, *, verify: bool = True, read_only: bool = False) -> None:
         self.verify = verify
         self.read_only = read_only

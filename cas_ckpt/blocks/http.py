@@ -21,7 +21,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from cas_ckpt import cid as cidlib
-from cas_ckpt.backends.http import BadAnswer, HttpRemote
+from cas_ckpt.backends.http import BadAnswer, HttpRemote, OtherSize
 from cas_ckpt.blocks.base import BlockStore, BlockWriter
 from cas_ckpt.errors import BlockNotFound, CorruptBlock, RepositoryError
 
@@ -40,6 +40,8 @@ class HttpBlockStore(BlockStore):
     ``cache``: a local block store that keeps what was fetched; ``verify`` applies to reads from
     it (the network's answers are always verified).
     """
+
+    sizes_known = False  # a HEAD each: loads take an array's chunk sizes from its node
 
     def __init__(self, remote: HttpRemote, *, verify: bool = True, cache: BlockStore | None = None) -> None:
         super().__init__(verify=verify, read_only=True)
@@ -61,8 +63,13 @@ class HttpBlockStore(BlockStore):
             if not cidlib.matches(cid, body):
                 raise BadAnswer("the bytes do not hash to the CID")
 
-        data = self.remote.get(block_path(cid), accept=RAW, expect_type=RAW, into=out,
-                               limit=MAX_BLOCK, check=check, cid=cidlib.to_str(cid))
+        try:
+            data = self.remote.get(block_path(cid), accept=RAW, expect_type=RAW, into=out,
+                                   limit=MAX_BLOCK, check=check, cid=cidlib.to_str(cid))
+        except OtherSize as exc:  # the right block, not the size its parent said
+            assert out is not None
+            self._sizes[cid] = exc.size
+            raise CorruptBlock(cidlib.to_str(cid), f"size {exc.size} != expected {out.nbytes}") from None
         if data is not None:
             self._sizes[cid] = memoryview(data).nbytes
             self._keep(cid, data)
