@@ -23,9 +23,6 @@ from typing import Any
 
 from aiohttp import ClientSession, web
 
-import cas_ckpt
-from cas_ckpt.http.server import make_app
-
 
 class ServerProcess:
     """``python -m cas_ckpt serve REPO --port 0`` (and ``--token``), its URL read from its stdout."""
@@ -103,16 +100,6 @@ class _Loop:
         self.loop.close()
 
 
-@contextmanager
-def serve_here(repo: cas_ckpt.Repository, *, token: str | None = None) -> Iterator[str]:
-    """``make_app(repo)`` served on a thread of this process (a repository only it holds,
-    ``memory://``); yields the URL."""
-    loop = _Loop()
-    runner, url = loop.start(make_app(repo, token=token))
-    try:
-        yield url
-    finally:
-        loop.close(runner)
 
 
 class FaultProxy:

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import urllib3
 from helpers import assert_state_equal, flip_byte
-from http_servers import ServerProcess, fault_proxy, serve_here, serve_process
+from http_servers import ServerProcess, fault_proxy, serve_process
 
 import cas_ckpt
 from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import BlockNotFound, RemoteError, RepositoryError
+from cas_ckpt.http.server import serving
 from cas_ckpt.maintenance.walk import child_links, data_blocks
 
 RAW = "application/vnd.ipld.raw"
@@ -395,7 +396,7 @@ def test_a_server_killed_mid_transfer_is_an_error_not_a_hang(tmp_path: Path) -> 
 def test_gc_mid_stream_ends_the_car_with_an_error_never_wrong_bytes(caplog: pytest.LogCaptureFixture) -> None:
     repo = cas_ckpt.open("memory://")
     root = repo.save({"w": np.random.default_rng(1).random(8 * 262_144, np.float32)})  # 8 MiB, 8 chunks
-    with serve_here(repo) as url, caplog.at_level(logging.ERROR, "cas_ckpt.http"):
+    with serving(repo) as url, caplog.at_level(logging.ERROR, "cas_ckpt.http"):
         http = urllib3.PoolManager(retries=False)
         response = http.request("GET", f"{url}/ipfs/{root}?format=car", preload_content=False)
         assert response.status == 200

@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -474,18 +475,28 @@ def run(
         asyncio.run(_serve(opened, host, port, token, ready))
 
 
+async def _start(repo: Repository, host: str, port: int, token: str | None) -> tuple[web.AppRunner, str]:
+    """The server listening; its runner and URL."""
+    runner = web.AppRunner(make_app(repo, token=token), access_log=None, handle_signals=False,
+                           shutdown_timeout=5)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, backlog=1024).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0]
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    return runner, f"http://{shown}:{bound[1]}"
+
+
 async def _serve(
     repo: Repository, host: str, port: int, token: str | None, ready: Callable[[str], None] | None
 ) -> None:
-    runner = web.AppRunner(make_app(repo, token=token), access_log=None, handle_signals=False)
-    await runner.setup()
+    runner, url = await _start(repo, host, port, token)
     try:
-        site = web.TCPSite(runner, host, port, backlog=1024)
-        await site.start()
-        bound = runner.addresses[0]
-        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         if ready is not None:
-            ready(f"http://{shown}:{bound[1]}")
+            ready(url)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -494,4 +505,25 @@ async def _serve(
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+@contextlib.contextmanager
+def serving(
+    repo: Repository, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+) -> Iterator[str]:
+    """Serve ``repo`` on a thread of this process (a training job sharing what it saves) while
+    the ``with`` block runs; yields the URL (``port=0``: a free port)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="cas_ckpt-serve", daemon=True)
+    thread.start()
+    try:
+        runner, url = asyncio.run_coroutine_threadsafe(_start(repo, host, port, token), loop).result()
+        try:
+            yield url
+        finally:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
 
