@@ -260,14 +260,16 @@ def _register_replication(sub: Any, json_flag: Any) -> None:
         ("pull", cmd_pull, "fetch a ref's checkpoint and history from REMOTE (only missing blocks)"),
     ):
         p = _add(sub, name, run, help, json_flag)
-        p.add_argument("remote", metavar="REMOTE", help="repository directory or s3://bucket/prefix")
+        p.add_argument("remote", metavar="REMOTE", help="repository directory or s3://bucket/prefix "
+                       "(pull: also http://HOST:PORT of cas-ckpt serve)")
         p.add_argument("ref", nargs="?", default="main", metavar="REF", help="ref (default main)")
         p.add_argument("--remote-ref", metavar="NAME", help="the ref's name in REMOTE (default REF)")
         p.add_argument("--force", action="store_true",
                        help="move the ref even if that drops history it holds")
     p = _add(sub, "clone", cmd_clone, "copy every ref and pin of SRC into a new repository DST",
              json_flag)
-    p.add_argument("src", metavar="SRC", help="repository directory or s3://bucket/prefix")
+    p.add_argument("src", metavar="SRC", help="repository directory, s3://bucket/prefix or "
+                   "http://HOST:PORT (cas-ckpt serve)")
     p.add_argument("dst", metavar="DST", help="new repository directory or s3://bucket/prefix")
 
 
