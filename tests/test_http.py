@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -409,3 +411,54 @@ def test_gc_mid_stream_ends_the_car_with_an_error_never_wrong_bytes(caplog: pyte
     assert head.startswith(cas_ckpt.car.car_header([bytes(root)]))
     assert any("ended early" in r.message for r in caplog.records)
     repo.close()
+
+
+def test_several_ranges_get_the_whole_block(served: Any, http: urllib3.PoolManager) -> None:
+    path, url, roots = served
+    with cas_ckpt.open(path, read_only=True) as repo:
+        data = repo.blocks.get(roots["c2"])
+    r = get(http, f"{url}/ipfs/{roots['c2']}?format=raw", Range="bytes=0-1, 5-9")
+    assert r.status == 200 and r.data == data
+
+
+def test_a_chunk_of_another_size_than_its_node_says_is_refused(tmp_path: Path) -> None:
+    """A hostile node: two 1 MiB chunks for an array of 1.5 MiB. Over HTTP the chunk sizes come
+    from the node, so the second block's real size is found only when it arrives."""
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        root = repo.save({"w": np.ones(2 * 262_144, np.float32)})
+        tree = cas_ckpt.codec.decode(repo.blocks.get(repo.tree(root)), cid=bytes(repo.tree(root)))
+        header = dict(tree["w"].value, shape=[3 * 131_072])
+        node = cas_ckpt.codec.encode({"w": cas_ckpt.codec.Tagged(3, header)})
+        hostile = repo.hasher.node(node)
+        with repo.transaction() as txn:
+            txn.blocks.put(hostile, node)
+        repo.pin(hostile)
+    refused = pytest.raises(cas_ckpt.errors.CorruptBlock, match=r"size 1048576 != expected 524288")
+    with serve_process(tmp_path / "repo") as server, cas_ckpt.open(server.url) as remote, refused:
+        remote.load(cidlib.to_str(hostile))
+
+
+def test_the_cli_fetches_from_a_gateway_and_reads_a_served_repository(served: Any, tmp_path: Path) -> None:
+    _, url, roots = served
+    run = [sys.executable, "-m", "cas_ckpt"]
+    subprocess.run([*run, "init", str(tmp_path / "mine")], check=True, capture_output=True)
+    done = subprocess.run([*run, "--repo", str(tmp_path / "mine"), "fetch", str(roots["c1"]),
+                           "--gateway", url, "--ref", "got"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"fetched {url} -> ") and f"got (new) -> {roots['c1']}" in done.stdout
+    log = subprocess.run([*run, "--repo", url, "log", "--json"], capture_output=True, text=True, timeout=120)
+    assert [c["step"] for c in json.loads(log.stdout)] == [2, 1]
+    with fault_proxy(url) as proxy:
+        proxy.spoil("corrupt")
+        bad = subprocess.run([*run, "--repo", str(tmp_path / "mine"), "fetch", str(roots["c2"]),
+                              "--gateway", proxy.url, "--pin"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 4
+    assert bad.stderr.startswith(f"cas-ckpt: error: block {roots['c2']} from {proxy.url}/ipfs/")
+
+
+def test_the_cli_token_flag(tmp_path: Path, http: urllib3.PoolManager) -> None:
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        repo.save({"x": 1})
+    with serve_process(tmp_path / "repo", "--token", "t0ken") as server:
+        assert get(http, f"{server.url}/refs").status == 401
+        assert get(http, f"{server.url}/refs", Authorization="Bearer t0ken").status == 200
