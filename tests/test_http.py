@@ -108,6 +108,7 @@ def test_a_raw_block_serves_ranges(served: Any, http: urllib3.PoolManager) -> No
     ("/ipfs/bafynotacid?format=raw", {}, 400, "malformed CID"),
     ("/ipfs/QmYwAPJzv5CZsnA625s3Xf2nemtYgPpHdWEz79ojWnPbdG?format=raw", {}, 400, "CIDv0"),
     ("/ipfs/bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku?format=raw", {}, 404, "not in this"),
+    ("/ipfs/bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku?format=car", {}, 404, "not in this"),
     ("/ipfs/{c2}?format=dag-json", {}, 406, "format=dag-json"),
     ("/ipfs/{c2}?format=tar", {}, 406, "trustless"),
     ("/ipfs/{c2}?format=html", {}, 400, "unknown format"),
