@@ -121,6 +121,7 @@ class FaultProxy:
         self.mode: str | None = None
         self.times: int | None = None
         self.spoiled = self.after = 0
+        self.prefix = "/ipfs/"
         self.reached = threading.Event()
         self.hits: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -132,11 +133,13 @@ class FaultProxy:
         self._loop = _Loop()
         self._runner, self.url = self._loop.start(app)
 
-    def spoil(self, mode: str | None, times: int | None = None, *, after: int = 0) -> None:
-        """Spoil block requests as ``mode`` says, ``times`` of them (None: all), once ``after``
-        block requests have passed untouched."""
+    def spoil(self, mode: str | None, times: int | None = None, *, after: int = 0,
+              prefix: str = "/ipfs/") -> None:
+        """Spoil block requests (paths starting with ``prefix``) as ``mode`` says, ``times`` of
+        them (None: all), once ``after`` of them have passed untouched."""
         with self._lock:
             self.mode, self.times, self.spoiled, self.after = mode, times, 0, after
+            self.prefix = prefix
             self.reached = threading.Event()  # set when the first spoiled request arrives
 
     async def _open(self, app: web.Application) -> None:
@@ -150,7 +153,7 @@ class FaultProxy:
     def _take(self, method: str, path: str) -> str | None:
         with self._lock:
             self.hits[path] += 1
-            if self.mode is None or method != "GET" or not path.startswith("/ipfs/"):
+            if self.mode is None or method != "GET" or not path.startswith(self.prefix):
                 return None
             if self.after > 0:
                 self.after -= 1

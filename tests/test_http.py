@@ -364,6 +364,19 @@ def test_a_lying_or_dying_gateway_is_refused_naming_the_cid_and_url(
         assert_state_equal(state(2), mine.load("x"))
 
 
+@pytest.mark.parametrize("mode, says", [
+    ("corrupt", "do not hash"), ("truncate", "cut short"), ("type", "text/html"), ("reset", "Error"),
+])
+def test_spoiled_chunks_fail_a_load_or_are_fetched_again(served: Any, mode: str, says: str) -> None:
+    _, url, roots = served
+    with fault_proxy(url) as proxy, cas_ckpt.open(proxy.url, storage_options=FAST) as remote:
+        proxy.spoil(mode, prefix="/ipfs/bafkrei")  # raw chunks only: they are read into arrays
+        with pytest.raises(RemoteError, match=rf"block bafkrei\w+ from {proxy.url}/ipfs/.*{says}"):
+            remote.load(roots["c2"])
+        proxy.spoil(mode, times=3, prefix="/ipfs/bafkrei")  # three spoiled once: retried, right
+        assert_state_equal(state(2), remote.load(roots["c2"]))
+
+
 def test_wrong_bytes_fail_a_load_never_give_wrong_values(served: Any) -> None:
     _, url, _ = served
     with fault_proxy(url) as proxy, cas_ckpt.open(proxy.url, storage_options=FAST) as remote:
