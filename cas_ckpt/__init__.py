@@ -24,6 +24,7 @@ from cas_ckpt import errors
 from cas_ckpt.car import CarReport
 from cas_ckpt.commit import Commit
 from cas_ckpt.errors import CasCkptError
+from cas_ckpt.http import serve
 from cas_ckpt.integrations import torch as _torch_adapter  # noqa: F401 - registers the tensor hook
 from cas_ckpt.maintenance.diff import DiffReport
 from cas_ckpt.maintenance.fsck import FsckReport
@@ -58,6 +59,7 @@ __all__ = [
     "clone",
     "errors",
     "open",
+    "serve",
 ]
 
 # Names 0.1 exported at the top level: they keep working for one release, with a warning.

@@ -340,15 +340,26 @@ def write_car(
     return report
 
 
+def car_header(roots: list[bytes]) -> bytes:
+    """The start of a CAR v1 file with these roots: the header and its length."""
+    header = encode_header(roots)
+    return encode_varint(len(header)) + header
+
+
+def section_prefix(cid: bytes, data: bytes | memoryview) -> bytes:
+    """What goes before a block's bytes in a CAR v1 file: the section's length and the CID."""
+    return encode_varint(len(cid) + memoryview(data).nbytes) + cid
+
+
 def _write_car(
     blocks: BlockStore, root: bytes, out: BinaryIO, report: CarReport, progress: Progress | None
 ) -> None:
-    header = encode_header([root])
-    out.write(encode_varint(len(header)) + header)
-    report.car_bytes = len(encode_varint(len(header))) + len(header)
+    header = car_header([root])
+    out.write(header)
+    report.car_bytes = len(header)
     for cid in data_blocks(blocks, root):
         data = blocks.get(cid, verify=True)  # never export a damaged block
-        prefix = encode_varint(len(cid) + len(data)) + cid
+        prefix = section_prefix(cid, data)
         out.write(prefix)
         out.write(data)
         report.blocks += 1

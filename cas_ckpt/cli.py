@@ -41,6 +41,7 @@ from cas_ckpt.errors import (
     RefNotFound,
     RepositoryError,
 )
+from cas_ckpt.http import DEFAULT_PORT, ENV_TOKEN
 from cas_ckpt.maintenance.diff import Folded, leaves
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
 from cas_ckpt.paths import select
@@ -266,19 +267,43 @@ def _register_replication(sub: Any, json_flag: Any) -> None:
         ("pull", cmd_pull, "fetch a ref's checkpoint and history from REMOTE (only missing blocks)"),
     ):
         p = _add(sub, name, run, help, json_flag)
-        p.add_argument("remote", metavar="REMOTE", help="repository directory or s3://bucket/prefix")
+        p.add_argument("remote", metavar="REMOTE", help="repository directory or s3://bucket/prefix "
+                       "(pull: also http://HOST:PORT of cas-ckpt serve)")
         p.add_argument("ref", nargs="?", default="main", metavar="REF", help="ref (default main)")
         p.add_argument("--remote-ref", metavar="NAME", help="the ref's name in REMOTE (default REF)")
         p.add_argument("--force", action="store_true",
                        help="move the ref even if that drops history it holds")
     p = _add(sub, "clone", cmd_clone, "copy every ref and pin of SRC into a new repository DST",
              json_flag)
-    p.add_argument("src", metavar="SRC", help="repository directory or s3://bucket/prefix")
+    p.add_argument("src", metavar="SRC", help="repository directory, s3://bucket/prefix or "
+                   "http://HOST:PORT (cas-ckpt serve)")
     p.add_argument("dst", metavar="DST", help="new repository directory or s3://bucket/prefix")
 
 
+def _register_http(sub: Any, json_flag: Any) -> None:
+    p = _add(sub, "serve", cmd_serve, "serve the repository read-only over HTTP: an IPFS trustless "
+             "gateway for blocks and CARs, and a JSON API for refs")
+    p.add_argument("path", nargs="?", metavar="REPO",
+                   help="repository directory or s3://bucket/prefix (default: --repo, $CAS_CKPT_REPO or .)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every "
+                        "interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, metavar="PORT",
+                   help=f"port (default {DEFAULT_PORT}; 0: any free one, printed)")
+    p.add_argument("--token", metavar="TOKEN",
+                   help=f"require Authorization: Bearer TOKEN on every request (default: ${ENV_TOKEN})")
+    p = _add(sub, "fetch", cmd_fetch, "fetch a checkpoint by CID from an IPFS trustless gateway, "
+             "verifying every block", json_flag)
+    p.add_argument("cid", metavar="CID", help="root CID of the checkpoint")
+    p.add_argument("--gateway", required=True, metavar="URL",
+                   help="http(s) URL of the gateway (cas-ckpt serve is one)")
+    p.add_argument("--ref", metavar="NAME", help="point this ref at it")
+    p.add_argument("--pin", action="store_true", help="pin it")
+    p.add_argument("--force", action="store_true", help="move --ref even if that drops history it holds")
+
+
 _COMMANDS = (_register_init, _register_reading, _register_ref, _register_maintenance, _register_car,
-             _register_replication)
+             _register_replication, _register_http)
 
 
 def _positive_int(text: str) -> int:
@@ -997,6 +1022,32 @@ def cmd_clone(args: argparse.Namespace) -> int:
         report = repo.last_transfer
     assert report is not None
     return _print_transfer(args, "cloned", report)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    location = _location(args.path) if args.path else (repo_path(args) or Path.cwd())
+    token = args.token if args.token is not None else os.environ.get(ENV_TOKEN) or None
+    with cas_ckpt.open(location, create=False, read_only=True) as repo:
+
+        def ready(url: str) -> None:
+            _print(f"serving {repo.location} read-only at {url} (Ctrl-C stops)")
+            sys.stdout.flush()
+            if not token and args.host not in ("127.0.0.1", "localhost", "::1"):
+                print(f"{PROG}: note: no --token: anyone who can reach {url} can read every checkpoint",
+                      file=sys.stderr)
+
+        cas_ckpt.serve(repo, args.host, args.port, token=token, ready=ready)
+    return EXIT_OK
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    with open_repo(args, write=True) as repo, Progress("fetch") as bar:
+        report = repo.fetch(args.cid, gateway=args.gateway, ref=args.ref, pin=args.pin, force=args.force,
+                            progress=_transfer_progress(bar))
+    if not args.ref and not args.pin:
+        print(f"{PROG}: note: no ref or pin holds {args.cid}; use --ref NAME or --pin, or the next gc "
+              "removes it", file=sys.stderr)
+    return _print_transfer(args, "fetched", report)
 
 
 if __name__ == "__main__":  # pragma: no cover

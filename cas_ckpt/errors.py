@@ -34,6 +34,7 @@ __all__ = [
     "RefError",
     "RefLocked",
     "RefNotFound",
+    "RemoteError",
     "ReplicationFailed",
     "RepositoryError",
     "SafetensorsError",
@@ -152,6 +153,18 @@ class MediumError(RepositoryError, OSError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class RemoteError(RepositoryError):
+    """A remote server (an HTTP gateway) failed, or answered with something other than what was
+    asked for (bytes that do not hash to the CID, a body cut short, the wrong content type), after
+    bounded retries. Names the CID (when a block was asked for) and the URL."""
+
+    def __init__(self, url: str, detail: str, *, cid: str | None = None) -> None:
+        what = f"block {cid} from {url}" if cid else url
+        super().__init__(f"{what}: {detail}")
+        self.url = url
+        self.cid = cid
 
 
 class RefError(CasCkptError):

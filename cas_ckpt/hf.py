@@ -492,7 +492,7 @@ class _Exporter:
                 yield memoryview(array.reshape(-1).view(np.uint8))
                 continue
             cids = self.reader._chunk_links(header)
-            sizes = [self.store.size(c) for c in cids]
+            sizes = self.store.sizes(cids)
             if sum(sizes) != tensor.nbytes:
                 raise SafetensorsError(tensor.path, f"chunks hold {sum(sizes)} bytes, shape needs "
                                        f"{tensor.nbytes}")

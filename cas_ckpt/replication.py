@@ -54,17 +54,31 @@ BATCH_BLOCKS = 512
 Progress = Callable[[int, int, int, int], None]  # blocks sent, bytes sent, blocks to send, bytes to send
 
 
-class Side(Protocol):
-    """What a transfer needs of a repository (:class:`cas_ckpt.Repository` is one)."""
+class Source(Protocol):
+    """What a transfer reads from: blocks (a repository, or an IPFS gateway's, for ``fetch``)."""
 
     blocks: BlockStore
-    refs_store: RefStore
     location: str
 
     @property
     def pool(self) -> Executor: ...
 
+
+class Side(Source, Protocol):
+    """What a transfer needs of a repository (:class:`cas_ckpt.Repository` is one)."""
+
+    refs_store: RefStore
+
     def transaction(self, *, verify_existing: bool = False) -> contextlib.AbstractContextManager[Any]: ...
+
+
+@dataclass
+class Gateway:
+    """Blocks only, from an IPFS trustless gateway: the source of ``Repository.fetch``."""
+
+    blocks: BlockStore
+    location: str
+    pool: Executor
 
 
 @dataclass(frozen=True)
@@ -108,7 +122,7 @@ class TransferReport:
 
 
 def transfer(
-    src: Side,
+    src: Source,
     dst: Side,
     updates: list[Update],
     *,
@@ -137,7 +151,7 @@ def transfer(
                     and not _descends(nodes, update.new, old):
                 raise RefDiverged(update.ref, report.destination, cidlib.to_str(old),
                                   cidlib.to_str(update.new))
-        plan = _plan(nodes, [u.new for u in updates] + list(roots), writer.has)
+        plan = _plan(nodes, [u.new for u in updates] + list(roots), writer.has, dst.blocks.size)
         report.blocks_skipped, report.bytes_skipped = plan.skipped_blocks, plan.skipped_bytes
         report.commits_sent = plan.commits
         floats: dict[bytes, int] = {}  # chunks of float arrays, for a compressing destination
@@ -208,20 +222,25 @@ class _Plan:
     commits: int = 0
 
 
-def _plan(nodes: _NodeCache, heads: list[bytes], has: Callable[[bytes], bool]) -> _Plan:
+def _plan(
+    nodes: _NodeCache, heads: list[bytes], has: Callable[[bytes], bool], size_here: Callable[[bytes], int]
+) -> _Plan:
     """The blocks the destination lacks: the heads' data, children before parents (an array's
-    chunks in order, back to back), then their history's commit nodes, oldest first."""
+    chunks in order, back to back), then their history's commit nodes, oldest first.
+
+    ``size_here`` sizes a block the destination has; the source is asked for the others' sizes
+    all at once (a remote source answers them in parallel)."""
     plan = _Plan()
     planned: set[bytes] = set()
+    missing: list[bytes] = []
 
     def take(cid: bytes) -> None:
         planned.add(cid)
-        size = nodes.blocks.size(cid)
         if has(cid):
             plan.skipped_blocks += 1
-            plan.skipped_bytes += size
+            plan.skipped_bytes += size_here(cid)
         else:
-            plan.send.append((cid, size))
+            missing.append(cid)
 
     for head in heads:
         for cid in _post_order(nodes, head, planned):
@@ -230,6 +249,7 @@ def _plan(nodes: _NodeCache, heads: list[bytes], has: Callable[[bytes], bool]) -
         for cid in _history(nodes, head, planned, has):
             take(cid)
             plan.commits += 1
+    plan.send = list(zip(missing, nodes.blocks.sizes(missing), strict=True))
     return plan
 
 
@@ -289,7 +309,7 @@ def _batches(blocks: list[tuple[bytes, int]]) -> Iterator[list[tuple[bytes, int]
 
 
 def _send(
-    src: Side, blocks: list[tuple[bytes, int]], writer: BlockWriter, report: TransferReport,
+    src: Source, blocks: list[tuple[bytes, int]], writer: BlockWriter, report: TransferReport,
     progress: Progress | None, floats: dict[bytes, int],
 ) -> None:
     """Copy ``blocks`` into ``writer``: each batch read in parallel (hash-checked, and encoded

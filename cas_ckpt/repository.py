@@ -25,9 +25,11 @@ from multiformats import CID
 
 from cas_ckpt import car, codec, hf, replication
 from cas_ckpt import cid as cidlib
+from cas_ckpt.backends.http import HttpRemote, is_http
 from cas_ckpt.backends.s3 import S3Bucket
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, WriteStats
 from cas_ckpt.blocks.compression import SETTINGS, check_setting
+from cas_ckpt.blocks.http import HttpBlockStore
 from cas_ckpt.blocks.packed import LocalStore, MemoryStore, S3Store
 from cas_ckpt.codec import Link
 from cas_ckpt.commit import Commit, encode_commit, is_commit, parse_commit
@@ -59,6 +61,7 @@ from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.paths import select
 from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore, check_ref_name
 from cas_ckpt.refs.base import run_of
+from cas_ckpt.refs.http import HttpRefStore
 from cas_ckpt.replication import TransferReport, Update
 from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter, cast_floats
 
@@ -693,6 +696,40 @@ class Repository:
         self._local.last_transfer = report
         return report
 
+    def fetch(
+        self, cid: Target, *, gateway: str, ref: str | None = None, pin: bool = False,
+        force: bool = False, progress: replication.Progress | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> TransferReport:
+        """Fetch checkpoint ``cid`` (a root CID from anywhere) from any IPFS trustless gateway
+        (``cas-ckpt serve`` is one), block by block, each verified against its CID before it is
+        stored; only the blocks this repository lacks travel.
+
+        ``ref``: move it to the checkpoint afterwards, as :meth:`pull` does (:class:`RefDiverged`
+        unless ``force`` if it holds a commit not in the fetched history); ``pin``: pin it.
+        Without either, the blocks are stored unreferenced and the next GC removes them. A
+        gateway that answers with wrong bytes is refused (:class:`RemoteError` naming the CID and
+        the URL, after bounded retries); nothing unverified is stored. ``storage_options`` go to
+        the HTTP client (``token``, ``workers``, timeouts, ``attempts``).
+        """
+        if not isinstance(cid, (CID, bytes, bytearray, memoryview)) and not isinstance(cid, str):
+            raise InvalidCID(f"expected a CID, got {type(cid).__name__}")
+        root = cidlib.to_bytes(cid)
+        if ref is not None:
+            check_ref_name(ref)
+        source = gateway_source(gateway, **(storage_options or {}))
+        try:
+            updates = [Update(ref, root, force)] if ref is not None else []
+            report = replication.transfer(source, self, updates, progress=progress,
+                                          roots=[root] if pin or ref is None else [])
+            if pin:
+                with self._writing(), self.refs_store.lock(exclusive=False):
+                    self.refs_store.pin(root)
+        finally:
+            source.blocks.close()
+        self._local.last_transfer = report
+        return report
+
     @property
     def last_transfer(self) -> TransferReport | None:
         """The report of this thread's latest push, pull or clone of this repository."""
@@ -950,8 +987,13 @@ def open(
     if not 4096 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be between 4096 and {MAX_CHUNK} bytes")
     location = os.fspath(path)
-    if not location.startswith(S3) and storage_options:
-        raise ValueError("storage_options apply to s3:// repositories only")
+    if not (location.startswith(S3) or is_http(location)) and storage_options:
+        raise ValueError("storage_options apply to s3:// and http(s):// repositories only")
+    if is_http(location):  # a server's repository: read-only, never created from here
+        blocks, refs = _http_stores(location, verify=verify, **(storage_options or {}))
+        settings = {"create": False, "hash": hash, "chunk_size": chunk_size, "compression": None,
+                    "read_only": True}
+        return _assemble(blocks, refs, location.rstrip("/"), settings)
     settings = {"create": create and not read_only, "hash": hash, "chunk_size": chunk_size,
                 "compression": compression, "read_only": read_only}
     if location.startswith(S3):
@@ -1020,6 +1062,35 @@ def _s3_stores(
                       read_only=read_only)
     return S3Store(bucket, verify=verify, read_only=read_only, **store_options), refs
 
+
+
+def _http_stores(
+    url: str, *, verify: bool = True, cache_dir: str | os.PathLike[str] | None = None, **remote: Any
+) -> tuple[BlockStore, RefStore]:
+    """The block and ref stores of the repository ``cas-ckpt serve`` serves at ``url``.
+
+    ``remote`` goes to :class:`HttpRemote` (``token``, ``workers``, timeouts, ``attempts``...);
+    ``cache_dir`` keeps fetched blocks in a local block store there.
+    """
+    server = HttpRemote(url, **remote)
+    cache = None
+    if cache_dir is not None:
+        try:
+            cache = LocalStore(Path(cache_dir).expanduser(), verify=verify)
+        except OSError as exc:
+            server.close()
+            raise MediumError(f"cannot use {cache_dir} as a block cache", exc) from exc
+    return HttpBlockStore(server, verify=verify, cache=cache), HttpRefStore(server)
+
+
+def gateway_source(
+    gateway: str, *, verify: bool = True, cache_dir: str | os.PathLike[str] | None = None,
+    **remote: Any,
+) -> replication.Gateway:
+    """Blocks from any IPFS trustless gateway at ``gateway``, for :meth:`Repository.fetch`."""
+    blocks, _ = _http_stores(gateway, verify=verify, cache_dir=cache_dir, **remote)
+    assert isinstance(blocks, HttpBlockStore)
+    return replication.Gateway(blocks, blocks.remote.url, blocks.remote.pool)
 
 
 @contextlib.contextmanager

@@ -976,7 +976,19 @@ class TreeReader:
         self.store.get_many_into(cids, sizes, out, self.pool, verify=self.verify)
 
     def _sizes(self, cids: list[bytes]) -> list[int]:
-        return [self.store.size(c) for c in cids]
+        return self.store.sizes(cids)
+
+    def _array_sizes(self, header: dict[str, Any], cids: list[bytes], nbytes: int) -> list[int]:
+        """The sizes of an array's chunks: the store's, or where asking costs a request each
+        (``sizes_known`` False), what the format makes them (``chunk_size`` bytes each, the
+        last the remainder); the reads then refuse a block of another size."""
+        size = header.get("chunk_size")
+        if self.store.sizes_known or type(size) is not int or not 0 < size <= MAX_CHUNK or not cids:
+            return self._sizes(cids)
+        last = nbytes - size * (len(cids) - 1)
+        if not 0 < last <= size:
+            raise DecodeError(f"{len(cids)} chunks of {size} bytes cannot hold the array's {nbytes}")
+        return [size] * (len(cids) - 1) + [last]
 
     def _load_array(self, header: dict[str, Any]) -> Any:
         if len(header) == 4 and self._small is not None and not self.mmap:
@@ -1010,7 +1022,7 @@ class TreeReader:
             if not mapping and len(cids) == 1 and nbytes <= INLINE_LIMIT and self._small \
                     and (kind == "numpy" or (self.tensor_factory is None and self.map_location is None)):
                 return self._read_small(cids[0], dtype, shape, nbytes, order, header)
-            sizes = self._sizes(cids)  # the declared size must be what is really stored
+            sizes = self._array_sizes(header, cids, nbytes)  # the size really stored, checked
             if sum(sizes) != nbytes:
                 raise DecodeError(f"array chunks hold {sum(sizes)} bytes, shape needs {nbytes}")
             # numpy: a read-only view of the pack. Tensors have no read-only flag, and a write

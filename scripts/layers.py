@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("state", ("tree", "_small", "paths")),
     ("repository", ("commit", "maintenance", "car", "hf", "replication", "repository")),
     ("training", ("records", "two_tier", "manager", "integrations", "dcp")),
-    ("tools", ("testing", "cli", "demo", "__main__")),
+    ("tools", ("testing", "http", "cli", "demo", "__main__")),
 )
 
 

@@ -185,3 +185,18 @@ def test_first_save_runner(tmp_path: Path) -> None:
     assert ours["first_save_s"] > 0 and ours["state_bytes"] == 2 * (64 * 64 + 64) * 4
     assert ours["ml_dtypes_imported"] is False
     assert "cas_ckpt / torch (float32)" in proc.stdout
+
+
+def test_http_benchmark_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "http.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "http_bench.py"), "--size-mb", "16", "--arrays", "4",
+         "--reps", "1", "--clients", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())
+    for tool in ("cas_ckpt", "safetensors_file", "safetensors_memory"):
+        assert [run["verified"] for run in results["single"][tool]] == [True], tool
+    assert results["many"]["cas_ckpt"]["clients"] == 2
+    assert "cas_ckpt verified load over HTTP" in proc.stdout

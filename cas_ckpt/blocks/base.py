@@ -191,6 +191,11 @@ class BlockStore(ABC):
     ``writer``; verification and the CID-typed public helpers are written once here.
     """
 
+    # False where asking a block's size costs a request (a remote server): readers that know the
+    # sizes from the parent node (an array's chunks) pass those to reads instead, and the reads
+    # refuse a block of another size (CorruptBlock), as every store's do.
+    sizes_known = True
+
     def __init__(self, *, verify: bool = True, read_only: bool = False) -> None:
         self.verify = verify
         self.read_only = read_only
@@ -276,6 +281,10 @@ class BlockStore(ABC):
     def size(self, cid: cidlib.CIDLike) -> int:
         """Stored size of the block; :class:`BlockNotFound` if absent."""
         return self._size(cidlib.to_bytes(cid))
+
+    def sizes(self, cids: list[bytes]) -> list[int]:
+        """:meth:`size` of each binary CID; a remote store asks for the unknown ones at once."""
+        return [self._size(cid) for cid in cids]
 
     def stored_size(self, cid: cidlib.CIDLike) -> int:
         """Bytes the block takes on the medium (less than :meth:`size` when compressed)."""

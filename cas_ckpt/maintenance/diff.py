@@ -125,9 +125,11 @@ def compare(
             report.changed.append(_change(reader, where, a[where], b[where]))
     reach_a = walk(store, {tree_a: "a"}).data
     reach_b = walk(store, {tree_b: "b"}).data
-    report.a_bytes = sum(store.size(c) for c in reach_a)
-    report.b_bytes = sum(store.size(c) for c in reach_b)
-    report.shared_bytes = sum(store.size(c) for c in reach_a & reach_b)
+    union = list(reach_a | reach_b)
+    size = dict(zip(union, store.sizes(union), strict=True))
+    report.a_bytes = sum(size[c] for c in reach_a)
+    report.b_bytes = sum(size[c] for c in reach_b)
+    report.shared_bytes = sum(size[c] for c in reach_a & reach_b)
     return report
 
 

@@ -1,0 +1,46 @@
+"""A repository over HTTP: ``cas-ckpt serve`` (:mod:`cas_ckpt.http.server`, needs the ``http`` extra).
+
+The server speaks the IPFS trustless gateway protocol for blocks and CAR streams, plus a small
+read-only JSON API for refs; the readers are :mod:`cas_ckpt.blocks.http` and
+:mod:`cas_ckpt.refs.http` (``cas_ckpt.open("http://host:port")``). See ``docs/format.md``, "HTTP".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from cas_ckpt.backends.http import ENV_TOKEN
+
+if TYPE_CHECKING:
+    from cas_ckpt.repository import Repository
+
+DEFAULT_PORT = 8080  # the port IPFS gateways listen on by default
+__all__ = ["DEFAULT_PORT", "ENV_TOKEN", "serve"]
+
+
+def serve(
+    repo: Repository | str | os.PathLike[str],
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    *,
+    token: str | None = None,
+    ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve ``repo`` (an open repository or its location, opened read-only) over HTTP until
+    interrupted (SIGINT or SIGTERM). Read-only, always: no route writes anything.
+
+    Bound to 127.0.0.1 unless ``host`` says otherwise; with ``token`` every request needs
+    ``Authorization: Bearer <token>``. Needs ``pip install 'cas_ckpt[http]'`` (aiohttp).
+    ``ready``: called with the URL once the server listens (``port=0`` picks a free port).
+    """
+    try:
+        from cas_ckpt.http import server
+    except ImportError as exc:  # aiohttp is the http extra
+        from cas_ckpt.errors import RepositoryError
+
+        raise RepositoryError(
+            f"serving needs aiohttp: pip install 'cas_ckpt[http]' ({exc})"
+        ) from None
+    server.run(repo, host, port, token=token, ready=ready)

@@ -1,0 +1,529 @@
+"""The HTTP server: a repository, read-only, as an IPFS trustless gateway plus a JSON API for refs.
+
+Routes (the protocol is specified in ``docs/format.md``, "HTTP"):
+
+* ``GET``/``HEAD /ipfs/{cid}`` with ``?format=raw`` or ``Accept: application/vnd.ipld.raw``: the
+  block's bytes, verified against the CID before they are sent (a damaged block is a 502 and a
+  log line, never sent), with Range, ETag and the immutable caching headers;
+* the same with ``?format=car`` or ``Accept: application/vnd.ipld.car``: a CAR v1 stream, depth
+  first without duplicates (``order=dfs; dups=n``), of ``dag-scope`` ``all`` (the bytes
+  ``cas-ckpt export`` writes), ``entity`` or ``block``; memory stays a few blocks whatever its size;
+* ``/refs``, ``/refs/{name}``, ``/resolve/{target}``, ``/log/{target}``, ``/reflog/{name}``,
+  ``/pins``, ``/config``: JSON;
+* ``/ipns/...``: 501.
+
+aiohttp serves it: one asyncio loop holds any number of slow clients without a thread each, and
+``StreamResponse.write`` waits for the socket to drain, so a stream never runs ahead of its
+reader. Repository reads block (disk, hashing), so they run on a bounded pool of threads.
+:func:`make_app` is the one place the application is built; other modules add routes to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import functools
+import hmac
+import logging
+import math
+import os
+import signal
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from cas_ckpt import car
+from cas_ckpt import cid as cidlib
+from cas_ckpt.codec import Link
+from cas_ckpt.commit import Commit
+from cas_ckpt.errors import (
+    AmbiguousCID,
+    BlockNotFound,
+    CasCkptError,
+    CheckpointExpired,
+    CorruptBlock,
+    DecodeError,
+    InvalidCID,
+    InvalidRefName,
+    RefNotFound,
+)
+from cas_ckpt.maintenance.walk import data_blocks
+from cas_ckpt.repository import Repository
+from cas_ckpt.repository import open as open_repository
+
+_log = logging.getLogger("cas_ckpt.http")
+
+RAW = "application/vnd.ipld.raw"
+CAR = "application/vnd.ipld.car"
+CAR_TYPE = f"{CAR}; version=1; order=dfs; dups=n"
+IMMUTABLE = "public, max-age=29030400, immutable"
+READ_THREADS = 16  # repository reads (disk and hashing) in flight at once
+STREAM_PIECE = 4 * 1024 * 1024  # CAR bytes gathered on a read thread before they are written
+# Formats the path gateway names that this trustless server cannot give (406); others are 400.
+_OTHER_FORMATS = {"tar", "dag-json", "dag-cbor", "json", "cbor", "ipns-record"}
+_FORMATS = {"raw": RAW, "car": CAR}
+IDENTITY_EMPTY = "bafkqaaa"  # the spec's probe: the identity CID of no bytes
+
+REPO = web.AppKey("repo", Repository)
+READS = web.AppKey("reads", ThreadPoolExecutor)
+T = TypeVar("T")
+
+
+def make_app(repo: Repository, *, token: str | None = None) -> web.Application:
+    """The server's application for ``repo``; with ``token`` every route (added here or later by
+    other modules) answers 401 unless the request carries ``Authorization: Bearer <token>``."""
+    app = web.Application(middlewares=[_require_token(token)] if token else [])
+    app[REPO] = repo
+    app[READS] = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="cas_ckpt-serve")
+    app.on_cleanup.append(_stop_reads)
+    app.router.add_get(r"/ipfs/{cid}", ipfs)
+    app.router.add_get(r"/ipfs/{cid}/{path:.*}", ipfs)
+    app.router.add_get(r"/ipns/{name:.*}", ipns)
+    app.router.add_get("/refs", list_refs)
+    app.router.add_get(r"/refs/{name:.+}", get_ref)
+    app.router.add_get(r"/resolve/{target:.+}", resolve)
+    app.router.add_get(r"/log/{target:.+}", log)
+    app.router.add_get(r"/reflog/{name:.+}", reflog)
+    app.router.add_get("/pins", pins)
+    app.router.add_get("/config", config)
+    return app
+
+
+async def _stop_reads(app: web.Application) -> None:
+    app[READS].shutdown(wait=False, cancel_futures=True)
+
+
+def _require_token(token: str) -> Any:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise web.HTTPUnauthorized(text="this server needs Authorization: Bearer <token>\n",
+                                       headers={"WWW-Authenticate": 'Bearer realm="cas_ckpt"'})
+        return await handler(request)
+
+    return check
+
+
+async def _run(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the read threads."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app[READS], functools.partial(fn, *args))
+
+
+def _error(status: type[web.HTTPException], text: str, **headers: str) -> web.HTTPException:
+    return status(text=text.rstrip("\n") + "\n", headers=headers or None)
+
+
+# --------------------------------------------------------------------------------------------
+# /ipfs: blocks and CAR streams
+# --------------------------------------------------------------------------------------------
+async def ipfs(request: web.Request) -> web.StreamResponse:
+    fmt, params = _negotiate(request)
+    text = request.match_info["cid"]
+    path = request.match_info.get("path", "")
+    if fmt == "raw" and path:
+        raise _error(web.HTTPBadRequest, "a block request (format=raw) takes /ipfs/{cid} only, no path")
+    if path:
+        raise _error(web.HTTPNotImplemented, "paths inside messagepack nodes are not defined by IPFS: "
+                     "request the CID of the sub-tree (cas-ckpt ls and show list them)")
+    if text == IDENTITY_EMPTY:
+        return await _probe(request, fmt)
+    try:
+        cid = cidlib.to_bytes(text)
+    except InvalidCID as exc:
+        raise _error(web.HTTPBadRequest, f"malformed CID {text!r}: {exc}") from None
+    if fmt == "raw":
+        return await _block(request, cid)
+    return await _car(request, cid, params)
+
+
+def _negotiate(request: web.Request) -> tuple[str, dict[str, str]]:
+    """("raw" or "car", the CAR parameters asked for), from ``format`` (first) or ``Accept``."""
+    fmt = request.query.get("format")
+    if fmt is not None:
+        if fmt in _OTHER_FORMATS:
+            raise _error(web.HTTPNotAcceptable, f"format={fmt} is not served here: this is a trustless "
+                         "gateway (format=raw or format=car)")
+        if fmt not in _FORMATS:
+            raise _error(web.HTTPBadRequest, f"unknown format {fmt!r} (format=raw or format=car)")
+        return fmt, _car_query(request)
+    accept = request.headers.get("Accept", "")
+    for media, params in _accepted(accept):
+        if media == RAW:
+            return "raw", {}
+        if media == CAR and _car_ok(params):
+            return "car", {**params, **_car_query(request)}
+    if not accept:
+        raise _error(web.HTTPBadRequest, "say which response you want: ?format=raw (a block) or "
+                     "?format=car (a CAR stream), or an Accept header")
+    raise _error(web.HTTPNotAcceptable, f"cannot give {accept!r}: this trustless gateway gives {RAW} "
+                 f"and {CAR_TYPE}")
+
+
+def _accepted(header: str) -> list[tuple[str, dict[str, str]]]:
+    """The media types of an Accept header with their parameters, best first (q=0 dropped)."""
+    found = []
+    for position, item in enumerate(header.split(",")):
+        media, *rest = [part.strip() for part in item.split(";")]
+        params = {}
+        for part in rest:
+            key, _, value = part.partition("=")
+            params[key.strip().lower()] = value.strip().strip('"').lower()
+        try:
+            q = float(params.pop("q", "1"))
+        except ValueError:
+            q = 0.0
+        if q > 0 and media:
+            found.append((-q, position, media.lower(), params))
+    return [(media, params) for _, _, media, params in sorted(found)]
+
+
+def _car_query(request: web.Request) -> dict[str, str]:
+    given = {"version": request.query.get("car-version"), "order": request.query.get("car-order"),
+             "dups": request.query.get("car-dups")}
+    params = {k: v.lower() for k, v in given.items() if v is not None}
+    if not _car_ok(params):
+        raise _error(web.HTTPBadRequest, f"CAR {params} is not served: version=1, order=dfs (or unk), "
+                     "dups=n")
+    return params
+
+
+def _car_ok(params: dict[str, str]) -> bool:
+    return params.get("version", "1") == "1" and params.get("order", "dfs") in ("dfs", "unk") \
+        and params.get("dups", "n") == "n"
+
+
+def _headers(request: web.Request, cid: str, fmt: str, etag: str) -> dict[str, str]:
+    headers = {
+        "Content-Type": RAW if fmt == "raw" else CAR_TYPE,
+        "X-Content-Type-Options": "nosniff",
+        "Cache-Control": IMMUTABLE,
+        "ETag": etag,
+        "Content-Disposition": f'attachment; filename="{cid}.{"bin" if fmt == "raw" else "car"}"',
+        "X-Ipfs-Path": f"/ipfs/{cid}",
+        "X-Ipfs-Roots": cid,
+        "Vary": "Accept",
+    }
+    if "format" not in request.query:
+        headers["Content-Location"] = f"/ipfs/{cid}?format={fmt}"
+    return headers
+
+
+def _not_modified(request: web.Request, etag: str) -> bool:
+    given = request.headers.get("If-None-Match", "")
+    return given.strip() == "*" or etag in [tag.strip() for tag in given.split(",")]
+
+
+async def _probe(request: web.Request, fmt: str) -> web.StreamResponse:
+    """The spec's probe path: an empty block, or a CAR whose only root is the empty identity CID."""
+    etag = f'"{IDENTITY_EMPTY}.{fmt}"'
+    headers = _headers(request, IDENTITY_EMPTY, fmt, etag)
+    body = b"" if fmt == "raw" else car.car_header([b"\x01\x55\x00\x00"])
+    return web.Response(body=body, headers=headers)
+
+
+def _read_verified(repo: Repository, cid: bytes) -> bytes:
+    return repo.blocks.get(cid, verify=True)
+
+
+async def _read_block(request: web.Request, cid: bytes) -> bytes:
+    """The block, verified: 404 if absent, 502 (and a log line) if damaged."""
+    try:
+        return await _run(request, _read_verified, request.app[REPO], cid)
+    except BlockNotFound:
+        raise _error(web.HTTPNotFound, f"block {cidlib.to_str(cid)} is not in this repository") from None
+    except CorruptBlock as exc:
+        _log.error("refusing to send %s: %s (the repository is damaged: run cas-ckpt fsck)",
+                   cidlib.to_str(cid), exc)
+        raise _error(web.HTTPBadGateway, f"block {cidlib.to_str(cid)} is damaged on this server: "
+                     "it failed verification and was not sent") from None
+
+
+async def _block(request: web.Request, cid: bytes) -> web.StreamResponse:
+    name = cidlib.to_str(cid)
+    etag = f'"{name}.raw"'
+    headers = {**_headers(request, name, "raw", etag), "Accept-Ranges": "bytes"}
+    if _not_modified(request, etag):
+        return web.Response(status=304, headers=headers)
+    if request.method == "HEAD":
+        try:
+            size = await _run(request, request.app[REPO].blocks.size, cid)
+        except BlockNotFound:
+            raise _error(web.HTTPNotFound, f"block {name} is not in this repository") from None
+        response = web.StreamResponse(headers=headers)
+        response.content_length = size
+        await response.prepare(request)
+        return response
+    data = await _read_block(request, cid)
+    try:
+        wanted = request.http_range
+    except ValueError:
+        wanted = slice(None, None)  # a Range this server does not parse: the whole block (RFC 9110)
+    if request.headers.get("Range") and wanted != slice(None, None):
+        start, stop, _ = wanted.indices(len(data))
+        if (wanted.start is not None and wanted.start >= len(data)) or start >= stop:
+            raise _error(web.HTTPRequestRangeNotSatisfiable, "the range is outside the block",
+                         **{"Content-Range": f"bytes */{len(data)}"})
+        headers["Content-Range"] = f"bytes {start}-{stop - 1}/{len(data)}"
+        headers["ETag"] = f'"{name}.raw.{start}-{stop - 1}"'
+        return web.Response(status=206, body=data[start:stop], headers=headers)
+    return web.Response(body=data, headers=headers)
+
+
+async def _car(request: web.Request, root: bytes, params: dict[str, str]) -> web.StreamResponse:
+    scope = request.query.get("dag-scope", "all")
+    if scope not in ("block", "entity", "all"):
+        raise _error(web.HTTPBadRequest, f"dag-scope must be block, entity or all, not {scope!r}")
+    if "entity-bytes" in request.query:
+        _check_entity_bytes(request.query["entity-bytes"])
+        scope = "entity"  # implied; our blocks are not UnixFS files, so the range selects no fewer
+    if scope == "entity":
+        scope = "block"  # for non-UnixFS data the spec makes entity the block itself
+    name = cidlib.to_str(root)
+    etag = f'"{name}.car.dfs.n.{scope}"'
+    headers = {**_headers(request, name, "car", etag), "Accept-Ranges": "none"}
+    if _not_modified(request, etag):
+        return web.Response(status=304, headers=headers)
+    first = await _read_block(request, root)  # 404 / 502 before the 200 is committed
+    response = web.StreamResponse(headers=headers)
+    await response.prepare(request)
+    if request.method == "HEAD":
+        return response
+    repo = request.app[REPO]
+    pieces = _car_pieces(repo, root, first, everything=scope == "all")
+    try:
+        while True:
+            piece = await _run(request, _gather, pieces)
+            if not piece:
+                break
+            await response.write(piece)
+    except CasCkptError as exc:  # a block GC removed meanwhile, or one found damaged
+        _log.error("CAR stream of %s ended early: %s", name, exc)
+        _abort(request)
+        raise
+    await response.write_eof()
+    return response
+
+
+def _abort(request: web.Request) -> None:
+    """End the response without its last chunk: the client sees a cut-short transfer (an error),
+    never a complete-looking CAR that misses blocks."""
+    if request.transport is not None:
+        request.transport.abort()
+
+
+def _check_entity_bytes(value: str) -> None:
+    start, sep, end = value.partition(":")
+    try:
+        int(start)
+        if end != "*":
+            int(end)
+    except ValueError:
+        raise _error(web.HTTPBadRequest, f"entity-bytes must be from:to (integers, to may be *): "
+                     f"{value!r}") from None
+    if not sep:
+        raise _error(web.HTTPBadRequest, f"entity-bytes must be from:to, not {value!r}")
+
+
+def _car_pieces(repo: Repository, root: bytes, first: bytes, *, everything: bool) -> Iterator[bytes]:
+    """The CAR's bytes in pieces: the header, then each block's section (export's order)."""
+    yield car.car_header([root])
+    yield car.section_prefix(root, first) + first
+    if not everything:
+        return
+    blocks = data_blocks(repo.blocks, root)
+    next(blocks)  # the root, sent above
+    for cid in blocks:
+        data = repo.blocks.get(cid, verify=True)  # never send a damaged block
+        yield car.section_prefix(cid, data)
+        yield data
+
+
+def _gather(pieces: Iterator[bytes]) -> bytes:
+    """The next pieces, up to about STREAM_PIECE bytes (b"" at the end)."""
+    out = bytearray()
+    for piece in pieces:
+        out += piece
+        if len(out) >= STREAM_PIECE:
+            break
+    return bytes(out)
+
+
+async def ipns(request: web.Request) -> web.StreamResponse:
+    raise _error(web.HTTPNotImplemented, "IPNS is not served: cas_ckpt's names are its refs "
+                 "(/refs, /resolve/{ref})")
+
+
+# --------------------------------------------------------------------------------------------
+# The JSON API: refs, history, pins, config
+# --------------------------------------------------------------------------------------------
+def _json(value: Any, status: int = 200) -> web.Response:
+    return web.json_response(value, status=status, headers={"Cache-Control": "no-cache"},
+                             dumps=functools.partial(_dumps))
+
+
+def _dumps(value: Any) -> str:
+    import json
+
+    return json.dumps(value, allow_nan=False, ensure_ascii=False)
+
+
+async def _answer(request: web.Request, fn: Callable[..., Any], *args: Any) -> web.Response:
+    """``fn(*args)`` on the read threads as JSON; a lookup that fails is 404, bad input 400."""
+    try:
+        return _json(await _run(request, fn, *args))
+    except (RefNotFound, BlockNotFound, CheckpointExpired) as exc:
+        return _json({"error": str(exc)}, 404)
+    except (InvalidRefName, InvalidCID, AmbiguousCID, DecodeError) as exc:
+        return _json({"error": str(exc)}, 400)
+    except CorruptBlock as exc:
+        _log.error("%s", exc)
+        return _json({"error": str(exc)}, 502)
+
+
+async def list_refs(request: web.Request) -> web.Response:
+    prefix = request.query.get("prefix", "")
+    return await _answer(request, lambda: {n: str(c) for n, c in request.app[REPO].refs(prefix).items()})
+
+
+async def get_ref(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+
+    def read() -> dict[str, str]:
+        repo = request.app[REPO]
+        cid = repo.refs_store.get(name)
+        if cid is None:
+            raise RefNotFound(name)
+        return {"name": name, "cid": cidlib.to_str(cid)}
+
+    return await _answer(request, read)
+
+
+async def resolve(request: web.Request) -> web.Response:
+    target = request.match_info["target"]
+    return await _answer(request, lambda: {"target": target,
+                                           "cid": str(request.app[REPO].resolve(target))})
+
+
+async def log(request: web.Request) -> web.Response:
+    target = request.match_info["target"]
+    limit_text = request.query.get("limit")
+    if limit_text is not None and not (limit_text.isdigit() and int(limit_text) > 0):
+        return _json({"error": f"limit must be a positive integer, not {limit_text!r}"}, 400)
+    limit = int(limit_text) if limit_text else None
+    return await _answer(request, lambda: [commit_json(c) for c in request.app[REPO].log(target,
+                                                                                        limit=limit)])
+
+
+async def reflog(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    return await _answer(request, lambda: [
+        {"old": cidlib.to_str(e.old) if e.old else None, "new": cidlib.to_str(e.new) if e.new else None,
+         "time": e.time, "message": e.message} for e in request.app[REPO].reflog(name)])
+
+
+async def pins(request: web.Request) -> web.Response:
+    return await _answer(request, lambda: [str(c) for c in request.app[REPO].pins()])
+
+
+async def config(request: web.Request) -> web.Response:
+    return await _answer(request, request.app[REPO].refs_store.read_config)
+
+
+def commit_json(commit: Commit) -> dict[str, Any]:
+    """A commit as JSON: CIDs as text, metadata as DAG-JSON (bytes as ``{"/": {"bytes": b64}}``)."""
+    return {"cid": str(commit.cid), "tree": str(commit.tree), "parents": [str(p) for p in commit.parents],
+            "step": commit.step, "time": commit.time, "metadata": dag_json(commit.metadata),
+            "message": commit.message}
+
+
+def dag_json(value: Any) -> Any:
+    """Plain msgpack values as JSON, the DAG-JSON way for bytes and links."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"/": {"bytes": base64.b64encode(bytes(value)).decode().rstrip("=")}}
+    if isinstance(value, Link):
+        return {"/": cidlib.to_str(value.cid)}
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {str(k): dag_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [dag_json(v) for v in value]
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+def run(
+    repo: Repository | str | os.PathLike[str], host: str, port: int, *, token: str | None = None,
+    ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until SIGINT or SIGTERM (see :func:`cas_ckpt.serve`)."""
+    if isinstance(repo, Repository):
+        asyncio.run(_serve(repo, host, port, token, ready))
+        return
+    with open_repository(repo, create=False, read_only=True) as opened:
+        asyncio.run(_serve(opened, host, port, token, ready))
+
+
+async def _start(repo: Repository, host: str, port: int, token: str | None) -> tuple[web.AppRunner, str]:
+    """The server listening; its runner and URL."""
+    runner = web.AppRunner(make_app(repo, token=token), access_log=None, handle_signals=False,
+                           shutdown_timeout=5)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, backlog=1024).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0]
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    return runner, f"http://{shown}:{bound[1]}"
+
+
+async def _serve(
+    repo: Repository, host: str, port: int, token: str | None, ready: Callable[[str], None] | None
+) -> None:
+    runner, url = await _start(repo, host, port, token)
+    try:
+        if ready is not None:
+            ready(url)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.contextmanager
+def serving(
+    repo: Repository, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+) -> Iterator[str]:
+    """Serve ``repo`` on a thread of this process (a training job sharing what it saves) while
+    the ``with`` block runs; yields the URL (``port=0``: a free port)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="cas_ckpt-serve", daemon=True)
+    thread.start()
+    try:
+        runner, url = asyncio.run_coroutine_threadsafe(_start(repo, host, port, token), loop).result()
+        try:
+            yield url
+        finally:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
