@@ -64,6 +64,13 @@ def test_64_connections_while_saving_and_gc(tmp_path: Path) -> None:
         start = threading.Barrier(CLIENTS)
 
         def client(i: int) -> None:
+            try:
+                rounds_of(i)
+            except Exception as exc:  # reported with the others, not lost in a thread
+                with lock:
+                    problems.append(f"client {i}: {exc!r}")
+
+        def rounds_of(i: int) -> None:
             http = urllib3.PoolManager(maxsize=1, retries=False, timeout=urllib3.Timeout(connect=10, read=60))
             start.wait()  # 64 connections open at once
             for round in range(3):
