@@ -12,6 +12,7 @@ __all__ = [
     "AmbiguousCID",
     "AncestorNotFound",
     "BlockNotFound",
+    "BlockTooLarge",
     "CarError",
     "CasCkptError",
     "CheckpointExists",
@@ -116,6 +117,18 @@ class BlockNotFound(CasCkptError, KeyError):
     def __init__(self, cid: object, hint: str = "") -> None:
         super().__init__(f"block {cid} not found{hint}")
         self.cid = str(cid)
+
+
+class BlockTooLarge(CasCkptError, ValueError):
+    """A block is larger than any reader accepts (``docs/format.md``, "Block sizes"): refused
+    before it is stored. ``cid``, ``size`` and ``limit`` say which, how large, and the bound."""
+
+    def __init__(self, cid: object, kind: str, size: int, limit: int) -> None:
+        super().__init__(f"block {cid} is a {kind} of {size} bytes; a {kind} holds at most {limit} "
+                         "(docs/format.md, \"Block sizes\")")
+        self.cid = str(cid)
+        self.size = size
+        self.limit = limit
 
 
 class CorruptBlock(CasCkptError):

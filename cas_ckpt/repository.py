@@ -29,7 +29,7 @@ from cas_ckpt.backends.s3 import S3Bucket
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, WriteStats
 from cas_ckpt.blocks.compression import SETTINGS, check_setting
 from cas_ckpt.blocks.packed import LocalStore, MemoryStore, S3Store
-from cas_ckpt.codec import Link
+from cas_ckpt.codec import MAX_NODE_SIZE, Link
 from cas_ckpt.commit import Commit, encode_commit, is_commit, parse_commit
 from cas_ckpt.errors import (
     AmbiguousCID,
@@ -122,6 +122,10 @@ class Transaction:
         """Store the commit node of a checkpoint of ``tree``; return its binary CID."""
         node = encode_commit(tree, parents, step=step, time=time.time(), metadata=metadata,
                              message=message)
+        if len(node) > MAX_NODE_SIZE:  # no reader would decode it (docs/format.md, "Block sizes")
+            raise StateTypeError("metadata", f"the commit of metadata and message takes {len(node)} "
+                                 f"bytes, over the {MAX_NODE_SIZE} a node may hold: store large "
+                                 "values in the state")
         cid = self.repo.hasher.node(node)
         self.blocks.put(cid, node)
         return cid

@@ -45,7 +45,7 @@ from cas_ckpt import _small, codec
 from cas_ckpt import cid as cidlib
 from cas_ckpt._memory import cyclic_gc_paused
 from cas_ckpt._small import SmallArray
-from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
+from cas_ckpt.blocks.base import MAX_CHUNK, BlockStore, BlockWriter, Stored
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import (
     CorruptBlock,
@@ -59,7 +59,6 @@ from cas_ckpt.errors import (
 
 TUPLE, BIGINT, NDARRAY, BLOB, SCALAR, PAGES, CID_VALUE = 1, 2, 3, 4, 5, 6, 7
 
-MAX_CHUNK = 1024 * 1024  # IPFS moves blocks of at most 1 MiB
 INLINE_LIMIT = 16 * 1024  # arrays and bytes up to this size live inside their node (but see _small)
 SPLIT_LIMIT = 64 * 1024  # containers whose encoding is larger get a node of their own
 PAGE_LIMIT = MAX_CHUNK - 64  # nodes are cut into pages below this size

@@ -278,6 +278,16 @@ def test_set_ref_only_to_stored_blocks(repo: cas_ckpt.Repository) -> None:
 
 
 # -- metadata ------------------------------------------------------------------------------------
+def test_metadata_no_reader_could_decode_is_refused_before_anything_moves(repo: cas_ckpt.Repository) -> None:
+    """A commit node over the node limit was stored and its ref moved, and then no load could
+    decode it (docs/format.md, "Block sizes")."""
+    repo.save({"a": 1}, metadata={"notes": "fits"})
+    before = repo.resolve()
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match=r"metadata: .* over the 67108864"):
+        repo.save({"a": 2}, metadata={"notes": "x" * (64 << 20)})
+    assert repo.resolve() == before and repo.load() == {"a": 1}
+
+
 def test_metadata_accepts_numpy_scalars(repo: cas_ckpt.Repository) -> None:
     metadata = {
         "loss": np.float32(0.25),
