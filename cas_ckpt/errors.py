@@ -21,6 +21,7 @@ __all__ = [
     "CorruptBlock",
     "CorruptStore",
     "DecodeError",
+    "ExpansionLimit",
     "GraphCycleError",
     "InvalidCID",
     "InvalidRefName",
@@ -100,6 +101,29 @@ class DecodeError(_PathInState, CasCkptError, ValueError):
 
 def _decode_error(message: str, cid: str | None, path: str) -> DecodeError:
     return DecodeError(message, cid=cid, path=path)
+
+
+class ExpansionLimit(DecodeError):
+    """A tree expands to far more than it is stored in: its nodes or pages are linked so many
+    times that reading would multiply them (a decompression bomb; ``docs/format.md``, "Reading a
+    tree"). Names the node (``cid``) and the path inside the state; ``expanded`` and ``stored``
+    are the bytes of nodes used and read, ``floor`` the limit's floor."""
+
+    def __init__(self, expanded: int, stored: int, floor: int, cid: str | None, path: str = "") -> None:
+        super().__init__(
+            f"the tree expands to over {expanded} bytes of nodes from {stored} bytes stored (a node "
+            f"or page linked that many times; at most max({floor}, 4 x stored) is read): set "
+            "CAS_CKPT_MAX_EXPANSION to a byte count to read more", cid=cid, path=path)
+        self.expanded = expanded
+        self.stored = stored
+        self.floor = floor
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_expansion_limit, (self.expanded, self.stored, self.floor, self.cid, self.path))
+
+
+def _expansion_limit(expanded: int, stored: int, floor: int, cid: str | None, path: str) -> ExpansionLimit:
+    return ExpansionLimit(expanded, stored, floor, cid, path)
 
 
 class OutOfMemory(CasCkptError, MemoryError):

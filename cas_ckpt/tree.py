@@ -30,6 +30,7 @@ import difflib
 import functools
 import itertools
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -43,13 +44,14 @@ from multiformats import CID
 
 from cas_ckpt import _small, codec
 from cas_ckpt import cid as cidlib
-from cas_ckpt._memory import cyclic_gc_paused
+from cas_ckpt._memory import cyclic_gc_paused, memory_limit
 from cas_ckpt._small import SmallArray
 from cas_ckpt.blocks.base import MAX_CHUNK, BlockStore, BlockWriter, Stored
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import (
     CorruptBlock,
     DecodeError,
+    ExpansionLimit,
     InvalidCID,
     MapLocationError,
     OutOfMemory,
@@ -75,6 +77,14 @@ HASH_AHEAD_GROUPED = (cidlib.POOL_THREADS + 1) * GROUP_LEAD + 2 * 1024 * 1024
 # at least 64 KiB of structure, or a page of ~1 MiB); a hostile DAG whose nodes each link twice to
 # the one below would otherwise expand to 2**depth reads (a "billion laughs").
 MAX_NODE_READS = 1 << 18
+# The bytes of nodes and pages a read expands (each counted as often as it is linked) may exceed
+# the distinct bytes it read only by this factor, beyond a floor (docs/format.md, "Reading a
+# tree"). A writer links one node or page twice only where the state repeats a value whose
+# encoding is over 64 KiB (pages: ~1 MiB): a 4 MB node linking one 1,000-item page 100,000 times
+# expanded to 100 million items (203 s, 1.6 GB). Items take a byte at least, so this bounds them.
+EXPANSION_FACTOR = 4
+EXPANSION_FLOOR = 16 * 1024 * 1024  # 16 million items at most; ~5 s to load as Nones
+EXPANSION_ENV = "CAS_CKPT_MAX_EXPANSION"  # another floor, in bytes (a state that needs more)
 MAX_KEY = 64 * 1024
 MAX_BIGINT_BYTES = 64 * 1024
 CDC_MIN, CDC_AVG, CDC_MAX = 64 * 1024, 256 * 1024, MAX_CHUNK
@@ -750,6 +760,10 @@ class TreeReader:
         self._arena: list[Any] = [None, 0, 0]
         self.node_reads = 0
         self.mapped = self.copied = 0  # arrays an mmap load mapped, and those it had to copy
+        # What this reader expanded: node bytes read (each distinct node once), node and page
+        # bytes used (each as often as linked), and bytes allocated for arrays and byte strings.
+        self._distinct: set[bytes] = set()
+        self.stored_bytes = self.expanded_bytes = self.allocated = 0
 
     def node(self, cid: bytes) -> Any:
         self.node_reads += 1
@@ -759,7 +773,28 @@ class TreeReader:
                 "many times that loading multiplies them (cas_ckpt never writes such a tree)",
                 cid=cidlib.to_str(cid),
             )
-        return codec.decode(self.store.get(cid, verify=self.verify), cid=cid)
+        data = self.store.get(cid, verify=self.verify)
+        if cid not in self._distinct:
+            self._distinct.add(cid)
+            self.stored_bytes += len(data)
+        self.expand(len(data), cid)
+        return codec.decode(data, cid=cid)
+
+    def expand(self, size: int, cid: bytes) -> None:
+        """Count ``size`` bytes of node ``cid`` used once more: :class:`ExpansionLimit` (before
+        it is decoded or joined) when the tree expands far beyond the bytes it is stored in."""
+        self.expanded_bytes += size
+        if self.expanded_bytes > EXPANSION_FACTOR * self.stored_bytes \
+                and self.expanded_bytes > (floor := expansion_floor()):
+            raise ExpansionLimit(self.expanded_bytes, self.stored_bytes, floor, cidlib.to_str(cid))
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` about to be allocated: :class:`OutOfMemory` once a read would hold
+        more than the process could ever get (Linux overcommits: past that it would be killed)."""
+        self.allocated += nbytes
+        if self.allocated > memory_limit():
+            raise OutOfMemory(f"{what} would bring this read to {self.allocated} bytes, more than "
+                              f"this machine can hold ({memory_limit()} bytes of memory and swap)")
 
     # -- navigation ----------------------------------------------------------------------------
     def resolve(self, value: Any, depth: int = 0) -> Any:
@@ -840,6 +875,7 @@ class TreeReader:
         this returns.
         """
         self._waits, self._futures = [], []
+        self.allocated = 0  # what this load holds (a reader used again has freed its last ones)
         small = self._small = _small.SmallReads(self.store, self.pool, self.verify, self._filler)
         failed = True
         try:
@@ -974,7 +1010,7 @@ class TreeReader:
             return [chunks[0].cid]  # one chunk: every small array given a block of its own
         if "chunk_pages" in header:
             links: list[Any] = []
-            pages = _Pages(self)  # a page repeated is decoded once
+            pages = _Pages(self, expands=False)  # a page repeated is decoded once
             for page in _seq(header["chunk_pages"], "chunk_pages"):
                 links.extend(_seq(pages.get(_link(page).cid), "chunk page"))
         else:
@@ -1032,7 +1068,7 @@ class TreeReader:
             mapping = self.mmap
             # Allocate first: a declared size the process cannot hold fails here, before any
             # chunk link page is read (one chunk repeated can declare terabytes in a small node).
-            out = None if mapping or nbytes <= INLINE_LIMIT else _allocate(nbytes, shape)
+            out = None if mapping or nbytes <= INLINE_LIMIT else self._allocate(nbytes, shape)
             cids = self._chunk_links(header)
             if not mapping and len(cids) == 1 and nbytes <= INLINE_LIMIT and self._small \
                     and (kind == "numpy" or (self.tensor_factory is None and self.map_location is None)):
@@ -1049,11 +1085,16 @@ class TreeReader:
                 self.mapped += 1
             else:
                 self.copied += mapping
-                flat = out if out is not None else _allocate(nbytes, shape)
+                flat = out if out is not None else self._allocate(nbytes, shape)
                 # A tensor moved to map_location is copied at once: its bytes must be there.
                 later = kind == "numpy" or (self.tensor_factory is None and self.map_location is None)
                 self._fill(cids, sizes, memoryview(flat), later=later)
         return self._shaped(flat, dtype, shape, order, header)
+
+    def _allocate(self, nbytes: int, shape: list[int]) -> np.ndarray[Any, Any]:
+        if nbytes > INLINE_LIMIT:  # smaller ones: bounded by the nodes holding them (expand)
+            self.reserve(nbytes, f"an array of shape {shape}")
+        return _allocate(nbytes, shape)
 
     def _load_small(self, header: dict[str, Any]) -> np.ndarray[Any, Any] | None:
         """The usual small array at once: a header of exactly dtype, shape, chunk_size and one
@@ -1128,6 +1169,7 @@ class TreeReader:
             raise DecodeError("malformed blob size")
         if size > sys.maxsize:
             raise DecodeError(f"blob of {size} bytes is larger than any buffer")
+        self.reserve(size, f"a byte string of {size} bytes")
         try:
             buffer = bytearray(size)  # first: a size the process cannot hold fails here
         except MemoryError:
@@ -1146,17 +1188,35 @@ class TreeReader:
 
 
 class _Pages:
-    """Decoded page nodes of one container or one chunk list, each decoded once."""
+    """Decoded page nodes of one container or one chunk list, each decoded once.
 
-    def __init__(self, reader: TreeReader) -> None:
+    ``expands``: a page used again counts as expanding the tree (:meth:`TreeReader.expand`). A
+    chunk list's pages do not: the array's declared size bounds them, allocated first.
+    """
+
+    def __init__(self, reader: TreeReader, *, expands: bool = True) -> None:
         self.reader = reader
-        self.seen: dict[bytes, Any] = {}
+        self.expands = expands
+        self.seen: dict[bytes, tuple[Any, int]] = {}
 
     def get(self, cid: bytes) -> Any:
-        page = self.seen.get(cid)
-        if page is None:
-            page = self.seen[cid] = self.reader.node(cid)
+        found = self.seen.get(cid)
+        if found is None:
+            before = self.reader.expanded_bytes
+            page = self.reader.node(cid)
+            self.seen[cid] = (page, self.reader.expanded_bytes - before)
+            return page
+        page, size = found
+        if self.expands:  # joined again as if read again: counted as a read, and its bytes
+            self.reader.node_reads += 1
+            self.reader.expand(size, cid)
         return page
+
+
+def expansion_floor() -> int:
+    """The expansion floor: ``$CAS_CKPT_MAX_EXPANSION`` bytes if set, else :data:`EXPANSION_FLOOR`."""
+    given = os.environ.get(EXPANSION_ENV, "").strip()
+    return int(given) if given.isdigit() else EXPANSION_FLOOR
 
 
 def _allocate(nbytes: int, shape: list[int]) -> np.ndarray[Any, Any]:

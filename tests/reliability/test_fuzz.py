@@ -355,6 +355,11 @@ def test_memory_bombs_under_an_address_space_limit() -> None:
     assert not bad, f"not a cas_ckpt error: {bad}"
     slow = {case: outcome for case, outcome in results.items() if float(outcome.rsplit(" ", 1)[1]) > 30}
     assert not slow, f"took too long: {slow}"
+    # Trees that expand far beyond their stored bytes are refused as such, whatever memory is left.
+    expanding = {case: outcome for case, outcome in results.items()
+                 if case.endswith(("repeated_small_pages", "repeated_subtree_nodes"))}
+    assert len(expanding) == 5, results
+    assert all(o.startswith("ours:ExpansionLimit") for o in expanding.values()), expanding
     _count("memory_bombs", len(results))
     assert time.perf_counter() - started < 240
 
