@@ -44,6 +44,7 @@ from cas_ckpt.tree import (
     MAX_LINKS,
     NDARRAY,
     TUPLE,
+    Encoded,
     TreeReader,
     TreeWriter,
     float_size,
@@ -261,7 +262,7 @@ def import_tree(tree: TreeWriter, src: str | os.PathLike[str], *, prefix: str) -
         header = _import_file(tree, base / rel, tensors, _key_prefix(rel))
         records.append({"path": rel, "header": header})
     layout = {"version": LAYOUT_VERSION, "prefix": prefix, "folder": folder, "files": records,
-              "blobs": {rel: _read_blob(base / rel) for rel in blobs}}
+              "blobs": {rel: _write_blob(tree, base / rel) for rel in blobs}}
     return tree.write({prefix: tensors, LAYOUT: layout})
 
 
@@ -288,9 +289,10 @@ def _key_prefix(rel: str) -> str:
     return "" if parent == "." else parent + "/"
 
 
-def _read_blob(path: Path) -> bytes:
+def _write_blob(tree: TreeWriter, path: Path) -> bytes | Encoded:
+    """A folder's other file, streamed (an optimizer.pt beside the model can be gigabytes)."""
     with open(path, "rb") as f:
-        return f.read()
+        return tree.write_blob(f)
 
 
 def _import_file(tree: TreeWriter, path: Path, tensors: dict[str, Link], key_prefix: str) -> bytes:
@@ -467,17 +469,37 @@ class _Exporter:
         """
         out.write(len(raw).to_bytes(8, "little"))
         out.write(raw)
+        self._stream(out, self._jobs(tensors))
+        self.report.bytes += 8 + len(raw) + sum(t.nbytes for t in tensors)
+        self.report.tensors += len(tensors)
+
+    def write_blob(self, out: _Sink, value: bytes | Tagged, name: str) -> None:
+        """Write one of a folder's other files (``value`` from :func:`_stored_files`): its
+        chunks a window at a time, as tensors are, never the whole file at once."""
+        if isinstance(value, bytes):
+            out.write(value)
+            self.report.bytes += len(value)
+            return
+        size = value.value.get("size")
+        cids = self.reader._chunk_links(value.value)
+        sizes = [self.store.size(c) for c in cids]
+        if sum(sizes) != size:
+            raise SafetensorsError(name, f"its chunks hold {sum(sizes)} bytes, the file {size}")
+        self._stream(out, (([cids[i] for i in group], [sizes[i] for i in group])
+                           for group in _groups(sizes, READ_WINDOW)))
+        self.report.bytes += size
+
+    def _stream(self, out: _Sink, jobs: Iterator[tuple[list[bytes], list[int]] | memoryview]) -> None:
+        """Write what ``jobs`` name, in order, reading each while the one before is written."""
         with ThreadPoolExecutor(1, thread_name_prefix="cas_ckpt-export") as ahead:
             current: Future[memoryview] | None = None
-            for slot, job in enumerate(self._jobs(tensors)):
+            for slot, job in enumerate(jobs):
                 following = self._start(job, slot % 2, ahead)
                 if current is not None:
                     out.write(current.result())
                 current = following
             if current is not None:
                 out.write(current.result())
-        self.report.bytes += 8 + len(raw) + sum(t.nbytes for t in tensors)
-        self.report.tensors += len(tensors)
 
     def _jobs(self, tensors: list[_Tensor]) -> Iterator[tuple[list[bytes], list[int]] | memoryview]:
         """Windows of chunks to read, or bytes converted in memory (inline, Fortran, big-endian)."""
@@ -558,7 +580,7 @@ def export(
         _export_layout(exporter, root, layout, target)
     else:
         value = root if path is None else reader.select(Link(tree), path.split("."), cidlib.to_str(tree))
-        blobs: dict[str, bytes] = {}
+        blobs: dict[str, bytes | Tagged] = {}
         metadata: dict[str, str] = {}
         tensors: list[_Tensor] = []
         if layout is not None:  # re-sharding an import: its tensors, its other files
@@ -582,21 +604,42 @@ def _layout(reader: TreeReader, root: Any) -> dict[str, Any] | None:
     """The layout record of an imported checkpoint, or None for any other state."""
     if not isinstance(root, dict) or LAYOUT not in root:
         return None
-    layout = reader.load(root[LAYOUT])
-    if not isinstance(layout, dict) or layout.get("version") != LAYOUT_VERSION:
+    record = reader.resolve(root[LAYOUT])
+    if not isinstance(record, dict):
+        return None
+    blobs = record.get("blobs")  # the other files are streamed, never loaded (write_blob)
+    layout = reader.load({key: value for key, value in record.items() if key != "blobs"})
+    if layout.get("version") != LAYOUT_VERSION:
         return None
     prefix = layout.get("prefix")
     if not isinstance(prefix, str) or prefix not in root:
         return None
-    files, blobs = layout.get("files"), layout.get("blobs")
-    if not (isinstance(files, list) and files and isinstance(blobs, dict)
+    files = layout.get("files")
+    blobs = layout["blobs"] = _stored_files(reader, blobs)
+    if not (isinstance(files, list) and files and blobs is not None
             and isinstance(layout.get("folder"), bool)
             and all(isinstance(f, dict) and isinstance(f.get("path"), str)
-                    and isinstance(f.get("header"), bytes) for f in files)
-            and all(isinstance(k, str) and isinstance(v, bytes) for k, v in blobs.items())):
+                    and isinstance(f.get("header"), bytes) for f in files)):
         raise SafetensorsError(LAYOUT, "the layout record of this import is malformed "
                                "(docs/format.md, \"safetensors imports\"); pass path= to export its tensors")
     return layout
+
+
+def _stored_files(reader: TreeReader, value: Any) -> dict[str, bytes | Tagged] | None:
+    """An import's other files by path, each as stored (bytes, or a blob not yet read), or
+    None if the record is malformed."""
+    files = reader.resolve(value)
+    if not isinstance(files, dict):
+        return None
+    found: dict[str, bytes | Tagged] = {}
+    for name, stored in files.items():
+        stored = reader.resolve(stored)
+        if not isinstance(name, str) or not (isinstance(stored, bytes) or (
+                isinstance(stored, Tagged) and stored.code == BLOB and isinstance(stored.value, dict)
+                and not stored.value.get("str"))):
+            return None
+        found[name] = stored
+    return found
 
 
 def _common_metadata(layout: dict[str, Any]) -> dict[str, str]:
@@ -631,9 +674,9 @@ def _export_layout(exporter: _Exporter, root: dict[Any, Any], layout: dict[str, 
         exporter.report.files.append(str(target if single else target / rel))
     if not single:
         for rel, data in layout["blobs"].items():
-            _atomic(target / _safe_relative(rel), lambda f, data=data: f.write(data))
+            _atomic(target / _safe_relative(rel),
+                    lambda f, rel=rel, data=data: exporter.write_blob(f, data, rel))
             exporter.report.files.append(str(target / rel))
-            exporter.report.bytes += len(data)
     exporter.report.exact = True
 
 
@@ -652,7 +695,7 @@ def _check_entry(exporter: _Exporter, value: Any, entry: Entry, path: str, rel: 
 
 
 def _export_tensors(exporter: _Exporter, tensors: list[_Tensor], metadata: dict[str, str] | None,
-                    target: Path, limit: int | None, blobs: dict[str, bytes]) -> None:
+                    target: Path, limit: int | None, blobs: dict[str, bytes | Tagged]) -> None:
     """Write tensors as save_file does: one file, or shards and an index as transformers does."""
     seen: dict[str, str] = {}
     for tensor in tensors:
@@ -685,7 +728,7 @@ def _export_tensors(exporter: _Exporter, tensors: list[_Tensor], metadata: dict[
         _atomic(folder / INDEX, lambda f: f.write(data))
         exporter.report.files.append(str(folder / INDEX))
     for rel, data in blobs.items():
-        _atomic(folder / _safe_relative(rel), lambda f, data=data: f.write(data))
+        _atomic(folder / _safe_relative(rel), lambda f, rel=rel, data=data: exporter.write_blob(f, data, rel))
         exporter.report.files.append(str(folder / rel))
 
 

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 from fastcdc.fastcdc_cy import fastcdc_cy
@@ -88,6 +88,7 @@ EXPANSION_ENV = "CAS_CKPT_MAX_EXPANSION"  # another floor, in bytes (a state tha
 MAX_KEY = 64 * 1024
 MAX_BIGINT_BYTES = 64 * 1024
 CDC_MIN, CDC_AVG, CDC_MAX = 64 * 1024, 256 * 1024, MAX_CHUNK
+BLOB_WINDOW = 16 * 1024 * 1024  # bytes of a streamed byte string held at once (write_blob)
 
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _NUMPY_DTYPE = re.compile(r"^[<>|](b1|[iu][1248]|f[248]|c(8|16))$")
@@ -205,6 +206,16 @@ def join_path(path: str, key: object) -> str:
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
+class Encoded:
+    """A value already written and encoded (:meth:`TreeWriter.write_blob`): a state holding it
+    is stored with these bytes in its place, exactly as the value they encode would be."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
 @dataclass
 class _Chunked:
     """A value cut into chunks being hashed (and, for a compressing writer, encoded)."""
@@ -406,6 +417,8 @@ class TreeWriter:
             return self._cid_value(value, path)
         if kind is Link:
             return self._linked(value, path)
+        if kind is Encoded:
+            return value
         raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}")
 
     def _mark(self, container: Any, items: Any) -> Any:
@@ -527,6 +540,8 @@ class TreeWriter:
             return self._write_small(value)
         if isinstance(value, _Chunked):
             return self._write_chunked(value)
+        if type(value) is Encoded:
+            return value.data
         if type(value) is int and not _INT64_MIN <= value <= _UINT64_MAX:
             return codec.encode(Tagged(BIGINT, _bigint_bytes(value)))
         return self._pack(value)
@@ -578,14 +593,57 @@ class TreeWriter:
             cids.append(cid)
         header = dict(plan.header)
         blob = header.pop("_blob")
+        plan.chunks, plan.hashes, plan.owner = [], [], None
+        return self._chunked_value(BLOB if blob else NDARRAY, header, cids)
+
+    def _chunked_value(self, code: int, header: dict[str, Any], cids: list[bytes]) -> bytes:
+        """The encoding of an array or blob whose chunks are written: its links in ``chunks``,
+        or in link pages past :data:`MAX_LINKS`."""
         links = [Link(c) for c in cids]
         if len(links) > MAX_LINKS:
             pages = [links[i : i + MAX_LINKS] for i in range(0, len(links), MAX_LINKS)]
             header["chunk_pages"] = [Link(self._put_node(codec.encode(p))) for p in pages]
         else:
             header["chunks"] = links
-        plan.chunks, plan.hashes, plan.owner = [], [], None
-        return codec.encode(Tagged(BLOB if blob else NDARRAY, header))
+        return codec.encode(Tagged(code, header))
+
+    def write_blob(self, source: BinaryIO, *, window: int = BLOB_WINDOW) -> bytes | Encoded:
+        """The bytes ``source`` holds (read to its end) as a value of a state to :meth:`write`:
+        byte for byte what ``write`` stores for those bytes (a blob of FastCDC chunks, or inline
+        when short), reading ``window`` bytes at a time and holding at most a chunk more.
+
+        Returns the bytes themselves when short, else an :class:`Encoded` blob whose chunks are
+        written now.
+        """
+        first = source.read(INLINE_LIMIT + 1)
+        if len(first) <= INLINE_LIMIT:
+            return first
+        window = max(window, CDC_MAX)  # a chunk at least: each read cuts what it completes
+        pending, cids, size = bytearray(first), [], len(first)
+        while True:
+            more = source.read(window)
+            pending += more
+            size += len(more)
+            view = memoryview(pending)
+            cuts = list(fastcdc_cy(view, CDC_MIN, CDC_AVG, CDC_MAX, False, None))
+            # A chunk's cut depends only on its own bytes; the last one may be cut short by the
+            # end of what was read so far, so it waits for more (the next read starts with it).
+            if more:
+                cuts.pop()
+            chunks = [view[c.offset : c.offset + c.length] for c in cuts]
+            for chunk, (cid, stored) in zip(chunks, self.pool.map(self._digest, chunks, itertools.repeat(0)),
+                                            strict=True):
+                self.writer.put(cid, chunk, stored=stored)  # written or copied: the buffer is reused
+                cids.append(cid)
+            done = sum(c.nbytes for c in chunks)
+            for chunk in chunks:
+                chunk.release()
+            view.release()
+            del pending[:done]
+            if not more:
+                break
+        self.logical_bytes += size
+        return Encoded(self._chunked_value(BLOB, {"size": size}, cids))
 
     def _write_small(self, value: SmallArray | np.ndarray[Any, Any]) -> bytes:
         encoded = self._small.encoding(value, self.writer)
