@@ -18,6 +18,7 @@ writes (``docs/format.md``, "safetensors imports")::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -38,9 +39,10 @@ from cas_ckpt import _fs, codec
 from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import Link, Tagged
-from cas_ckpt.errors import SafetensorsError, StateTypeError
+from cas_ckpt.errors import DecodeError, SafetensorsError, StateTypeError
 from cas_ckpt.tree import (
     BLOB,
+    MAX_DIMS,
     MAX_LINKS,
     NDARRAY,
     TUPLE,
@@ -210,10 +212,13 @@ def _entry(name: str, info: Any, where: str) -> Entry:
     if not isinstance(info, dict):
         raise SafetensorsError(where, "tensor info is not a JSON object", tensor=name)
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise SafetensorsError(where, f"unknown dtype {dtype!r}", tensor=name)
     if not isinstance(shape, list) or not all(_uint(d) for d in shape):
         raise SafetensorsError(where, f"shape {shape!r} is not a list of sizes", tensor=name)
+    if _overflows(shape, DTYPES[dtype][0]):
+        raise SafetensorsError(where, f"shape of {len(shape)} dimensions overflows 64 bits as "
+                               "safetensors counts elements (left to right)", tensor=name)
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_uint(o) for o in offsets):
         raise SafetensorsError(where, f"data_offsets {offsets!r} is not two offsets", tensor=name)
     return Entry(name, dtype, tuple(shape), offsets[0], offsets[1])
@@ -221,6 +226,17 @@ def _entry(name: str, info: Any, where: str) -> Entry:
 
 def _uint(value: Any) -> bool:
     return type(value) is int and 0 <= value < 2**64
+
+
+def _overflows(shape: list[int], bits: int) -> bool:
+    """safetensors' own check (``Metadata::validate``): the element count, multiplied out left to
+    right, and then its bits, each fit 64 bits (so ``[2**63, 2**63, 0]`` is refused)."""
+    count = 1
+    for size in shape:
+        count *= size
+        if count >= 2**64:
+            return True
+    return count * bits >= 2**64
 
 
 def write_header(
@@ -314,7 +330,7 @@ def _import_file(tree: TreeWriter, path: Path, tensors: dict[str, Link], key_pre
                                    "too", tensor=entry.name)
         start = header.data_start + entry.begin
         data = view[start : header.data_start + entry.end]
-        tensors[key] = Link(_write_tensor(tree, entry, data, mapped, start))
+        tensors[key] = Link(_write_tensor(tree, entry, data, mapped, start, where))
         data.release()
     view.release()
     mapped.close()
@@ -322,11 +338,12 @@ def _import_file(tree: TreeWriter, path: Path, tensors: dict[str, Link], key_pre
 
 
 def _write_tensor(tree: TreeWriter, entry: Entry, data: memoryview, mapped: mmap.mmap,
-                  start: int) -> bytes:
+                  start: int, where: str) -> bytes:
     """Store one tensor as an array node; return the node's CID."""
     name = DTYPES[entry.dtype][1]
     dtype = parse_dtype(name)
     shape = [data.nbytes] if entry.dtype in PACKED else list(entry.shape)
+    _check_shape(shape, dtype.itemsize, where, entry.name)
     if data.nbytes <= WINDOW:
         array = np.frombuffer(data, dtype=dtype).reshape(shape)
         cid = tree.write(array)
@@ -335,6 +352,16 @@ def _write_tensor(tree: TreeWriter, entry: Entry, data: memoryview, mapped: mmap
         cid = _write_large(tree, name, shape, data, mapped, start)
     _drop(mapped, start, data.nbytes)
     return cid
+
+
+def _check_shape(shape: list[int], itemsize: int, where: str, tensor: str) -> None:
+    """A shape an array can have (numpy's limits, which the tree keeps on load too): at most
+    64 dimensions, and its nonzero sizes times the item size within a signed 64-bit size."""
+    if len(shape) > MAX_DIMS:
+        raise SafetensorsError(where, f"shape of {len(shape)} dimensions: an array has at most "
+                               f"{MAX_DIMS}", tensor=tensor)
+    if math.prod(d for d in shape if d) * itemsize >= 2**63:
+        raise SafetensorsError(where, f"shape {shape} is larger than any array", tensor=tensor)
 
 
 def _write_large(tree: TreeWriter, dtype: str, shape: list[int], data: memoryview,
@@ -419,12 +446,14 @@ class _Tensor:
 
 
 class _Exporter:
-    def __init__(self, store: BlockStore, pool: Executor, verify: bool | None) -> None:
+    def __init__(self, store: BlockStore, pool: Executor, verify: bool | None, where: str) -> None:
         self.reader = TreeReader(store, pool, verify=verify, tensor_factory=lambda array, _: array)
         self.store = store
         self.pool = pool
+        self.where = where  # what errors in the checkpoint's records name: the export's target
         self.buffers: list[np.ndarray[Any, Any] | None] = [None, None]
         self.report = SafetensorsReport()
+        self.staged = _Staged()
 
     # -- reading the state -----------------------------------------------------------------------
     def leaves(self, value: Any, path: str, base: str, tensors: list[_Tensor],
@@ -436,6 +465,8 @@ class _Exporter:
                 self.leaves(item, _join(path, key), _join(base, key), tensors, metadata)
         elif isinstance(value, list) or (isinstance(value, Tagged) and value.code == TUPLE):
             items = value if isinstance(value, list) else value.value
+            if not isinstance(items, list):
+                raise DecodeError("malformed tuple: expected a list", path=base)
             for i, item in enumerate(items):
                 self.leaves(item, _join(path, i), _join(base, i), tensors, metadata)
         elif isinstance(value, Tagged) and value.code == NDARRAY:
@@ -452,13 +483,12 @@ class _Exporter:
     def tensor(self, value: Tagged, name: str, path: str) -> _Tensor:
         if not name:
             raise StateTypeError(path or "(root)", "a tensor needs a name: export a dict of tensors")
-        header = value.value
-        dtype = _EXPORT_DTYPE.get(header.get("dtype"))
+        stored, shape = _stored_array(value, self.where, name)
+        dtype = _EXPORT_DTYPE.get(stored)
         if dtype is None:
-            raise StateTypeError(path or name, f"dtype {header.get('dtype')} has no safetensors dtype")
-        shape = tuple(header.get("shape", ()))
-        nbytes = math.prod(shape) * parse_dtype(header["dtype"]).itemsize
-        return _Tensor(name, dtype, shape, nbytes, value, path or name)
+            raise StateTypeError(path or name, f"dtype {stored} has no safetensors dtype")
+        nbytes = math.prod(shape) * parse_dtype(stored).itemsize
+        return _Tensor(name, dtype, tuple(shape), nbytes, value, path or name)
 
     # -- writing ---------------------------------------------------------------------------------
     def write_file(self, out: _Sink, raw: bytes, tensors: list[_Tensor]) -> None:
@@ -538,6 +568,22 @@ class _Exporter:
         return ahead.submit(read)
 
 
+def _stored_array(value: Tagged, where: str, name: str) -> tuple[str, list[int]]:
+    """The dtype name and shape of a stored array, checked (the checkpoint is data, not trusted):
+    :class:`SafetensorsError` naming the export and the tensor if either is malformed."""
+    header = value.value
+    if not isinstance(header, dict):
+        raise SafetensorsError(where, "the stored array's header is not a map", tensor=name)
+    dtype, shape = header.get("dtype"), header.get("shape")
+    if not isinstance(dtype, str):
+        raise SafetensorsError(where, f"the stored dtype {dtype!r} is not a name", tensor=name)
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
+            and all(type(d) is int and 0 <= d < 2**63 for d in shape)):
+        raise SafetensorsError(where, f"the stored shape {shape!r} is not a list of at most "
+                               f"{MAX_DIMS} sizes", tensor=name)
+    return dtype, shape
+
+
 def _groups(sizes: list[int], limit: int) -> Iterator[list[int]]:
     """Indices of consecutive chunks, in groups of at most ``limit`` bytes (one chunk at least)."""
     group: list[int] = []
@@ -571,10 +617,23 @@ def export(
     """
     started = time.perf_counter()
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
-    exporter = _Exporter(store, pool, verify)
+    target = Path(out)
+    exporter = _Exporter(store, pool, verify, str(target))
+    try:
+        _export(exporter, tree, target, path, limit, tied)
+        exporter.staged.commit()
+    except BaseException:
+        exporter.staged.abort()
+        raise
+    exporter.report.seconds = time.perf_counter() - started
+    return exporter.report
+
+
+def _export(exporter: _Exporter, tree: bytes, target: Path, path: str | None, limit: int | None,
+            tied: bool) -> None:
+    """Everything :func:`export` does but putting the files in place."""
     reader = exporter.reader
     root = reader.resolve(Link(tree))
-    target = Path(out)
     layout = _layout(reader, root) if path is None else None
     if layout is not None and limit is None:
         _export_layout(exporter, root, layout, target)
@@ -596,8 +655,6 @@ def export(
         if tied:
             tensors = _untie(tensors, metadata)
         _export_tensors(exporter, tensors, metadata or None, target, limit, blobs)
-    exporter.report.seconds = time.perf_counter() - started
-    return exporter.report
 
 
 def _layout(reader: TreeReader, root: Any) -> dict[str, Any] | None:
@@ -669,13 +726,13 @@ def _export_layout(exporter: _Exporter, root: dict[Any, Any], layout: dict[str, 
                 raise SafetensorsError(rel, "the checkpoint lacks this tensor", tensor=entry.name)
             value = exporter.reader.resolve(stored[key])
             tensors.append(_check_entry(exporter, value, entry, f"{layout['prefix']}.{key}", rel))
-        _atomic(target if single else target / rel,
-                lambda f, raw=raw, tensors=tensors: exporter.write_file(f, raw, tensors))
+        exporter.staged.write(target if single else target / rel,
+                              lambda f, raw=raw, tensors=tensors: exporter.write_file(f, raw, tensors))
         exporter.report.files.append(str(target if single else target / rel))
     if not single:
         for rel, data in layout["blobs"].items():
-            _atomic(target / _safe_relative(rel),
-                    lambda f, rel=rel, data=data: exporter.write_blob(f, data, rel))
+            exporter.staged.write(target / _safe_relative(rel),
+                                  lambda f, rel=rel, data=data: exporter.write_blob(f, data, rel))
             exporter.report.files.append(str(target / rel))
     exporter.report.exact = True
 
@@ -684,11 +741,11 @@ def _check_entry(exporter: _Exporter, value: Any, entry: Entry, path: str, rel: 
     """The stored tensor for a header entry; it must still have the entry's dtype and size."""
     if not (isinstance(value, Tagged) and value.code == NDARRAY):
         raise SafetensorsError(rel, f"{path} is not an array", tensor=entry.name)
-    header = value.value
+    stored, stored_shape = _stored_array(value, rel, entry.name)
     expected = DTYPES[entry.dtype][1]
     shape = [entry.end - entry.begin] if entry.dtype in PACKED else list(entry.shape)
-    if header.get("dtype") != expected or header.get("shape") != shape:
-        raise SafetensorsError(rel, f"{path} is now {header.get('dtype')} {header.get('shape')}, the "
+    if stored != expected or stored_shape != shape:
+        raise SafetensorsError(rel, f"{path} is now {stored} {stored_shape}, the "
                                f"file's header says {entry.dtype} {list(entry.shape)}: pass path= "
                                "to write a new header", tensor=entry.name)
     return _Tensor(entry.name, entry.dtype, entry.shape, entry.end - entry.begin, value, path)
@@ -716,8 +773,8 @@ def _export_tensors(exporter: _Exporter, tensors: list[_Tensor], metadata: dict[
     for name, shard in zip(names, shards, strict=True):
         raw, ordered = write_header([(t.name, t.dtype, t.shape, t.nbytes) for t in shard], metadata)
         by_name = {t.name: t for t in shard}
-        _atomic(folder / name, lambda f, raw=raw, ordered=ordered, by_name=by_name: exporter.write_file(
-            f, raw, [by_name[t[0]] for t in ordered]))
+        exporter.staged.write(folder / name, lambda f, raw=raw, ordered=ordered, by_name=by_name:
+                              exporter.write_file(f, raw, [by_name[t[0]] for t in ordered]))
         exporter.report.files.append(str(folder / name))
     if len(shards) > 1:
         index = {"metadata": {"total_parameters": sum(math.prod(t.shape) for t in tensors),
@@ -725,10 +782,11 @@ def _export_tensors(exporter: _Exporter, tensors: list[_Tensor], metadata: dict[
                  "weight_map": {t.name: name for name, shard in zip(names, shards, strict=True)
                                 for t in shard}}
         data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
-        _atomic(folder / INDEX, lambda f: f.write(data))
+        exporter.staged.write(folder / INDEX, lambda f: f.write(data))
         exporter.report.files.append(str(folder / INDEX))
     for rel, data in blobs.items():
-        _atomic(folder / _safe_relative(rel), lambda f, rel=rel, data=data: exporter.write_blob(f, data, rel))
+        exporter.staged.write(folder / _safe_relative(rel),
+                              lambda f, rel=rel, data=data: exporter.write_blob(f, data, rel))
         exporter.report.files.append(str(folder / rel))
 
 
@@ -795,6 +853,8 @@ def _safe_relative(rel: str) -> str:
     parts = PurePosixPath(rel).parts
     if not parts or rel.startswith("/") or "\\" in rel or any(p in ("..", ".", "") for p in parts):
         raise SafetensorsError(rel, "file name in the checkpoint leaves the export folder")
+    if "\0" in rel:
+        raise SafetensorsError(repr(rel), "file name in the checkpoint holds a NUL byte")
     return rel
 
 
@@ -815,20 +875,40 @@ class _Sink:
             self.written_back = self.size
 
 
-def _atomic(path: Path, write: Callable[[_Sink], Any]) -> None:
-    """Write a file under a temporary name beside it, fsync, rename into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(name)
-    try:
+class _Staged:
+    """The files of one export: each written under a temporary name beside its place and
+    fsynced, and all renamed into place only once every one is complete. An export that fails
+    (a malformed record, a missing block, a full disk) leaves nothing: no file, and no folder
+    it made."""
+
+    def __init__(self) -> None:
+        self.files: list[tuple[Path, Path]] = []  # (temporary, destination)
+        self.folders: list[Path] = []  # made by this export, outermost first
+
+    def write(self, path: Path, write: Callable[[_Sink], Any]) -> None:
+        missing = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.folders += reversed(missing)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        self.files.append((Path(name), path))
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
             write(_Sink(f))
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644 & ~_umask())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        os.chmod(name, 0o644 & ~_umask())
+
+    def commit(self) -> None:
+        for tmp, path in self.files:
+            os.replace(tmp, path)
+        self.files = []
+
+    def abort(self) -> None:
+        for tmp, _ in self.files:
+            tmp.unlink(missing_ok=True)
+        for folder in reversed(self.folders):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if nothing else was put there meanwhile
+        self.files, self.folders = [], []
 
 
 def _umask() -> int:

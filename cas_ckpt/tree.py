@@ -66,6 +66,7 @@ SPLIT_LIMIT = 64 * 1024  # containers whose encoding is larger get a node of the
 PAGE_LIMIT = MAX_CHUNK - 64  # nodes are cut into pages below this size
 MAX_LINKS = 16384  # chunk links kept in one descriptor before they move into link pages
 MAX_DEPTH = 256
+MAX_DIMS = 64  # numpy's (and so a loaded array's) most dimensions
 FILLS_IN_FLIGHT = 4  # arrays being read at once during a load
 HASH_AHEAD = 8 * 1024 * 1024  # chunk bytes hashed ahead of the one being written (see _HashAhead)
 # Where the pool hashes 16 chunks of one length at once, each hashing thread (the pool's and the
@@ -1108,8 +1109,8 @@ class TreeReader:
         shape = header.get("shape")
         if not _valid_shape(shape):
             raise DecodeError(f"malformed array shape {shape!r}")
-        if len(shape) > 64:
-            raise DecodeError("array has more than 64 dimensions")
+        if len(shape) > MAX_DIMS:
+            raise DecodeError(f"array has more than {MAX_DIMS} dimensions")
         order = header.get("order", "C")
         if order not in ("C", "F"):
             raise DecodeError(f"unknown array order {order!r}")
@@ -1166,7 +1167,7 @@ class TreeReader:
         dtype = _PARSED.get(name) if type(name) is str else None
         if dtype is None or id(dtype) not in _BUFFER_DTYPES or "chunk_size" not in header \
                 or type(chunks) is not list or len(chunks) != 1 or type(chunks[0]) is not Link \
-                or not _valid_shape(shape) or len(shape) > 64:
+                or not _valid_shape(shape) or len(shape) > MAX_DIMS:
             return None
         nbytes = math.prod(shape) * dtype.itemsize
         if not 0 < nbytes <= INLINE_LIMIT:

@@ -653,6 +653,85 @@ def test_a_bad_file_names_file_and_tensor_and_commits_nothing(tmp_path: Path) ->
             repo.import_safetensors(src / "a.safetensors", prefix="safetensors")
 
 
+@pytest.mark.parametrize(("info", "message"), [
+    ({"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}, r"unknown dtype \['F32'\]"),
+    ({"dtype": "F32", "shape": [1] * 100, "data_offsets": [0, 4]}, "shape of 100 dimensions: .* at most 64"),
+    ({"dtype": "F32", "shape": [1] * 10_000, "data_offsets": [0, 4]}, "shape of 10000 dimensions"),
+    ({"dtype": "F32", "shape": [2**63, 2**63, 0], "data_offsets": [0, 0]}, "overflows 64 bits"),
+    ({"dtype": "U8", "shape": [2**62, 2, 0], "data_offsets": [0, 0]}, r"shape \[.*\] is larger than any"),
+])
+def test_an_import_of_a_hostile_header_names_file_and_tensor(
+    tmp_path: Path, info: Any, message: str
+) -> None:
+    """issue #40: a dtype that is a list raised TypeError, and these shapes numpy's ValueError."""
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"good": np.ones(5, np.float32)}, src / "a.safetensors")
+    header = json.dumps({"bad": info}).encode()
+    size = info["data_offsets"][1]
+    (src / "b.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(size))
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        with pytest.raises(SafetensorsError, match=message) as raised:
+            repo.import_safetensors(src, ref="m")
+        assert raised.value.file == str(src / "b.safetensors") and raised.value.tensor == "bad"
+        assert repo.refs() == {} and len(repo.blocks) == 0
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("dtype", ["<f4"], r"stored dtype \['<f4'\] is not a name"),
+    ("dtype", {"name": "<f4"}, "stored dtype .* is not a name"),
+    ("shape", 2, "stored shape 2 is not a list"),
+    ("shape", ["2"], r"stored shape \['2'\] is not a list"),
+    ("shape", [1] * 65, "is not a list of at most 64 sizes"),
+])
+@pytest.mark.parametrize("path", [None, "model"])
+def test_an_export_of_a_hostile_record_names_file_and_tensor_and_writes_nothing(
+    tmp_path: Path, field: str, value: Any, message: str, path: str | None,
+) -> None:
+    """issue #40: a stored dtype that is a list or map, a shape that is an int or holds strings,
+    raised TypeError (the record is data, not trusted)."""
+    from cas_ckpt.codec import Link, Tagged
+
+    save_file({"a": np.ones(3, np.float32), "w": np.ones(2, np.float32)}, tmp_path / "in.safetensors")
+    with cas_ckpt.open("memory://") as repo:
+        repo.import_safetensors(tmp_path / "in.safetensors")
+        state = repo.load("main")
+        array = {"dtype": "<f4", "shape": [2], "data": bytes(8), field: value}
+        node = cas_ckpt.codec.encode(Tagged(hf.NDARRAY, array))
+        with repo.blocks.writer() as writer:
+            writer.put(repo.hasher.node(node), node)
+        state["model"]["w"] = Link(repo.hasher.node(node))
+        repo.save(state, ref="hostile")
+        out = tmp_path / "out" / "x.safetensors"
+        with pytest.raises(SafetensorsError, match=message) as raised:
+            repo.export_safetensors("hostile", out, path=path)
+    # The file named: the one re-created (an exact re-export), or the one being written.
+    assert raised.value.tensor == "w"
+    assert raised.value.file == ("in.safetensors" if path is None else str(out))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_export_of_a_file_name_holding_nul_writes_nothing(tmp_path: Path) -> None:
+    """issue #40: a NUL byte in a stored file name raised ValueError, after the files before it
+    were written; an export that fails now leaves nothing at all."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    save_file({"w": np.ones(3, np.float32)}, folder / "model.safetensors")
+    (folder / "config.json").write_text("{}")
+    with cas_ckpt.open("memory://") as repo:
+        repo.import_safetensors(folder)
+        state = repo.load("main")
+        state["safetensors"]["blobs"]["z\0.txt"] = b"x"
+        repo.save(state, ref="evil")
+        with pytest.raises(SafetensorsError, match="NUL byte"):
+            repo.export_safetensors("evil", tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        (tmp_path / "existing").mkdir()
+        with pytest.raises(SafetensorsError, match="NUL byte"):
+            repo.export_safetensors("evil", tmp_path / "existing" / "deeper")
+        assert list((tmp_path / "existing").iterdir()) == []
+
+
 def test_a_name_in_two_files_of_a_folder_is_refused(tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
     save_file({"w": np.ones(5000, np.float32), "v": np.ones(3)}, tmp_path / "src" / "a.safetensors")
