@@ -538,9 +538,11 @@ class Repository:
         cid = self.refs_store.get(check_ref_name(old))
         if cid is None:
             raise RefNotFound(old)
-        with self.refs_store.lock(exclusive=False):
-            self._move_ref(check_ref_name(new), None, cid, f"rename from {old}")
-        if not self.refs_store.remove_if_equals(old, cid, message=f"rename to {new}"):
+        with self._writing():
+            with self.refs_store.lock(exclusive=False):
+                self._move_ref(check_ref_name(new), None, cid, f"rename from {old}")
+            moved = self.refs_store.remove_if_equals(old, cid, message=f"rename to {new}")
+        if not moved:
             actual = self.refs_store.get(old)
             raise RefConflict(old, cidlib.to_str(cid), cidlib.to_str(actual) if actual else None)
         return cidlib.to_cid(cid)
