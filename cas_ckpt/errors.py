@@ -6,6 +6,7 @@ Lookup failures also subclass KeyError and parse failures ValueError, so generic
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Self
 
 __all__ = [
@@ -203,11 +204,32 @@ class InvalidRefName(RefError, ValueError):
 
 
 class RefNotFound(RefError, KeyError):
-    """The ref does not exist."""
+    """The ref does not exist (nor a reflog of it). Given the refs that do exist (``existing``),
+    the message names them: the nearest to ``name`` first (a typo?), at most ten."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(f"ref {name!r} not found")
+    SHOWN = 10
+
+    def __init__(self, name: str, existing: list[str] | None = None) -> None:
+        super().__init__(f"ref {name!r} not found{_refs_hint(name, existing)}")
         self.ref = name
+        self.existing = existing
+
+
+def _refs_hint(name: str, existing: list[str] | None) -> str:
+    if existing is None:
+        return ""
+    if not existing:
+        return "; the repository has no refs"
+    close = difflib.get_close_matches(name, existing, n=3, cutoff=0.7)
+    if len(existing) <= 1000:  # the nearest first; past that, by name (a ratio each costs)
+        ordered = sorted(existing, key=lambda ref: (-difflib.SequenceMatcher(None, name, ref).ratio(), ref))
+    else:
+        ordered = [*close, *sorted(set(existing) - set(close))]
+    shown = ordered[: RefNotFound.SHOWN]
+    more = len(ordered) - len(shown)
+    listed = ", ".join(shown) + (f" and {more} more" if more else "")
+    guess = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return f"{guess} (refs here: {listed})"
 
 
 class AncestorNotFound(RefNotFound):

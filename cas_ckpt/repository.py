@@ -363,7 +363,15 @@ class Repository:
         if target.startswith(_CID_START) or (len(target) > 40 and target[:1] == "b"):
             raise InvalidCID(f"{target!r} is neither a ref nor a valid CID: {error}") from None
         check_ref_name(target)
-        raise RefNotFound(target) from None
+        raise self._no_ref(target) from None
+
+    def _no_ref(self, name: str) -> RefNotFound:
+        """The error for a ref that is not there, naming those that are (nearest first)."""
+        try:
+            existing = list(self.refs_store.names())
+        except CasCkptError:  # a damaged ref store: the error at hand is still this one
+            existing = None
+        return RefNotFound(name, existing)
 
     def _ancestor(self, target: str, cid: bytes, depth: int) -> bytes:
         """The ``depth``-th first-parent ancestor of commit ``cid`` (``target`` names it)."""
@@ -504,8 +512,12 @@ class Repository:
         return result
 
     def reflog(self, ref: str = "main") -> list[ReflogEntry]:
-        """Every update of ``ref``, oldest first."""
-        return self.refs_store.reflog(check_ref_name(ref))
+        """Every update of ``ref``, oldest first (:class:`RefNotFound` if there is neither the
+        ref nor a reflog of it)."""
+        entries = self.refs_store.reflog(check_ref_name(ref))
+        if not entries and self.refs_store.get(ref) is None:
+            raise self._no_ref(ref)
+        return entries
 
     def set_ref(self, ref: str, target: Target, *, expected: Target | None = None) -> CID:
         """Point ``ref`` at ``target`` (compare-and-swap against ``expected`` when given)."""
@@ -520,7 +532,7 @@ class Repository:
         """Delete ``ref`` (only if it still holds ``expected``, when given)."""
         old = self._resolve(expected) if expected is not None else self.refs_store.get(ref)
         if old is None:
-            raise RefNotFound(ref)
+            raise self._no_ref(ref)
         with self._writing():
             removed = self.refs_store.remove_if_equals(ref, old, message="delete")
         if not removed:
@@ -537,7 +549,7 @@ class Repository:
         self._check_writable()
         cid = self.refs_store.get(check_ref_name(old))
         if cid is None:
-            raise RefNotFound(old)
+            raise self._no_ref(old)
         with self._writing():
             with self.refs_store.lock(exclusive=False):
                 self._move_ref(check_ref_name(new), None, cid, f"rename from {old}")
@@ -681,7 +693,7 @@ class Repository:
     def _head(self, ref: str) -> bytes:
         head = self.refs_store.get(check_ref_name(ref))
         if head is None:
-            raise RefNotFound(ref)
+            raise self._no_ref(ref)
         return head
 
     def export_car(

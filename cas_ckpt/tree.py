@@ -420,7 +420,8 @@ class TreeWriter:
             return self._linked(value, path)
         if kind is Encoded:
             return value
-        raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}")
+        raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}"
+                             + _state_dict_hint(value))
 
     def _mark(self, container: Any, items: Any) -> Any:
         """``container``, noted to get a node of its own if its small arrays get blocks."""
@@ -661,6 +662,33 @@ class TreeWriter:
         cid = self.hasher.node(data)
         self.writer.put(cid, data)
         return cid
+
+
+# torch's classes whose objects hold state but are not state (what each is, what to call it),
+# recognised by name so that torch is never imported.
+_STATEFUL = {
+    ("torch.nn.modules.module", "Module"): ("a torch.nn.Module", "model"),
+    ("torch.optim.optimizer", "Optimizer"): ("a torch optimizer", "optimizer"),
+    ("torch.optim.lr_scheduler", "LRScheduler"): ("a learning-rate scheduler", "scheduler"),
+    ("torch.optim.lr_scheduler", "_LRScheduler"): ("a learning-rate scheduler", "scheduler"),
+    ("torch.amp.grad_scaler", "GradScaler"): ("a gradient scaler", "scaler"),
+}
+
+
+def _state_dict_hint(value: Any) -> str:
+    """For an object that has a ``state_dict()`` (a model, an optimizer): save that instead."""
+    found = next((_STATEFUL[key] for c in type(value).__mro__
+                  if (key := (c.__module__, c.__name__)) in _STATEFUL), None)
+    if found is None:
+        try:
+            has = callable(getattr(value, "state_dict", None))
+        except Exception:  # an attribute lookup of an arbitrary object: only a hint is at stake
+            has = False
+        if not has:
+            return ""
+        found = ("an object with a state_dict() method", "obj")
+    what, name = found
+    return f": it is {what}; save its state_dict() instead (e.g. {{{name!r}: {name}.state_dict()}})"
 
 
 def _release(plan: Any) -> None:
