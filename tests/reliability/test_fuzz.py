@@ -346,23 +346,23 @@ def test_deep_link_chains_are_refused_not_overflowed() -> None:
 # Memory bombs: in a child with an address-space limit and a timeout
 # ----------------------------------------------------------------------------------------------
 def test_memory_bombs_under_an_address_space_limit() -> None:
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [PYTHON, str(HERE / "_bomb_child.py")], capture_output=True, text=True, env=child_env(), timeout=300
+    proc = subprocess.run(  # the timeout catches a hang; the CPU time each case took, the work
+        [PYTHON, str(HERE / "_bomb_child.py")], capture_output=True, text=True, env=child_env(), timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     bad = {case: outcome for case, outcome in results.items() if not outcome.startswith(("ours:", "ok"))}
     assert not bad, f"not a cas_ckpt error: {bad}"
-    slow = {case: outcome for case, outcome in results.items() if float(outcome.rsplit(" ", 1)[1]) > 30}
+    seconds = {case: float(outcome.rsplit(" ", 1)[1]) for case, outcome in results.items()}
+    slow = {case: results[case] for case, cpu in seconds.items() if cpu > 30}
     assert not slow, f"took too long: {slow}"
+    assert sum(seconds.values()) < 120, results
     # Trees that expand far beyond their stored bytes are refused as such, whatever memory is left.
     expanding = {case: outcome for case, outcome in results.items()
                  if case.endswith(("repeated_small_pages", "repeated_subtree_nodes"))}
     assert len(expanding) == 5, results
     assert all(o.startswith("ours:ExpansionLimit") for o in expanding.values()), expanding
     _count("memory_bombs", len(results))
-    assert time.perf_counter() - started < 240
 
 
 # ----------------------------------------------------------------------------------------------
