@@ -880,8 +880,9 @@ class TreeReader:
         more than the process could ever get (Linux overcommits: past that it would be killed)."""
         self.allocated += nbytes
         if self.allocated > memory_limit():
-            raise OutOfMemory(f"{what} would bring this read to {self.allocated} bytes, more than "
-                              f"this machine can hold ({memory_limit()} bytes of memory and swap)")
+            raise OutOfMemory(f"cannot allocate {nbytes} bytes for {what}: this read would hold "
+                              f"{self.allocated}, more than the {memory_limit()} bytes of memory "
+                              "and swap this machine has")
 
     # -- navigation ----------------------------------------------------------------------------
     def resolve(self, value: Any, depth: int = 0) -> Any:
