@@ -372,7 +372,7 @@ ST_DTYPES = st.one_of(
     st.sampled_from(list(hf.DTYPES)),
     st.sampled_from(["f32", "", "F32 ", "BF16\0", "__proto__"]),
     st.lists(st.sampled_from(["F32", "U8"]), max_size=2),
-    st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+    st.dictionaries(st.text(max_size=2), st.integers(-5, 5), max_size=1),
     st.integers(-1, 2**64 - 1), st.none(), st.booleans(), st.floats(),
 )
 ST_SHAPES = st.one_of(
