@@ -275,6 +275,9 @@ def flocked(
     if fd is None:
         yield False
         return
+    if fd == _NO_LOCK_FILE:
+        yield True  # a reader on a medium it cannot write, where no lock file exists to share
+        return
     try:
         yield True
     finally:
@@ -305,11 +308,21 @@ def still_names(path: Path, fd: int) -> bool:
     return _names(path, fd)
 
 
+_NO_LOCK_FILE = -1  # _lock: a shared lock needs no file where none exists and none can be made
+
+
 def _lock(path: Path, mode: int, blocking: bool, timeout: float | None) -> int | None:
-    """A descriptor of ``path`` holding the lock, or None if it could not be had in time."""
+    """A descriptor of ``path`` holding the lock, or None if it could not be had in time.
+
+    A shared lock (a reader's) on a medium this process cannot write (a read-only mount, a
+    repository another user owns) locks the file opened read-only: ``flock`` needs no write
+    access. Where the file is missing there and cannot be made, it is :data:`_NO_LOCK_FILE`.
+    """
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        fd = _open_lock_file(path)
+        fd = _open_lock_file(path, read_only_ok=mode == fcntl.LOCK_SH)
+        if fd is None:
+            return _NO_LOCK_FILE
         try:
             if blocking and deadline is None:
                 got = _flock(fd, mode, path)
@@ -374,7 +387,7 @@ def _flock_within(fd: int, mode: int, path: Path, timeout: float) -> bool:
     return True
 
 
-def _open_lock_file(path: Path) -> int:
+def _open_lock_file(path: Path, *, read_only_ok: bool = False) -> int | None:
     try:
         # O_NONBLOCK: opening a FIFO planted there must not wait for a writer.
         fd = open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK)
@@ -383,7 +396,12 @@ def _open_lock_file(path: Path) -> int:
             raise CorruptStore(path, "lock file is not a regular file") from None
         if exc.errno == errno.ENOTDIR:
             raise CorruptStore(path.parent, "is not a directory") from None
-        raise
+        if not (read_only_ok and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)):
+            raise
+        try:
+            fd = open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CorruptStore(path, "lock file is not a regular file")

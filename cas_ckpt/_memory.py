@@ -1,11 +1,13 @@
-"""Memory: fresh pages made resident in one call before a copy (:func:`prefault`), and the
-cyclic garbage collector paused while many acyclic objects are made (:func:`cyclic_gc_paused`)."""
+"""Memory: fresh pages made resident in one call before a copy (:func:`prefault`), the
+cyclic garbage collector paused while many acyclic objects are made (:func:`cyclic_gc_paused`),
+and the most memory this process could ever get (:func:`memory_limit`)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import errno
+import functools
 import gc
 import mmap
 import os
@@ -51,6 +53,68 @@ def prefault(out: memoryview) -> None:
     failed = end > start and call(start, end - start, MADV_POPULATE_WRITE) != 0
     if failed and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):
         _madvise = None  # an older kernel: every later call would fail the same way
+
+
+@functools.cache
+def memory_limit() -> int:
+    """Bytes this process could ever hold: physical memory plus swap, or less where its cgroup
+    (v2: a container's ``memory.max`` and ``memory.swap.max``) allows less.
+
+    Linux overcommits: allocations past this all succeed, and the process is killed once it
+    touches them. A reader refuses more than this up front instead (``tree.TreeReader``).
+    """
+    fields = {}
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            fields[name] = int(rest.split()[0]) * 1024  # kB
+    total = fields.get("MemTotal", 0) + fields.get("SwapTotal", 0)
+    if not total:
+        try:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return sys.maxsize
+    return min(total, _cgroup_limit())
+
+
+def _cgroup_limit() -> int:
+    """The memory and swap this process's cgroup allows (v2, or v1's memory controller; at its
+    own path, or at the root where a container sees only its own), or sys.maxsize."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return sys.maxsize
+    found = sys.maxsize
+    for _, controllers, path in (parts for parts in lines if len(parts) == 3):
+        if controllers == "":  # v2: memory.max plus memory.swap.max
+            names, base = ("memory.max", "memory.swap.max"), "/sys/fs/cgroup"
+        elif "memory" in controllers.split(","):  # v1: memory.memsw.limit_in_bytes holds both
+            names, base = ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"), "/sys/fs/cgroup/memory"
+        else:
+            continue
+        for where in (base + path, base):
+            limits = [_read_limit(f"{where}/{name}") for name in names]
+            if limits[0] is not None:
+                v1 = names[0].endswith("in_bytes")
+                both = limits[1] if v1 and limits[1] is not None else limits[0] + (limits[1] or 0)
+                found = min(found, both)
+                break
+    return found
+
+
+def _read_limit(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return sys.maxsize
+    try:
+        return min(int(text), sys.maxsize)
+    except ValueError:
+        return None
 
 
 _gc_pause_lock = threading.Lock()

@@ -27,12 +27,13 @@ from multiformats import CID
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
-from cas_ckpt.blocks.base import BlockStore, BlockWriter
+from cas_ckpt.blocks.base import MAX_BLOCK, BlockStore, BlockWriter, size_limit
 from cas_ckpt.codec import Link
 from cas_ckpt.errors import CarError, CasCkptError, InvalidCID
 from cas_ckpt.maintenance.walk import child_links, data_blocks, float_chunks
 
-MAX_SECTION = 8 * 1024 * 1024  # our blocks are at most 1 MiB; anything far larger is hostile
+# A section holds a CID (36-37 bytes) and a block: every block a repository can hold fits.
+MAX_SECTION = MAX_BLOCK + 64
 MAX_HEADER = 1024 * 1024
 MAX_ROOTS = 1024
 CID_TAG = 42
@@ -301,6 +302,10 @@ def _iter_blocks(src: _Stream) -> Iterator[tuple[bytes, bytes, int]]:
         name = cidlib.to_str(cid)
         if cid in seen:
             raise CarError(f"duplicate block {name}", offset=offset)
+        if len(data) > size_limit(cid):  # a repository could not hold it (docs/format.md, "Block sizes")
+            kind = "node" if cidlib.is_node(cid) else "raw chunk"
+            raise CarError(f"block {name} is a {kind} of {len(data)} bytes, over the "
+                           f"{size_limit(cid)} a {kind} may hold", offset=offset)
         if not cidlib.matches(cid, data):
             raise CarError(f"corrupt block {name}: content does not match its hash", offset=offset)
         seen.add(cid)

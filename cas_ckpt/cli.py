@@ -773,7 +773,7 @@ def cmd_unpin(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    with open_repo(args, write=True) as repo, Progress("gc") as bar:
+    with open_repo(args, write=not args.dry_run) as repo, Progress("gc") as bar:
         report = repo.gc(
             grace=args.grace, reflog_expiry=args.reflog_expiry, dry_run=args.dry_run,
             progress=lambda phase, n: bar.update(f"{phase} {n} blocks"),

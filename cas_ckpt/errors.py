@@ -6,6 +6,7 @@ Lookup failures also subclass KeyError and parse failures ValueError, so generic
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Self
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "AmbiguousPath",
     "AncestorNotFound",
     "BlockNotFound",
+    "BlockTooLarge",
     "CarError",
     "CasCkptError",
     "CheckpointExists",
@@ -21,6 +23,7 @@ __all__ = [
     "CorruptBlock",
     "CorruptStore",
     "DecodeError",
+    "ExpansionLimit",
     "GraphCycleError",
     "InvalidCID",
     "InvalidRefName",
@@ -103,6 +106,29 @@ def _decode_error(message: str, cid: str | None, path: str) -> DecodeError:
     return DecodeError(message, cid=cid, path=path)
 
 
+class ExpansionLimit(DecodeError):
+    """A tree expands to far more than it is stored in: its nodes or pages are linked so many
+    times that reading would multiply them (a decompression bomb; ``docs/format.md``, "Reading a
+    tree"). Names the node (``cid``) and the path inside the state; ``expanded`` and ``stored``
+    are the bytes of nodes used and read, ``floor`` the limit's floor."""
+
+    def __init__(self, expanded: int, stored: int, floor: int, cid: str | None, path: str = "") -> None:
+        super().__init__(
+            f"the tree expands to over {expanded} bytes of nodes from {stored} bytes stored (a node "
+            f"or page linked that many times; at most max({floor}, 4 x stored) is read): set "
+            "CAS_CKPT_MAX_EXPANSION to a byte count to read more", cid=cid, path=path)
+        self.expanded = expanded
+        self.stored = stored
+        self.floor = floor
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_expansion_limit, (self.expanded, self.stored, self.floor, self.cid, self.path))
+
+
+def _expansion_limit(expanded: int, stored: int, floor: int, cid: str | None, path: str) -> ExpansionLimit:
+    return ExpansionLimit(expanded, stored, floor, cid, path)
+
+
 class OutOfMemory(CasCkptError, MemoryError):
     """Loading needs more memory than the process can get; names the size and what needed it.
 
@@ -118,6 +144,18 @@ class BlockNotFound(CasCkptError, KeyError):
     def __init__(self, cid: object, hint: str = "") -> None:
         super().__init__(f"block {cid} not found{hint}")
         self.cid = str(cid)
+
+
+class BlockTooLarge(CasCkptError, ValueError):
+    """A block is larger than any reader accepts (``docs/format.md``, "Block sizes"): refused
+    before it is stored. ``cid``, ``size`` and ``limit`` say which, how large, and the bound."""
+
+    def __init__(self, cid: object, kind: str, size: int, limit: int) -> None:
+        super().__init__(f"block {cid} is a {kind} of {size} bytes; a {kind} holds at most {limit} "
+                         "(docs/format.md, \"Block sizes\")")
+        self.cid = str(cid)
+        self.size = size
+        self.limit = limit
 
 
 class CorruptBlock(CasCkptError):
@@ -180,11 +218,32 @@ class InvalidRefName(RefError, ValueError):
 
 
 class RefNotFound(RefError, KeyError):
-    """The ref does not exist."""
+    """The ref does not exist (nor a reflog of it). Given the refs that do exist (``existing``),
+    the message names them: the nearest to ``name`` first (a typo?), at most ten."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(f"ref {name!r} not found")
+    SHOWN = 10
+
+    def __init__(self, name: str, existing: list[str] | None = None) -> None:
+        super().__init__(f"ref {name!r} not found{_refs_hint(name, existing)}")
         self.ref = name
+        self.existing = existing
+
+
+def _refs_hint(name: str, existing: list[str] | None) -> str:
+    if existing is None:
+        return ""
+    if not existing:
+        return "; the repository has no refs"
+    close = difflib.get_close_matches(name, existing, n=3, cutoff=0.7)
+    if len(existing) <= 1000:  # the nearest first; past that, by name (a ratio each costs)
+        ordered = sorted(existing, key=lambda ref: (-difflib.SequenceMatcher(None, name, ref).ratio(), ref))
+    else:
+        ordered = [*close, *sorted(set(existing) - set(close))]
+    shown = ordered[: RefNotFound.SHOWN]
+    more = len(ordered) - len(shown)
+    listed = ", ".join(shown) + (f" and {more} more" if more else "")
+    guess = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return f"{guess} (refs here: {listed})"
 
 
 class AncestorNotFound(RefNotFound):

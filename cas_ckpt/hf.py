@@ -18,6 +18,7 @@ writes (``docs/format.md``, "safetensors imports")::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -38,13 +39,15 @@ from cas_ckpt import _fs, codec
 from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import Link, Tagged
-from cas_ckpt.errors import SafetensorsError, StateTypeError
+from cas_ckpt.errors import DecodeError, SafetensorsError, StateTypeError
 from cas_ckpt.paths import select
 from cas_ckpt.tree import (
     BLOB,
+    MAX_DIMS,
     MAX_LINKS,
     NDARRAY,
     TUPLE,
+    Encoded,
     TreeReader,
     TreeWriter,
     float_size,
@@ -210,10 +213,13 @@ def _entry(name: str, info: Any, where: str) -> Entry:
     if not isinstance(info, dict):
         raise SafetensorsError(where, "tensor info is not a JSON object", tensor=name)
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise SafetensorsError(where, f"unknown dtype {dtype!r}", tensor=name)
     if not isinstance(shape, list) or not all(_uint(d) for d in shape):
         raise SafetensorsError(where, f"shape {shape!r} is not a list of sizes", tensor=name)
+    if _overflows(shape, DTYPES[dtype][0]):
+        raise SafetensorsError(where, f"shape of {len(shape)} dimensions overflows 64 bits as "
+                               "safetensors counts elements (left to right)", tensor=name)
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_uint(o) for o in offsets):
         raise SafetensorsError(where, f"data_offsets {offsets!r} is not two offsets", tensor=name)
     return Entry(name, dtype, tuple(shape), offsets[0], offsets[1])
@@ -221,6 +227,17 @@ def _entry(name: str, info: Any, where: str) -> Entry:
 
 def _uint(value: Any) -> bool:
     return type(value) is int and 0 <= value < 2**64
+
+
+def _overflows(shape: list[int], bits: int) -> bool:
+    """safetensors' own check (``Metadata::validate``): the element count, multiplied out left to
+    right, and then its bits, each fit 64 bits (so ``[2**63, 2**63, 0]`` is refused)."""
+    count = 1
+    for size in shape:
+        count *= size
+        if count >= 2**64:
+            return True
+    return count * bits >= 2**64
 
 
 def write_header(
@@ -262,7 +279,7 @@ def import_tree(tree: TreeWriter, src: str | os.PathLike[str], *, prefix: str) -
         header = _import_file(tree, base / rel, tensors, _key_prefix(rel))
         records.append({"path": rel, "header": header})
     layout = {"version": LAYOUT_VERSION, "prefix": prefix, "folder": folder, "files": records,
-              "blobs": {rel: _read_blob(base / rel) for rel in blobs}}
+              "blobs": {rel: _write_blob(tree, base / rel) for rel in blobs}}
     return tree.write({prefix: tensors, LAYOUT: layout})
 
 
@@ -289,9 +306,10 @@ def _key_prefix(rel: str) -> str:
     return "" if parent == "." else parent + "/"
 
 
-def _read_blob(path: Path) -> bytes:
+def _write_blob(tree: TreeWriter, path: Path) -> bytes | Encoded:
+    """A folder's other file, streamed (an optimizer.pt beside the model can be gigabytes)."""
     with open(path, "rb") as f:
-        return f.read()
+        return tree.write_blob(f)
 
 
 def _import_file(tree: TreeWriter, path: Path, tensors: dict[str, Link], key_prefix: str) -> bytes:
@@ -313,7 +331,7 @@ def _import_file(tree: TreeWriter, path: Path, tensors: dict[str, Link], key_pre
                                    "too", tensor=entry.name)
         start = header.data_start + entry.begin
         data = view[start : header.data_start + entry.end]
-        tensors[key] = Link(_write_tensor(tree, entry, data, mapped, start))
+        tensors[key] = Link(_write_tensor(tree, entry, data, mapped, start, where))
         data.release()
     view.release()
     mapped.close()
@@ -321,11 +339,12 @@ def _import_file(tree: TreeWriter, path: Path, tensors: dict[str, Link], key_pre
 
 
 def _write_tensor(tree: TreeWriter, entry: Entry, data: memoryview, mapped: mmap.mmap,
-                  start: int) -> bytes:
+                  start: int, where: str) -> bytes:
     """Store one tensor as an array node; return the node's CID."""
     name = DTYPES[entry.dtype][1]
     dtype = parse_dtype(name)
     shape = [data.nbytes] if entry.dtype in PACKED else list(entry.shape)
+    _check_shape(shape, dtype.itemsize, where, entry.name)
     if data.nbytes <= WINDOW:
         array = np.frombuffer(data, dtype=dtype).reshape(shape)
         cid = tree.write(array)
@@ -334,6 +353,16 @@ def _write_tensor(tree: TreeWriter, entry: Entry, data: memoryview, mapped: mmap
         cid = _write_large(tree, name, shape, data, mapped, start)
     _drop(mapped, start, data.nbytes)
     return cid
+
+
+def _check_shape(shape: list[int], itemsize: int, where: str, tensor: str) -> None:
+    """A shape an array can have (numpy's limits, which the tree keeps on load too): at most
+    64 dimensions, and its nonzero sizes times the item size within a signed 64-bit size."""
+    if len(shape) > MAX_DIMS:
+        raise SafetensorsError(where, f"shape of {len(shape)} dimensions: an array has at most "
+                               f"{MAX_DIMS}", tensor=tensor)
+    if math.prod(d for d in shape if d) * itemsize >= 2**63:
+        raise SafetensorsError(where, f"shape {shape} is larger than any array", tensor=tensor)
 
 
 def _write_large(tree: TreeWriter, dtype: str, shape: list[int], data: memoryview,
@@ -418,12 +447,14 @@ class _Tensor:
 
 
 class _Exporter:
-    def __init__(self, store: BlockStore, pool: Executor, verify: bool | None) -> None:
+    def __init__(self, store: BlockStore, pool: Executor, verify: bool | None, where: str) -> None:
         self.reader = TreeReader(store, pool, verify=verify, tensor_factory=lambda array, _: array)
         self.store = store
         self.pool = pool
+        self.where = where  # what errors in the checkpoint's records name: the export's target
         self.buffers: list[np.ndarray[Any, Any] | None] = [None, None]
         self.report = SafetensorsReport()
+        self.staged = _Staged()
 
     # -- reading the state -----------------------------------------------------------------------
     def leaves(self, value: Any, path: str, base: str, tensors: list[_Tensor],
@@ -435,6 +466,8 @@ class _Exporter:
                 self.leaves(item, _join(path, key), _join(base, key), tensors, metadata)
         elif isinstance(value, list) or (isinstance(value, Tagged) and value.code == TUPLE):
             items = value if isinstance(value, list) else value.value
+            if not isinstance(items, list):
+                raise DecodeError("malformed tuple: expected a list", path=base)
             for i, item in enumerate(items):
                 self.leaves(item, _join(path, i), _join(base, i), tensors, metadata)
         elif isinstance(value, Tagged) and value.code == NDARRAY:
@@ -451,13 +484,12 @@ class _Exporter:
     def tensor(self, value: Tagged, name: str, path: str) -> _Tensor:
         if not name:
             raise StateTypeError(path or "(root)", "a tensor needs a name: export a dict of tensors")
-        header = value.value
-        dtype = _EXPORT_DTYPE.get(header.get("dtype"))
+        stored, shape = _stored_array(value, self.where, name)
+        dtype = _EXPORT_DTYPE.get(stored)
         if dtype is None:
-            raise StateTypeError(path or name, f"dtype {header.get('dtype')} has no safetensors dtype")
-        shape = tuple(header.get("shape", ()))
-        nbytes = math.prod(shape) * parse_dtype(header["dtype"]).itemsize
-        return _Tensor(name, dtype, shape, nbytes, value, path or name)
+            raise StateTypeError(path or name, f"dtype {stored} has no safetensors dtype")
+        nbytes = math.prod(shape) * parse_dtype(stored).itemsize
+        return _Tensor(name, dtype, tuple(shape), nbytes, value, path or name)
 
     # -- writing ---------------------------------------------------------------------------------
     def write_file(self, out: _Sink, raw: bytes, tensors: list[_Tensor]) -> None:
@@ -468,17 +500,37 @@ class _Exporter:
         """
         out.write(len(raw).to_bytes(8, "little"))
         out.write(raw)
+        self._stream(out, self._jobs(tensors))
+        self.report.bytes += 8 + len(raw) + sum(t.nbytes for t in tensors)
+        self.report.tensors += len(tensors)
+
+    def write_blob(self, out: _Sink, value: bytes | Tagged, name: str) -> None:
+        """Write one of a folder's other files (``value`` from :func:`_stored_files`): its
+        chunks a window at a time, as tensors are, never the whole file at once."""
+        if isinstance(value, bytes):
+            out.write(value)
+            self.report.bytes += len(value)
+            return
+        size = value.value.get("size")
+        cids = self.reader._chunk_links(value.value)
+        sizes = [self.store.size(c) for c in cids]
+        if sum(sizes) != size:
+            raise SafetensorsError(name, f"its chunks hold {sum(sizes)} bytes, the file {size}")
+        self._stream(out, (([cids[i] for i in group], [sizes[i] for i in group])
+                           for group in _groups(sizes, READ_WINDOW)))
+        self.report.bytes += size
+
+    def _stream(self, out: _Sink, jobs: Iterator[tuple[list[bytes], list[int]] | memoryview]) -> None:
+        """Write what ``jobs`` name, in order, reading each while the one before is written."""
         with ThreadPoolExecutor(1, thread_name_prefix="cas_ckpt-export") as ahead:
             current: Future[memoryview] | None = None
-            for slot, job in enumerate(self._jobs(tensors)):
+            for slot, job in enumerate(jobs):
                 following = self._start(job, slot % 2, ahead)
                 if current is not None:
                     out.write(current.result())
                 current = following
             if current is not None:
                 out.write(current.result())
-        self.report.bytes += 8 + len(raw) + sum(t.nbytes for t in tensors)
-        self.report.tensors += len(tensors)
 
     def _jobs(self, tensors: list[_Tensor]) -> Iterator[tuple[list[bytes], list[int]] | memoryview]:
         """Windows of chunks to read, or bytes converted in memory (inline, Fortran, big-endian)."""
@@ -517,6 +569,22 @@ class _Exporter:
         return ahead.submit(read)
 
 
+def _stored_array(value: Tagged, where: str, name: str) -> tuple[str, list[int]]:
+    """The dtype name and shape of a stored array, checked (the checkpoint is data, not trusted):
+    :class:`SafetensorsError` naming the export and the tensor if either is malformed."""
+    header = value.value
+    if not isinstance(header, dict):
+        raise SafetensorsError(where, "the stored array's header is not a map", tensor=name)
+    dtype, shape = header.get("dtype"), header.get("shape")
+    if not isinstance(dtype, str):
+        raise SafetensorsError(where, f"the stored dtype {dtype!r} is not a name", tensor=name)
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
+            and all(type(d) is int and 0 <= d < 2**63 for d in shape)):
+        raise SafetensorsError(where, f"the stored shape {shape!r} is not a list of at most "
+                               f"{MAX_DIMS} sizes", tensor=name)
+    return dtype, shape
+
+
 def _groups(sizes: list[int], limit: int) -> Iterator[list[int]]:
     """Indices of consecutive chunks, in groups of at most ``limit`` bytes (one chunk at least)."""
     group: list[int] = []
@@ -550,10 +618,23 @@ def export(
     """
     started = time.perf_counter()
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
-    exporter = _Exporter(store, pool, verify)
+    target = Path(out)
+    exporter = _Exporter(store, pool, verify, str(target))
+    try:
+        _export(exporter, tree, target, path, limit, tied)
+        exporter.staged.commit()
+    except BaseException:
+        exporter.staged.abort()
+        raise
+    exporter.report.seconds = time.perf_counter() - started
+    return exporter.report
+
+
+def _export(exporter: _Exporter, tree: bytes, target: Path, path: str | None, limit: int | None,
+            tied: bool) -> None:
+    """Everything :func:`export` does but putting the files in place."""
     reader = exporter.reader
     root = reader.resolve(Link(tree))
-    target = Path(out)
     layout = _layout(reader, root) if path is None else None
     if layout is not None and limit is None:
         _export_layout(exporter, root, layout, target)
@@ -562,7 +643,7 @@ def export(
         if path is not None:
             selection = select(reader, Link(tree), path, cidlib.to_str(tree))
             value, base = selection.value, selection.path
-        blobs: dict[str, bytes] = {}
+        blobs: dict[str, bytes | Tagged] = {}
         metadata: dict[str, str] = {}
         tensors: list[_Tensor] = []
         if layout is not None:  # re-sharding an import: its tensors, its other files
@@ -578,29 +659,48 @@ def export(
         if tied:
             tensors = _untie(tensors, metadata)
         _export_tensors(exporter, tensors, metadata or None, target, limit, blobs)
-    exporter.report.seconds = time.perf_counter() - started
-    return exporter.report
 
 
 def _layout(reader: TreeReader, root: Any) -> dict[str, Any] | None:
     """The layout record of an imported checkpoint, or None for any other state."""
     if not isinstance(root, dict) or LAYOUT not in root:
         return None
-    layout = reader.load(root[LAYOUT])
-    if not isinstance(layout, dict) or layout.get("version") != LAYOUT_VERSION:
+    record = reader.resolve(root[LAYOUT])
+    if not isinstance(record, dict):
+        return None
+    blobs = record.get("blobs")  # the other files are streamed, never loaded (write_blob)
+    layout = reader.load({key: value for key, value in record.items() if key != "blobs"})
+    if layout.get("version") != LAYOUT_VERSION:
         return None
     prefix = layout.get("prefix")
     if not isinstance(prefix, str) or prefix not in root:
         return None
-    files, blobs = layout.get("files"), layout.get("blobs")
-    if not (isinstance(files, list) and files and isinstance(blobs, dict)
+    files = layout.get("files")
+    blobs = layout["blobs"] = _stored_files(reader, blobs)
+    if not (isinstance(files, list) and files and blobs is not None
             and isinstance(layout.get("folder"), bool)
             and all(isinstance(f, dict) and isinstance(f.get("path"), str)
-                    and isinstance(f.get("header"), bytes) for f in files)
-            and all(isinstance(k, str) and isinstance(v, bytes) for k, v in blobs.items())):
+                    and isinstance(f.get("header"), bytes) for f in files)):
         raise SafetensorsError(LAYOUT, "the layout record of this import is malformed "
                                "(docs/format.md, \"safetensors imports\"); pass path= to export its tensors")
     return layout
+
+
+def _stored_files(reader: TreeReader, value: Any) -> dict[str, bytes | Tagged] | None:
+    """An import's other files by path, each as stored (bytes, or a blob not yet read), or
+    None if the record is malformed."""
+    files = reader.resolve(value)
+    if not isinstance(files, dict):
+        return None
+    found: dict[str, bytes | Tagged] = {}
+    for name, stored in files.items():
+        stored = reader.resolve(stored)
+        if not isinstance(name, str) or not (isinstance(stored, bytes) or (
+                isinstance(stored, Tagged) and stored.code == BLOB and isinstance(stored.value, dict)
+                and not stored.value.get("str"))):
+            return None
+        found[name] = stored
+    return found
 
 
 def _common_metadata(layout: dict[str, Any]) -> dict[str, str]:
@@ -630,14 +730,14 @@ def _export_layout(exporter: _Exporter, root: dict[Any, Any], layout: dict[str, 
                 raise SafetensorsError(rel, "the checkpoint lacks this tensor", tensor=entry.name)
             value = exporter.reader.resolve(stored[key])
             tensors.append(_check_entry(exporter, value, entry, f"{layout['prefix']}.{key}", rel))
-        _atomic(target if single else target / rel,
-                lambda f, raw=raw, tensors=tensors: exporter.write_file(f, raw, tensors))
+        exporter.staged.write(target if single else target / rel,
+                              lambda f, raw=raw, tensors=tensors: exporter.write_file(f, raw, tensors))
         exporter.report.files.append(str(target if single else target / rel))
     if not single:
         for rel, data in layout["blobs"].items():
-            _atomic(target / _safe_relative(rel), lambda f, data=data: f.write(data))
+            exporter.staged.write(target / _safe_relative(rel),
+                                  lambda f, rel=rel, data=data: exporter.write_blob(f, data, rel))
             exporter.report.files.append(str(target / rel))
-            exporter.report.bytes += len(data)
     exporter.report.exact = True
 
 
@@ -645,18 +745,18 @@ def _check_entry(exporter: _Exporter, value: Any, entry: Entry, path: str, rel: 
     """The stored tensor for a header entry; it must still have the entry's dtype and size."""
     if not (isinstance(value, Tagged) and value.code == NDARRAY):
         raise SafetensorsError(rel, f"{path} is not an array", tensor=entry.name)
-    header = value.value
+    stored, stored_shape = _stored_array(value, rel, entry.name)
     expected = DTYPES[entry.dtype][1]
     shape = [entry.end - entry.begin] if entry.dtype in PACKED else list(entry.shape)
-    if header.get("dtype") != expected or header.get("shape") != shape:
-        raise SafetensorsError(rel, f"{path} is now {header.get('dtype')} {header.get('shape')}, the "
+    if stored != expected or stored_shape != shape:
+        raise SafetensorsError(rel, f"{path} is now {stored} {stored_shape}, the "
                                f"file's header says {entry.dtype} {list(entry.shape)}: pass path= "
                                "to write a new header", tensor=entry.name)
     return _Tensor(entry.name, entry.dtype, entry.shape, entry.end - entry.begin, value, path)
 
 
 def _export_tensors(exporter: _Exporter, tensors: list[_Tensor], metadata: dict[str, str] | None,
-                    target: Path, limit: int | None, blobs: dict[str, bytes]) -> None:
+                    target: Path, limit: int | None, blobs: dict[str, bytes | Tagged]) -> None:
     """Write tensors as save_file does: one file, or shards and an index as transformers does."""
     seen: dict[str, str] = {}
     for tensor in tensors:
@@ -677,8 +777,8 @@ def _export_tensors(exporter: _Exporter, tensors: list[_Tensor], metadata: dict[
     for name, shard in zip(names, shards, strict=True):
         raw, ordered = write_header([(t.name, t.dtype, t.shape, t.nbytes) for t in shard], metadata)
         by_name = {t.name: t for t in shard}
-        _atomic(folder / name, lambda f, raw=raw, ordered=ordered, by_name=by_name: exporter.write_file(
-            f, raw, [by_name[t[0]] for t in ordered]))
+        exporter.staged.write(folder / name, lambda f, raw=raw, ordered=ordered, by_name=by_name:
+                              exporter.write_file(f, raw, [by_name[t[0]] for t in ordered]))
         exporter.report.files.append(str(folder / name))
     if len(shards) > 1:
         index = {"metadata": {"total_parameters": sum(math.prod(t.shape) for t in tensors),
@@ -686,10 +786,11 @@ def _export_tensors(exporter: _Exporter, tensors: list[_Tensor], metadata: dict[
                  "weight_map": {t.name: name for name, shard in zip(names, shards, strict=True)
                                 for t in shard}}
         data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
-        _atomic(folder / INDEX, lambda f: f.write(data))
+        exporter.staged.write(folder / INDEX, lambda f: f.write(data))
         exporter.report.files.append(str(folder / INDEX))
     for rel, data in blobs.items():
-        _atomic(folder / _safe_relative(rel), lambda f, data=data: f.write(data))
+        exporter.staged.write(folder / _safe_relative(rel),
+                              lambda f, rel=rel, data=data: exporter.write_blob(f, data, rel))
         exporter.report.files.append(str(folder / rel))
 
 
@@ -756,6 +857,8 @@ def _safe_relative(rel: str) -> str:
     parts = PurePosixPath(rel).parts
     if not parts or rel.startswith("/") or "\\" in rel or any(p in ("..", ".", "") for p in parts):
         raise SafetensorsError(rel, "file name in the checkpoint leaves the export folder")
+    if "\0" in rel:
+        raise SafetensorsError(repr(rel), "file name in the checkpoint holds a NUL byte")
     return rel
 
 
@@ -776,20 +879,40 @@ class _Sink:
             self.written_back = self.size
 
 
-def _atomic(path: Path, write: Callable[[_Sink], Any]) -> None:
-    """Write a file under a temporary name beside it, fsync, rename into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(name)
-    try:
+class _Staged:
+    """The files of one export: each written under a temporary name beside its place and
+    fsynced, and all renamed into place only once every one is complete. An export that fails
+    (a malformed record, a missing block, a full disk) leaves nothing: no file, and no folder
+    it made."""
+
+    def __init__(self) -> None:
+        self.files: list[tuple[Path, Path]] = []  # (temporary, destination)
+        self.folders: list[Path] = []  # made by this export, outermost first
+
+    def write(self, path: Path, write: Callable[[_Sink], Any]) -> None:
+        missing = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.folders += reversed(missing)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        self.files.append((Path(name), path))
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
             write(_Sink(f))
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644 & ~_umask())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        os.chmod(name, 0o644 & ~_umask())
+
+    def commit(self) -> None:
+        for tmp, path in self.files:
+            os.replace(tmp, path)
+        self.files = []
+
+    def abort(self) -> None:
+        for tmp, _ in self.files:
+            tmp.unlink(missing_ok=True)
+        for folder in reversed(self.folders):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if nothing else was put there meanwhile
+        self.files, self.folders = [], []
 
 
 def _umask() -> int:

@@ -44,6 +44,7 @@ from cas_ckpt.errors import (
     CorruptBlock,
     DecodeError,
     LeaseHeld,
+    MediumError,
     RefConflict,
     ReplicationFailed,
     RepositoryError,
@@ -53,6 +54,7 @@ from cas_ckpt.errors import (
     UnknownMetric,
 )
 from cas_ckpt.refs import check_ref_name
+from cas_ckpt.refs.base import Lease
 from cas_ckpt.repository import Commit, Repository, SaveReport, Target
 from cas_ckpt.tree import MAX_DEPTH, dtype_name, is_tensor, join_path
 from cas_ckpt.two_tier import ReplicationLag, Replicator, Retention
@@ -154,7 +156,7 @@ class CheckpointManager:
         self.preempted_at: int | None = None  # the step at which reached_preemption said True
         # The ranks of one torch.distributed job are one writer: rank 0 holds the run's lease.
         writer = not repo.read_only and _rank() == 0
-        self._lease = repo.refs_store.lease(self.ref, takeover=takeover) if writer else None
+        self._lease = self._take_lease(takeover) if writer else None
         if self._lease is not None:  # an unclosed manager gives its run back when collected
             self._release_lease = weakref.finalize(self, self._lease.release)
         self._replicator: Replicator | None = None
@@ -168,6 +170,17 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.ref!r} in {self.repo!r}>"
+
+    def _take_lease(self, takeover: bool) -> Lease:
+        try:
+            return self.repo.refs_store.lease(self.ref, takeover=takeover)
+        except MediumError:
+            raise
+        except OSError as exc:  # a read-only medium (EROFS), a repository of another user
+            where = self.repo.location or self.repo
+            raise MediumError(f"a checkpoint manager of {self.ref!r} cannot write to {where} (it exists "
+                              "to save; to restore from a repository it cannot write, open it with "
+                              "read_only=True)", exc) from exc
 
     # -- queries -------------------------------------------------------------------------------
     def steps(self) -> list[int]:

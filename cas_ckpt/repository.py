@@ -31,7 +31,7 @@ from cas_ckpt.blocks.base import BlockStore, BlockWriter, WriteStats
 from cas_ckpt.blocks.compression import SETTINGS, check_setting
 from cas_ckpt.blocks.http import HttpBlockStore
 from cas_ckpt.blocks.packed import LocalStore, MemoryStore, S3Store
-from cas_ckpt.codec import Link
+from cas_ckpt.codec import MAX_NODE_SIZE, Link
 from cas_ckpt.commit import Commit, encode_commit, is_commit, parse_commit
 from cas_ckpt.errors import (
     AmbiguousCID,
@@ -127,6 +127,10 @@ class Transaction:
         """Store the commit node of a checkpoint of ``tree``; return its binary CID."""
         node = encode_commit(tree, parents, step=step, time=time.time(), metadata=metadata,
                              message=message)
+        if len(node) > MAX_NODE_SIZE:  # no reader would decode it (docs/format.md, "Block sizes")
+            raise StateTypeError("metadata", f"the commit of metadata and message takes {len(node)} "
+                                 f"bytes, over the {MAX_NODE_SIZE} a node may hold: store large "
+                                 "values in the state")
         cid = self.repo.hasher.node(node)
         self.blocks.put(cid, node)
         return cid
@@ -364,7 +368,15 @@ class Repository:
         if target.startswith(_CID_START) or (len(target) > 40 and target[:1] == "b"):
             raise InvalidCID(f"{target!r} is neither a ref nor a valid CID: {error}") from None
         check_ref_name(target)
-        raise RefNotFound(target) from None
+        raise self._no_ref(target) from None
+
+    def _no_ref(self, name: str) -> RefNotFound:
+        """The error for a ref that is not there, naming those that are (nearest first)."""
+        try:
+            existing = list(self.refs_store.names())
+        except CasCkptError:  # a damaged ref store: the error at hand is still this one
+            existing = None
+        return RefNotFound(name, existing)
 
     def _ancestor(self, target: str, cid: bytes, depth: int) -> bytes:
         """The ``depth``-th first-parent ancestor of commit ``cid`` (``target`` names it)."""
@@ -527,8 +539,12 @@ class Repository:
         return result
 
     def reflog(self, ref: str = "main") -> list[ReflogEntry]:
-        """Every update of ``ref``, oldest first."""
-        return self.refs_store.reflog(check_ref_name(ref))
+        """Every update of ``ref``, oldest first (:class:`RefNotFound` if there is neither the
+        ref nor a reflog of it)."""
+        entries = self.refs_store.reflog(check_ref_name(ref))
+        if not entries and self.refs_store.get(ref) is None:
+            raise self._no_ref(ref)
+        return entries
 
     def set_ref(self, ref: str, target: Target, *, expected: Target | None = None) -> CID:
         """Point ``ref`` at ``target`` (compare-and-swap against ``expected`` when given)."""
@@ -543,7 +559,7 @@ class Repository:
         """Delete ``ref`` (only if it still holds ``expected``, when given)."""
         old = self._resolve(expected) if expected is not None else self.refs_store.get(ref)
         if old is None:
-            raise RefNotFound(ref)
+            raise self._no_ref(ref)
         with self._writing():
             removed = self.refs_store.remove_if_equals(ref, old, message="delete")
         if not removed:
@@ -560,10 +576,12 @@ class Repository:
         self._check_writable()
         cid = self.refs_store.get(check_ref_name(old))
         if cid is None:
-            raise RefNotFound(old)
-        with self.refs_store.lock(exclusive=False):
-            self._move_ref(check_ref_name(new), None, cid, f"rename from {old}")
-        if not self.refs_store.remove_if_equals(old, cid, message=f"rename to {new}"):
+            raise self._no_ref(old)
+        with self._writing():
+            with self.refs_store.lock(exclusive=False):
+                self._move_ref(check_ref_name(new), None, cid, f"rename from {old}")
+            moved = self.refs_store.remove_if_equals(old, cid, message=f"rename to {new}")
+        if not moved:
             actual = self.refs_store.get(old)
             raise RefConflict(old, cidlib.to_str(cid), cidlib.to_str(actual) if actual else None)
         return cidlib.to_cid(cid)
@@ -738,7 +756,7 @@ class Repository:
     def _head(self, ref: str) -> bytes:
         head = self.refs_store.get(check_ref_name(ref))
         if head is None:
-            raise RefNotFound(ref)
+            raise self._no_ref(ref)
         return head
 
     def export_car(

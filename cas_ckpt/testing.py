@@ -34,11 +34,12 @@ from multiformats import CID
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends.base import Backend, Read
-from cas_ckpt.blocks.base import BlockStore
+from cas_ckpt.blocks.base import MAX_CHUNK, BlockStore
 from cas_ckpt.blocks.compression import CODEC_GROUPED, CODEC_NONE, CODEC_ZSTD
 from cas_ckpt.blocks.pack import PACK_MAGIC, PACK_MAGIC_V2
 from cas_ckpt.blocks.packed import PackedBlockStore
-from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, RepositoryError
+from cas_ckpt.codec import MAX_NODE_SIZE
+from cas_ckpt.errors import BlockNotFound, BlockTooLarge, CorruptBlock, CorruptStore, RepositoryError
 from cas_ckpt.refs import MemoryRefStore
 from cas_ckpt.repository import Repository
 
@@ -142,6 +143,19 @@ class BlockStoreTests:
         store.put(cid, data)
         assert store.get(cid) == data
         assert store.size(cid) == len(data)
+
+    def test_blocks_no_reader_accepts_are_never_stored(self, store: BlockStore) -> None:
+        """A chunk over 1 MiB and a node over the node limit (docs/format.md, "Block sizes")."""
+        chunk = raw_block(5, MAX_CHUNK + 1)
+        node = b"\xc4" + b"\0"  # a node's bytes are not decoded on the way in: any will do
+        big = node * ((MAX_NODE_SIZE + 2) // 2)
+        for cid, data in (chunk, (_SHA.node(big), big)):
+            with pytest.raises(BlockTooLarge, match=cidlib.to_str(cid)):
+                store.put(cid, data)
+            with pytest.raises(BlockTooLarge), store.writer() as writer:
+                writer.put_many([(cid, memoryview(data), None)])
+            assert not store.has(cid)
+        assert list(store.keys()) == []
 
     def test_put_rejects_bytes_that_do_not_match(self, store: BlockStore) -> None:
         cid, data = raw_block(4)

@@ -29,12 +29,13 @@ import collections
 import functools
 import itertools
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 from fastcdc.fastcdc_cy import fastcdc_cy
@@ -42,13 +43,14 @@ from multiformats import CID
 
 from cas_ckpt import _small, codec
 from cas_ckpt import cid as cidlib
-from cas_ckpt._memory import cyclic_gc_paused
+from cas_ckpt._memory import cyclic_gc_paused, memory_limit
 from cas_ckpt._small import SmallArray
-from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
+from cas_ckpt.blocks.base import MAX_CHUNK, BlockStore, BlockWriter, Stored
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import (
     CorruptBlock,
     DecodeError,
+    ExpansionLimit,
     InvalidCID,
     MapLocationError,
     OutOfMemory,
@@ -57,12 +59,12 @@ from cas_ckpt.errors import (
 
 TUPLE, BIGINT, NDARRAY, BLOB, SCALAR, PAGES, CID_VALUE = 1, 2, 3, 4, 5, 6, 7
 
-MAX_CHUNK = 1024 * 1024  # IPFS moves blocks of at most 1 MiB
 INLINE_LIMIT = 16 * 1024  # arrays and bytes up to this size live inside their node (but see _small)
 SPLIT_LIMIT = 64 * 1024  # containers whose encoding is larger get a node of their own
 PAGE_LIMIT = MAX_CHUNK - 64  # nodes are cut into pages below this size
 MAX_LINKS = 16384  # chunk links kept in one descriptor before they move into link pages
 MAX_DEPTH = 256
+MAX_DIMS = 64  # numpy's (and so a loaded array's) most dimensions
 FILLS_IN_FLIGHT = 4  # arrays being read at once during a load
 HASH_AHEAD = 8 * 1024 * 1024  # chunk bytes hashed ahead of the one being written (see _HashAhead)
 # Where the pool hashes 16 chunks of one length at once, each hashing thread (the pool's and the
@@ -74,9 +76,18 @@ HASH_AHEAD_GROUPED = (cidlib.POOL_THREADS + 1) * GROUP_LEAD + 2 * 1024 * 1024
 # at least 64 KiB of structure, or a page of ~1 MiB); a hostile DAG whose nodes each link twice to
 # the one below would otherwise expand to 2**depth reads (a "billion laughs").
 MAX_NODE_READS = 1 << 18
+# The bytes of nodes and pages a read expands (each counted as often as it is linked) may exceed
+# the distinct bytes it read only by this factor, beyond a floor (docs/format.md, "Reading a
+# tree"). A writer links one node or page twice only where the state repeats a value whose
+# encoding is over 64 KiB (pages: ~1 MiB): a 4 MB node linking one 1,000-item page 100,000 times
+# expanded to 100 million items (203 s, 1.6 GB). Items take a byte at least, so this bounds them.
+EXPANSION_FACTOR = 4
+EXPANSION_FLOOR = 16 * 1024 * 1024  # 16 million items at most; ~5 s to load as Nones
+EXPANSION_ENV = "CAS_CKPT_MAX_EXPANSION"  # another floor, in bytes (a state that needs more)
 MAX_KEY = 64 * 1024
 MAX_BIGINT_BYTES = 64 * 1024
 CDC_MIN, CDC_AVG, CDC_MAX = 64 * 1024, 256 * 1024, MAX_CHUNK
+BLOB_WINDOW = 16 * 1024 * 1024  # bytes of a streamed byte string held at once (write_blob)
 
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _NUMPY_DTYPE = re.compile(r"^[<>|](b1|[iu][1248]|f[248]|c(8|16))$")
@@ -195,6 +206,16 @@ def join_path(path: str, key: object) -> str:
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
+class Encoded:
+    """A value already written and encoded (:meth:`TreeWriter.write_blob`): a state holding it
+    is stored with these bytes in its place, exactly as the value they encode would be."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
 @dataclass
 class _Chunked:
     """A value cut into chunks being hashed (and, for a compressing writer, encoded)."""
@@ -396,7 +417,10 @@ class TreeWriter:
             return self._cid_value(value, path)
         if kind is Link:
             return self._linked(value, path)
-        raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}")
+        if kind is Encoded:
+            return value
+        raise StateTypeError(path, f"cannot save a value of type {kind.__module__}.{kind.__name__}"
+                             + _state_dict_hint(value))
 
     def _mark(self, container: Any, items: Any) -> Any:
         """``container``, noted to get a node of its own if its small arrays get blocks."""
@@ -517,6 +541,8 @@ class TreeWriter:
             return self._write_small(value)
         if isinstance(value, _Chunked):
             return self._write_chunked(value)
+        if type(value) is Encoded:
+            return value.data
         if type(value) is int and not _INT64_MIN <= value <= _UINT64_MAX:
             return codec.encode(Tagged(BIGINT, _bigint_bytes(value)))
         return self._pack(value)
@@ -568,14 +594,57 @@ class TreeWriter:
             cids.append(cid)
         header = dict(plan.header)
         blob = header.pop("_blob")
+        plan.chunks, plan.hashes, plan.owner = [], [], None
+        return self._chunked_value(BLOB if blob else NDARRAY, header, cids)
+
+    def _chunked_value(self, code: int, header: dict[str, Any], cids: list[bytes]) -> bytes:
+        """The encoding of an array or blob whose chunks are written: its links in ``chunks``,
+        or in link pages past :data:`MAX_LINKS`."""
         links = [Link(c) for c in cids]
         if len(links) > MAX_LINKS:
             pages = [links[i : i + MAX_LINKS] for i in range(0, len(links), MAX_LINKS)]
             header["chunk_pages"] = [Link(self._put_node(codec.encode(p))) for p in pages]
         else:
             header["chunks"] = links
-        plan.chunks, plan.hashes, plan.owner = [], [], None
-        return codec.encode(Tagged(BLOB if blob else NDARRAY, header))
+        return codec.encode(Tagged(code, header))
+
+    def write_blob(self, source: BinaryIO, *, window: int = BLOB_WINDOW) -> bytes | Encoded:
+        """The bytes ``source`` holds (read to its end) as a value of a state to :meth:`write`:
+        byte for byte what ``write`` stores for those bytes (a blob of FastCDC chunks, or inline
+        when short), reading ``window`` bytes at a time and holding at most a chunk more.
+
+        Returns the bytes themselves when short, else an :class:`Encoded` blob whose chunks are
+        written now.
+        """
+        first = source.read(INLINE_LIMIT + 1)
+        if len(first) <= INLINE_LIMIT:
+            return first
+        window = max(window, CDC_MAX)  # a chunk at least: each read cuts what it completes
+        pending, cids, size = bytearray(first), [], len(first)
+        while True:
+            more = source.read(window)
+            pending += more
+            size += len(more)
+            view = memoryview(pending)
+            cuts = list(fastcdc_cy(view, CDC_MIN, CDC_AVG, CDC_MAX, False, None))
+            # A chunk's cut depends only on its own bytes; the last one may be cut short by the
+            # end of what was read so far, so it waits for more (the next read starts with it).
+            if more:
+                cuts.pop()
+            chunks = [view[c.offset : c.offset + c.length] for c in cuts]
+            for chunk, (cid, stored) in zip(chunks, self.pool.map(self._digest, chunks, itertools.repeat(0)),
+                                            strict=True):
+                self.writer.put(cid, chunk, stored=stored)  # written or copied: the buffer is reused
+                cids.append(cid)
+            done = sum(c.nbytes for c in chunks)
+            for chunk in chunks:
+                chunk.release()
+            view.release()
+            del pending[:done]
+            if not more:
+                break
+        self.logical_bytes += size
+        return Encoded(self._chunked_value(BLOB, {"size": size}, cids))
 
     def _write_small(self, value: SmallArray | np.ndarray[Any, Any]) -> bytes:
         encoded = self._small.encoding(value, self.writer)
@@ -592,6 +661,33 @@ class TreeWriter:
         cid = self.hasher.node(data)
         self.writer.put(cid, data)
         return cid
+
+
+# torch's classes whose objects hold state but are not state (what each is, what to call it),
+# recognised by name so that torch is never imported.
+_STATEFUL = {
+    ("torch.nn.modules.module", "Module"): ("a torch.nn.Module", "model"),
+    ("torch.optim.optimizer", "Optimizer"): ("a torch optimizer", "optimizer"),
+    ("torch.optim.lr_scheduler", "LRScheduler"): ("a learning-rate scheduler", "scheduler"),
+    ("torch.optim.lr_scheduler", "_LRScheduler"): ("a learning-rate scheduler", "scheduler"),
+    ("torch.amp.grad_scaler", "GradScaler"): ("a gradient scaler", "scaler"),
+}
+
+
+def _state_dict_hint(value: Any) -> str:
+    """For an object that has a ``state_dict()`` (a model, an optimizer): save that instead."""
+    found = next((_STATEFUL[key] for c in type(value).__mro__
+                  if (key := (c.__module__, c.__name__)) in _STATEFUL), None)
+    if found is None:
+        try:
+            has = callable(getattr(value, "state_dict", None))
+        except Exception:  # an attribute lookup of an arbitrary object: only a hint is at stake
+            has = False
+        if not has:
+            return ""
+        found = ("an object with a state_dict() method", "obj")
+    what, name = found
+    return f": it is {what}; save its state_dict() instead (e.g. {{{name!r}: {name}.state_dict()}})"
 
 
 def _release(plan: Any) -> None:
@@ -750,6 +846,10 @@ class TreeReader:
         self._arena: list[Any] = [None, 0, 0]
         self.node_reads = 0
         self.mapped = self.copied = 0  # arrays an mmap load mapped, and those it had to copy
+        # What this reader expanded: node bytes read (each distinct node once), node and page
+        # bytes used (each as often as linked), and bytes allocated for arrays and byte strings.
+        self._distinct: set[bytes] = set()
+        self.stored_bytes = self.expanded_bytes = self.allocated = 0
 
     def node(self, cid: bytes) -> Any:
         self.node_reads += 1
@@ -759,7 +859,29 @@ class TreeReader:
                 "many times that loading multiplies them (cas_ckpt never writes such a tree)",
                 cid=cidlib.to_str(cid),
             )
-        return codec.decode(self.store.get(cid, verify=self.verify), cid=cid)
+        data = self.store.get(cid, verify=self.verify)
+        if cid not in self._distinct:
+            self._distinct.add(cid)
+            self.stored_bytes += len(data)
+        self.expand(len(data), cid)
+        return codec.decode(data, cid=cid)
+
+    def expand(self, size: int, cid: bytes) -> None:
+        """Count ``size`` bytes of node ``cid`` used once more: :class:`ExpansionLimit` (before
+        it is decoded or joined) when the tree expands far beyond the bytes it is stored in."""
+        self.expanded_bytes += size
+        if self.expanded_bytes > EXPANSION_FACTOR * self.stored_bytes \
+                and self.expanded_bytes > (floor := expansion_floor()):
+            raise ExpansionLimit(self.expanded_bytes, self.stored_bytes, floor, cidlib.to_str(cid))
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` about to be allocated: :class:`OutOfMemory` once a read would hold
+        more than the process could ever get (Linux overcommits: past that it would be killed)."""
+        self.allocated += nbytes
+        if self.allocated > memory_limit():
+            raise OutOfMemory(f"cannot allocate {nbytes} bytes for {what}: this read would hold "
+                              f"{self.allocated}, more than the {memory_limit()} bytes of memory "
+                              "and swap this machine has")
 
     # -- navigation ----------------------------------------------------------------------------
     def resolve(self, value: Any, depth: int = 0) -> Any:
@@ -813,6 +935,7 @@ class TreeReader:
         this returns.
         """
         self._waits, self._futures = [], []
+        self.allocated = 0  # what this load holds (a reader used again has freed its last ones)
         small = self._small = _small.SmallReads(self.store, self.pool, self.verify, self._filler)
         failed = True
         try:
@@ -947,7 +1070,7 @@ class TreeReader:
             return [chunks[0].cid]  # one chunk: every small array given a block of its own
         if "chunk_pages" in header:
             links: list[Any] = []
-            pages = _Pages(self)  # a page repeated is decoded once
+            pages = _Pages(self, expands=False)  # a page repeated is decoded once
             for page in _seq(header["chunk_pages"], "chunk_pages"):
                 links.extend(_seq(pages.get(_link(page).cid), "chunk page"))
         else:
@@ -999,8 +1122,8 @@ class TreeReader:
         shape = header.get("shape")
         if not _valid_shape(shape):
             raise DecodeError(f"malformed array shape {shape!r}")
-        if len(shape) > 64:
-            raise DecodeError("array has more than 64 dimensions")
+        if len(shape) > MAX_DIMS:
+            raise DecodeError(f"array has more than {MAX_DIMS} dimensions")
         order = header.get("order", "C")
         if order not in ("C", "F"):
             raise DecodeError(f"unknown array order {order!r}")
@@ -1017,7 +1140,7 @@ class TreeReader:
             mapping = self.mmap
             # Allocate first: a declared size the process cannot hold fails here, before any
             # chunk link page is read (one chunk repeated can declare terabytes in a small node).
-            out = None if mapping or nbytes <= INLINE_LIMIT else _allocate(nbytes, shape)
+            out = None if mapping or nbytes <= INLINE_LIMIT else self._allocate(nbytes, shape)
             cids = self._chunk_links(header)
             if not mapping and len(cids) == 1 and nbytes <= INLINE_LIMIT and self._small \
                     and (kind == "numpy" or (self.tensor_factory is None and self.map_location is None)):
@@ -1034,11 +1157,16 @@ class TreeReader:
                 self.mapped += 1
             else:
                 self.copied += mapping
-                flat = out if out is not None else _allocate(nbytes, shape)
+                flat = out if out is not None else self._allocate(nbytes, shape)
                 # A tensor moved to map_location is copied at once: its bytes must be there.
                 later = kind == "numpy" or (self.tensor_factory is None and self.map_location is None)
                 self._fill(cids, sizes, memoryview(flat), later=later)
         return self._shaped(flat, dtype, shape, order, header)
+
+    def _allocate(self, nbytes: int, shape: list[int]) -> np.ndarray[Any, Any]:
+        if nbytes > INLINE_LIMIT:  # smaller ones: bounded by the nodes holding them (expand)
+            self.reserve(nbytes, f"an array of shape {shape}")
+        return _allocate(nbytes, shape)
 
     def _load_small(self, header: dict[str, Any]) -> np.ndarray[Any, Any] | None:
         """The usual small array at once: a header of exactly dtype, shape, chunk_size and one
@@ -1052,7 +1180,7 @@ class TreeReader:
         dtype = _PARSED.get(name) if type(name) is str else None
         if dtype is None or id(dtype) not in _BUFFER_DTYPES or "chunk_size" not in header \
                 or type(chunks) is not list or len(chunks) != 1 or type(chunks[0]) is not Link \
-                or not _valid_shape(shape) or len(shape) > 64:
+                or not _valid_shape(shape) or len(shape) > MAX_DIMS:
             return None
         nbytes = math.prod(shape) * dtype.itemsize
         if not 0 < nbytes <= INLINE_LIMIT:
@@ -1113,6 +1241,7 @@ class TreeReader:
             raise DecodeError("malformed blob size")
         if size > sys.maxsize:
             raise DecodeError(f"blob of {size} bytes is larger than any buffer")
+        self.reserve(size, f"a byte string of {size} bytes")
         try:
             buffer = bytearray(size)  # first: a size the process cannot hold fails here
         except MemoryError:
@@ -1131,17 +1260,35 @@ class TreeReader:
 
 
 class _Pages:
-    """Decoded page nodes of one container or one chunk list, each decoded once."""
+    """Decoded page nodes of one container or one chunk list, each decoded once.
 
-    def __init__(self, reader: TreeReader) -> None:
+    ``expands``: a page used again counts as expanding the tree (:meth:`TreeReader.expand`). A
+    chunk list's pages do not: the array's declared size bounds them, allocated first.
+    """
+
+    def __init__(self, reader: TreeReader, *, expands: bool = True) -> None:
         self.reader = reader
-        self.seen: dict[bytes, Any] = {}
+        self.expands = expands
+        self.seen: dict[bytes, tuple[Any, int]] = {}
 
     def get(self, cid: bytes) -> Any:
-        page = self.seen.get(cid)
-        if page is None:
-            page = self.seen[cid] = self.reader.node(cid)
+        found = self.seen.get(cid)
+        if found is None:
+            before = self.reader.expanded_bytes
+            page = self.reader.node(cid)
+            self.seen[cid] = (page, self.reader.expanded_bytes - before)
+            return page
+        page, size = found
+        if self.expands:  # joined again as if read again: counted as a read, and its bytes
+            self.reader.node_reads += 1
+            self.reader.expand(size, cid)
         return page
+
+
+def expansion_floor() -> int:
+    """The expansion floor: ``$CAS_CKPT_MAX_EXPANSION`` bytes if set, else :data:`EXPANSION_FLOOR`."""
+    given = os.environ.get(EXPANSION_ENV, "").strip()
+    return int(given) if given.isdigit() else EXPANSION_FLOOR
 
 
 def _allocate(nbytes: int, shape: list[int]) -> np.ndarray[Any, Any]:

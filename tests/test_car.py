@@ -332,6 +332,15 @@ def test_trailing_garbage_and_hostile_sections(
     assert_rejected(memory_repo, small_car + suffix, match)
 
 
+def test_a_block_no_repository_holds_is_refused(small_car: bytes, memory_repo: Any) -> None:
+    """A raw chunk over 1 MiB (a section allows 64 MiB, for nodes) would be stored in a pack that
+    every reader then refuses as damaged (docs/format.md, "Block sizes"): the import refuses it."""
+    block = b"\x01" * ((1 << 20) + 1)
+    cid = cidlib.Hasher().raw(block)
+    assert_rejected(memory_repo, small_car + uvarint(len(cid) + len(block)) + cid + block,
+                    rf"block {cidlib.to_str(cid)} is a raw chunk of {len(block)} bytes, over the 1048576")
+
+
 def _header_case(cbor: bytes) -> bytes:
     return uvarint(len(cbor)) + cbor
 

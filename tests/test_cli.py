@@ -296,6 +296,8 @@ def test_init(run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     ("argv", "code", "message"),
     [
         (("log", "nope"), cli.EXIT_NOT_FOUND, "ref 'nope' not found"),
+        (("log", "mian"), cli.EXIT_NOT_FOUND, "ref 'mian' not found; did you mean 'main'? (refs here: main"),
+        (("reflog", "mian"), cli.EXIT_NOT_FOUND, "ref 'mian' not found; did you mean 'main'?"),
         (("show", "b" + "a" * 58), cli.EXIT_USAGE, "neither a ref nor a valid CID"),
         (("cat", "QmYwAPJzv5CZsnA625s3Xf2nemtYgPpHdWEz79ojWnPbdG"), cli.EXIT_USAGE, "CIDv0"),
         (("cat", "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"), cli.EXIT_NOT_FOUND,

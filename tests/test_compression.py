@@ -27,6 +27,7 @@ from strategies import states
 
 import cas_ckpt
 from cas_ckpt.blocks import pack as pack_module
+from cas_ckpt.blocks.base import MAX_BLOCK, MAX_CHUNK, size_limit
 from cas_ckpt.blocks.compression import (
     CODEC_GROUPED,
     CODEC_NONE,
@@ -47,6 +48,7 @@ from cas_ckpt.blocks.pack import (
     index_length,
     parse_index,
 )
+from cas_ckpt.codec import MAX_NODE_SIZE
 from cas_ckpt.errors import CorruptStore, RepositoryError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,7 +169,8 @@ def test_a_zstd_frame_declaring_more_than_its_block_is_corrupt_before_it_is_infl
 
 
 # -- the pack index, versions 1 and 2 -------------------------------------------------------------
-cids = st.builds(lambda b: cas_ckpt.cid.Hasher("sha2-256").raw(b), st.binary(max_size=8))
+HASHER = cas_ckpt.cid.Hasher("sha2-256")
+cids = st.builds(HASHER.raw, st.binary(max_size=8)) | st.builds(HASHER.node, st.binary(max_size=8))
 
 
 @st.composite
@@ -176,7 +179,7 @@ def indexes(draw: st.DrawFn, version: int) -> list[Entry]:
     for cid in draw(st.lists(cids, max_size=20)):
         length = draw(st.integers(0, 5000))
         codec = CODEC_NONE if version == 1 else draw(st.sampled_from(CODECS))
-        size = length if codec == CODEC_NONE else draw(st.integers(0, 10**9))
+        size = length if codec == CODEC_NONE else draw(st.integers(0, size_limit(cid)))
         entries.append(Entry(cid, offset, length, codec, size))
         offset += length
     return entries
@@ -191,6 +194,34 @@ def test_pack_indexes_round_trip(data: st.DataObject, version: int) -> None:
     if entries:
         with pytest.raises(CorruptStore, match="index entry"):
             parse_index(tail, end + len(tail), "p", 3 - version)  # the other version's arity
+
+
+@pytest.mark.parametrize("kind, limit", [("raw", MAX_CHUNK), ("node", MAX_NODE_SIZE)])
+@pytest.mark.parametrize("claim", [1, 2, 2**30, 3 * 2**30, 2**40, 2**63])
+def test_an_index_claiming_a_raw_length_no_writer_makes_is_damage(kind: str, limit: int, claim: int) -> None:
+    """issue #40: a raw length had no bound, so an entry claiming 1 TiB was a bare MemoryError
+    and one claiming 3 GiB allocated 3 GiB for a 100-byte block. Chunks are at most 1 MiB, nodes
+    at most the node limit: a larger claim is refused when the index is read, naming the pack."""
+    cid = getattr(HASHER, kind)(b"block")
+    entries = [Entry(HASHER.raw(b"a"), len(PACK_MAGIC), 100, CODEC_ZSTD, 4096),
+               Entry(cid, len(PACK_MAGIC) + 100, 100, CODEC_ZSTD, limit + claim - 1)]
+    tail, _ = encode_index(entries, 2)
+    size = len(PACK_MAGIC) + 200 + len(tail)
+    if claim == 1:  # exactly at the bound: a block some writer could make
+        assert parse_index(tail, size, "p.pack", 2) == entries
+        return
+    with pytest.raises(CorruptStore, match=rf"corrupt p.pack: index entry of {cas_ckpt.cid.to_str(cid)} "
+                       rf"claims a .* of {limit + claim - 1} bytes, over the {limit}"):
+        parse_index(tail, size, "p.pack", 2)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_decoding_never_allocates_past_the_largest_block(codec: int) -> None:
+    """``decode`` sized its output by the claimed raw length before any check (issue #40)."""
+    frame = zstandard.ZstdCompressor().compress(b"\0" * 1000)
+    for size in (MAX_BLOCK + 1, 2**40):
+        with pytest.raises(CorruptStore, match=rf"corrupt pack p: .*raw length of {size} bytes"):
+            decode(codec, frame, size, "pack p")
 
 
 @given(rows=st.lists(st.tuples(cids | st.binary(min_size=30, max_size=40), st.integers(0, 10**6),

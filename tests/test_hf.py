@@ -7,6 +7,7 @@ decides the shards a sharded export must produce.
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from safetensors import TensorSpec, deserialize, serialize
 from safetensors.numpy import save_file
@@ -434,6 +435,51 @@ def test_import_and_export_memory_stays_well_under_the_file_size(tmp_path: Path)
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "big.safetensors").read_bytes()
 
 
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_a_folders_other_files_stream_in_and_out(tmp_path: Path) -> None:
+    """issue #40: a 1 GiB optimizer.pt beside model.safetensors (a Trainer's checkpoint folder)
+    peaked at 1.07 GB on import and 2.09 GB on export: the folder's other files were read
+    whole. Peak RSS growth of a separate process importing, then exporting, a 200 MiB one."""
+    folder = tmp_path / "checkpoint-500"
+    folder.mkdir()
+    save_file({"w": np.arange(1000, dtype=np.float32)}, folder / "model.safetensors")
+    size = 200 << 20
+    with open(folder / "optimizer.pt", "wb") as f:
+        rng = np.random.default_rng(7)
+        for _ in range(size >> 24):
+            f.write(rng.bytes(1 << 24))
+    (folder / "trainer_state.json").write_text('{"global_step": 500}')
+    cas_ckpt.open(tmp_path / "repo").close()
+    for verb, target in (("import", folder), ("export", tmp_path / "out")):
+        done = subprocess.run([sys.executable, "-c", PEAK, verb, str(tmp_path / "repo"), str(target)],
+                              capture_output=True, text=True, check=True)
+        # Read whole, the file alone took 200 MiB (export: 400). Streamed: two 16 MiB windows.
+        assert int(done.stdout) < size / 2, (verb, int(done.stdout), size)
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (folder / name).read_bytes(), name
+
+
+@settings(max_examples=25, deadline=None)
+@given(size=st.sampled_from([0, 1, 16384, 16385, 70_000, 300_000, 1 << 20, 3_100_000]),
+       window=st.sampled_from([1, 1 << 20, (1 << 20) + 12345, 8 << 20]), seed=st.integers(0, 3),
+       repeats=st.booleans())
+def test_a_streamed_file_is_stored_as_a_whole_one_is(
+    size: int, window: int, seed: int, repeats: bool
+) -> None:
+    """``TreeWriter.write_blob`` reads a window at a time, yet stores what ``write`` stores for
+    the whole bytes (the same chunks, so re-imports still share every block with old ones)."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 255, size, dtype=np.uint8).tobytes()
+    if repeats:  # runs that repeat: FastCDC cuts them the same wherever they are
+        data = (data[: size // 7 + 1] * 8)[:size]
+    with cas_ckpt.open("memory://") as repo, repo.transaction() as txn:
+        whole = txn.tree.write({"blobs": {"optimizer.pt": data}})
+        blob = txn.tree.write_blob(io.BytesIO(data), window=window)
+        streamed = txn.tree.write({"blobs": {"optimizer.pt": blob}})
+    assert streamed == whole
+    assert repo.load(cas_ckpt.CID.decode(streamed))["blobs"]["optimizer.pt"] == data
+
+
 KILLED = """
 import sys, cas_ckpt
 repo = cas_ckpt.open(sys.argv[1])
@@ -605,6 +651,85 @@ def test_a_bad_file_names_file_and_tensor_and_commits_nothing(tmp_path: Path) ->
         assert repo.refs() == {} and len(repo.blocks) == 0
         with pytest.raises(StateTypeError, match="prefix"):
             repo.import_safetensors(src / "a.safetensors", prefix="safetensors")
+
+
+@pytest.mark.parametrize(("info", "message"), [
+    ({"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}, r"unknown dtype \['F32'\]"),
+    ({"dtype": "F32", "shape": [1] * 100, "data_offsets": [0, 4]}, "shape of 100 dimensions: .* at most 64"),
+    ({"dtype": "F32", "shape": [1] * 10_000, "data_offsets": [0, 4]}, "shape of 10000 dimensions"),
+    ({"dtype": "F32", "shape": [2**63, 2**63, 0], "data_offsets": [0, 0]}, "overflows 64 bits"),
+    ({"dtype": "U8", "shape": [2**62, 2, 0], "data_offsets": [0, 0]}, r"shape \[.*\] is larger than any"),
+])
+def test_an_import_of_a_hostile_header_names_file_and_tensor(
+    tmp_path: Path, info: Any, message: str
+) -> None:
+    """issue #40: a dtype that is a list raised TypeError, and these shapes numpy's ValueError."""
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"good": np.ones(5, np.float32)}, src / "a.safetensors")
+    header = json.dumps({"bad": info}).encode()
+    size = info["data_offsets"][1]
+    (src / "b.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(size))
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        with pytest.raises(SafetensorsError, match=message) as raised:
+            repo.import_safetensors(src, ref="m")
+        assert raised.value.file == str(src / "b.safetensors") and raised.value.tensor == "bad"
+        assert repo.refs() == {} and len(repo.blocks) == 0
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("dtype", ["<f4"], r"stored dtype \['<f4'\] is not a name"),
+    ("dtype", {"name": "<f4"}, "stored dtype .* is not a name"),
+    ("shape", 2, "stored shape 2 is not a list"),
+    ("shape", ["2"], r"stored shape \['2'\] is not a list"),
+    ("shape", [1] * 65, "is not a list of at most 64 sizes"),
+])
+@pytest.mark.parametrize("path", [None, "model"])
+def test_an_export_of_a_hostile_record_names_file_and_tensor_and_writes_nothing(
+    tmp_path: Path, field: str, value: Any, message: str, path: str | None,
+) -> None:
+    """issue #40: a stored dtype that is a list or map, a shape that is an int or holds strings,
+    raised TypeError (the record is data, not trusted)."""
+    from cas_ckpt.codec import Link, Tagged
+
+    save_file({"a": np.ones(3, np.float32), "w": np.ones(2, np.float32)}, tmp_path / "in.safetensors")
+    with cas_ckpt.open("memory://") as repo:
+        repo.import_safetensors(tmp_path / "in.safetensors")
+        state = repo.load("main")
+        array = {"dtype": "<f4", "shape": [2], "data": bytes(8), field: value}
+        node = cas_ckpt.codec.encode(Tagged(hf.NDARRAY, array))
+        with repo.blocks.writer() as writer:
+            writer.put(repo.hasher.node(node), node)
+        state["model"]["w"] = Link(repo.hasher.node(node))
+        repo.save(state, ref="hostile")
+        out = tmp_path / "out" / "x.safetensors"
+        with pytest.raises(SafetensorsError, match=message) as raised:
+            repo.export_safetensors("hostile", out, path=path)
+    # The file named: the one re-created (an exact re-export), or the one being written.
+    assert raised.value.tensor == "w"
+    assert raised.value.file == ("in.safetensors" if path is None else str(out))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_export_of_a_file_name_holding_nul_writes_nothing(tmp_path: Path) -> None:
+    """issue #40: a NUL byte in a stored file name raised ValueError, after the files before it
+    were written; an export that fails now leaves nothing at all."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    save_file({"w": np.ones(3, np.float32)}, folder / "model.safetensors")
+    (folder / "config.json").write_text("{}")
+    with cas_ckpt.open("memory://") as repo:
+        repo.import_safetensors(folder)
+        state = repo.load("main")
+        state["safetensors"]["blobs"]["z\0.txt"] = b"x"
+        repo.save(state, ref="evil")
+        with pytest.raises(SafetensorsError, match="NUL byte"):
+            repo.export_safetensors("evil", tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        (tmp_path / "existing").mkdir()
+        with pytest.raises(SafetensorsError, match="NUL byte"):
+            repo.export_safetensors("evil", tmp_path / "existing" / "deeper")
+        assert list((tmp_path / "existing").iterdir()) == []
 
 
 def test_a_name_in_two_files_of_a_folder_is_refused(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from pathlib import Path
@@ -254,6 +255,34 @@ def test_unknown_ref(repo: cas_ckpt.Repository) -> None:
         repo.delete_ref("nope")
 
 
+def test_a_missing_ref_names_the_refs_there_are_nearest_first(repo: cas_ckpt.Repository) -> None:
+    """issue #40: ``repo.load("runs/typo")`` said only "not found", and ``reflog`` of a misspelt
+    name returned nothing; every entry point that takes a ref names those that exist."""
+    with pytest.raises(cas_ckpt.errors.RefNotFound, match="the repository has no refs"):
+        repo.load("runs/typo")
+    for name in ["main", "runs/exp-b", *(f"runs/exp-a.steps/{i}" for i in range(30))]:
+        repo.save({"a": 1}, ref=name)
+    entry_points = {
+        "load": repo.load, "resolve": repo.resolve, "tree": repo.tree, "commit": repo.commit,
+        "log": lambda t: list(repo.log(t)), "diff": lambda t: repo.diff("main", t),
+        "reflog": repo.reflog, "delete_ref": repo.delete_ref,
+        "rename_ref": lambda t: repo.rename_ref(t, "renamed"), "fork": lambda t: repo.fork(t, "f"),
+        "pin": repo.pin, "set_ref": lambda t: repo.set_ref("s", t),
+        "export_car": lambda t: repo.export_car(t, io.BytesIO()),
+        "push": lambda t: repo.push(cas_ckpt.open("memory://"), t),
+    }
+    for name, call in entry_points.items():
+        with pytest.raises(cas_ckpt.errors.RefNotFound) as info:
+            call("runs/exp-c")
+        text = str(info.value)
+        assert text.startswith("ref 'runs/exp-c' not found; did you mean 'runs/exp-b'? "
+                               "(refs here: runs/exp-b, "), (name, text)
+        assert text.endswith(" and 22 more)") and text.count("runs/exp-a.steps/") == 9, (name, text)
+        assert info.value.existing is not None and len(info.value.existing) == 32
+    with pytest.raises(cas_ckpt.errors.RefNotFound, match="refs here: main, "):
+        repo.load("zzz")
+
+
 def test_bad_targets(repo: cas_ckpt.Repository) -> None:
     repo.save({"a": np.zeros(100_000)})
     with pytest.raises(cas_ckpt.errors.InvalidRefName):
@@ -278,6 +307,16 @@ def test_set_ref_only_to_stored_blocks(repo: cas_ckpt.Repository) -> None:
 
 
 # -- metadata ------------------------------------------------------------------------------------
+def test_metadata_no_reader_could_decode_is_refused_before_anything_moves(repo: cas_ckpt.Repository) -> None:
+    """A commit node over the node limit was stored and its ref moved, and then no load could
+    decode it (docs/format.md, "Block sizes")."""
+    repo.save({"a": 1}, metadata={"notes": "fits"})
+    before = repo.resolve()
+    with pytest.raises(cas_ckpt.errors.StateTypeError, match=r"metadata: .* over the 67108864"):
+        repo.save({"a": 2}, metadata={"notes": "x" * (64 << 20)})
+    assert repo.resolve() == before and repo.load() == {"a": 1}
+
+
 def test_metadata_accepts_numpy_scalars(repo: cas_ckpt.Repository) -> None:
     metadata = {
         "loss": np.float32(0.25),

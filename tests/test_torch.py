@@ -434,3 +434,36 @@ def test_dtype_casts_floating_point_tensors_only() -> None:
         manager.save(1, state)
         assert manager.restore(dtype=torch.float64)["w"].dtype == torch.float64
         manager.close()
+
+
+def test_a_module_or_optimizer_passed_as_state_says_to_save_its_state_dict() -> None:
+    """issue #40: a model, an optimizer or a scheduler passed whole gave a StateTypeError with no
+    hint; they are recognised by their classes' names (torch is never imported for it)."""
+
+    class Net(torch.nn.Module):  # a user's model: its class lives in the user's module
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+    class Stateful:  # any object with a state_dict(), such as a data loader's sampler
+        def state_dict(self) -> dict[str, int]:
+            return {"epoch": 1}
+
+    net = Net()
+    optimizer = torch.optim.AdamW(net.parameters())
+    cases = [(net, "<root>", "a torch.nn.Module", "model"),
+             ({"model": net}, "model", "a torch.nn.Module", "model"),
+             (torch.nn.Linear(2, 2), "<root>", "a torch.nn.Module", "model"),
+             ({"opt": optimizer}, "opt", "a torch optimizer", "optimizer"),
+             ([torch.optim.lr_scheduler.StepLR(optimizer, 1)], "0", "a learning-rate scheduler", "scheduler"),
+             ({"sampler": Stateful()}, "sampler", "an object with a state_dict", "obj")]
+    with cas_ckpt.open("memory://") as repo:
+        for state, path, what, name in cases:
+            with pytest.raises(cas_ckpt.errors.StateTypeError) as info:
+                repo.save(state)
+            assert str(info.value).startswith(f"{path}: cannot save a value of type "), info.value
+            assert f"it is {what}" in str(info.value) and f"{name}.state_dict()" in str(info.value)
+        with pytest.raises(cas_ckpt.errors.StateTypeError) as info:
+            repo.save({"x": object()})
+        assert "state_dict" not in str(info.value)
+        assert repo.refs() == {}

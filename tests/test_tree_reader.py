@@ -18,7 +18,7 @@ import cas_ckpt
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec, tree
 from cas_ckpt.codec import Link, Tagged
-from cas_ckpt.errors import DecodeError
+from cas_ckpt.errors import DecodeError, ExpansionLimit
 from cas_ckpt.tree import BIGINT, BLOB, CID_VALUE, MAX_DEPTH, NDARRAY, PAGES, SCALAR
 
 HASHER = cidlib.Hasher()
@@ -183,6 +183,67 @@ def test_a_dag_that_multiplies_its_node_reads_is_refused(
     with pytest.raises(DecodeError, match="over 1000 node reads") as info:
         repo.load(cidlib.to_cid(link.cid))
     assert info.value.cid is not None and info.value.cid.startswith("b")
+
+
+def test_pages_linked_far_more_often_than_stored_are_refused_naming_cid_and_path(
+    repo: cas_ckpt.Repository,
+) -> None:
+    """issue #40: a 4 MB node linking one 1,000-item page 100,000 times (every node within its
+    limits) loaded 100 million items in 203 s and 1.6 GB; diff raised a bare MemoryError."""
+    put = _put(repo)
+    page = put([None] * 1000)
+    pages = put(Tagged(PAGES, {"kind": "list", "pages": [page] * 100_000}))
+    root = put({"run": {"history": pages, "step": 3}})
+    for call in (lambda: repo.load(cidlib.to_cid(root.cid)),
+                 lambda: repo.load(cidlib.to_cid(root.cid), path="run.history"),
+                 lambda: repo.diff(cidlib.to_cid(root.cid), cidlib.to_cid(put({"run": {}}).cid))):
+        with pytest.raises(ExpansionLimit, match=r"expands to over \d+ bytes .*MAX_EXPANSION") as info:
+            call()
+        assert info.value.cid == cidlib.to_str(page.cid) and info.value.path == "run.history"
+        assert tree.EXPANSION_FLOOR < info.value.expanded <= tree.EXPANSION_FLOOR + 2000
+
+
+def test_a_node_linked_far_more_often_than_stored_is_refused(repo: cas_ckpt.Repository) -> None:
+    put = _put(repo)
+    shared = put([f"{i:088d}" for i in range(1000)])  # 90 KB: a node of its own for a writer
+    root = put({"a": [shared] * 20_000})
+    with pytest.raises(ExpansionLimit) as info:
+        repo.load(cidlib.to_cid(root.cid))
+    assert info.value.cid == cidlib.to_str(shared.cid) and info.value.path.startswith("a.")
+
+
+def test_what_writers_repeat_loads_and_the_floor_can_be_raised(
+    repo: cas_ckpt.Repository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list of one repeated value is identical pages; a value stored twice is one node linked
+    twice; a zero tensor is one chunk (and one link page) repeated. Each expands the tree beyond
+    what is stored, within the floor; CAS_CKPT_MAX_EXPANSION sets the floor."""
+    shared = {"vocab": [f"token{i}" for i in range(20_000)]}  # over 64 KiB: a node of its own
+    state = {"same": ["x" * 30] * 300_000, "a": shared, "b": shared, "zeros": np.zeros(40 << 20, np.uint8)}
+    repo.save(state)  # "same": 9.3 MB of pages, 1.8 MB of them stored (one repeated, the last)
+    loaded = repo.load()
+    assert loaded["same"] == state["same"] and loaded["a"] == loaded["b"] == shared
+    assert not loaded["zeros"].any() and loaded["zeros"].nbytes == 40 << 20
+    monkeypatch.setenv(tree.EXPANSION_ENV, str(4 << 20))
+    with pytest.raises(ExpansionLimit, match="CAS_CKPT_MAX_EXPANSION") as info:
+        repo.load()
+    assert info.value.path == "same" and info.value.floor == 4 << 20
+    monkeypatch.setenv(tree.EXPANSION_ENV, str(64 << 20))
+    assert repo.load(path="same") == state["same"]
+
+
+def test_a_read_never_allocates_more_than_the_machine_holds(repo: cas_ckpt.Repository) -> None:
+    """Linux overcommits: arrays declared in a tree each get an allocation, and the process is
+    killed once the reads touch them. A read counts what it allocates against the memory and
+    swap there are (a cgroup's limit where lower)."""
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    assert tree.memory_limit() <= info["MemTotal"] + info["SwapTotal"]
+    reader = tree.TreeReader(repo.blocks, repo.pool)
+    reader.reserve(tree.memory_limit() - 100, "most of it")
+    reader.reserve(100, "the rest")
+    with pytest.raises(cas_ckpt.errors.OutOfMemory, match=r"1 bytes for an array of shape \[7\]: this"):
+        reader.reserve(1, "an array of shape [7]")
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["memory", "local (mapped batches)"])

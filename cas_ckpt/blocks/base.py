@@ -20,7 +20,27 @@ from typing import Any, NamedTuple
 from multiformats import CID
 
 from cas_ckpt import cid as cidlib
-from cas_ckpt.errors import BlockNotFound, CorruptBlock, RepositoryError
+from cas_ckpt.codec import MAX_NODE_SIZE
+from cas_ckpt.errors import BlockNotFound, BlockTooLarge, CorruptBlock, RepositoryError
+
+# The raw length of a block (``docs/format.md``, "Block sizes"): no writer makes a larger one, so
+# a reader refuses a larger claim before allocating for it. A chunk (codec raw) is at most 1 MiB:
+# a repository's chunk_size, FastCDC's maximum and a small array's block all are; a node at most
+# the node limit the decoder enforces.
+MAX_CHUNK = 1024 * 1024
+MAX_BLOCK = max(MAX_CHUNK, MAX_NODE_SIZE)
+
+
+def size_limit(cid: bytes) -> int:
+    """The largest raw length a block of this CID may have."""
+    return MAX_NODE_SIZE if cidlib.is_node(cid) else MAX_CHUNK
+
+
+def check_size(cid: bytes, size: int) -> None:
+    """:class:`BlockTooLarge` for a block no reader would accept: it is never stored."""
+    limit = size_limit(cid)
+    if size > limit:
+        raise BlockTooLarge(cidlib.to_str(cid), "node" if cidlib.is_node(cid) else "raw chunk", size, limit)
 
 
 @dataclass
@@ -91,6 +111,8 @@ class BlockWriter(ABC):
         call (``bytes`` are always kept: they cannot change).
         """
         size = memoryview(data).nbytes
+        if size > MAX_CHUNK:
+            check_size(cid, size)
         if stored is None and self.compresses:
             stored = self.encode(cid, data)
         with self._lock:
@@ -131,9 +153,11 @@ class BlockWriter(ABC):
                     stats.blocks_reused += 1
                     stats.bytes_reused += data.nbytes
                     continue
-                pending.add(cid)
                 data = view(data)
                 size = memoryview(data).nbytes
+                if size > MAX_CHUNK:
+                    check_size(cid, size)
+                pending.add(cid)
                 self._append(cid, stored or Stored(0, data), size, keep)
                 stats.blocks_written += 1
                 stats.bytes_written += size

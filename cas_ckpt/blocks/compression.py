@@ -24,6 +24,7 @@ import struct
 import numpy as np
 import zstandard
 
+from cas_ckpt.blocks.base import MAX_BLOCK
 from cas_ckpt.errors import CorruptStore
 
 CODEC_NONE, CODEC_ZSTD, CODEC_GROUPED = 0, 1, 2
@@ -115,6 +116,9 @@ def decode_into(codec: int, stored: bytes | memoryview, out: memoryview, where: 
     """Decode a stored block into ``out`` (exactly its raw size); :class:`CorruptStore` naming
     ``where`` if the stored bytes do not decode to that size."""
     out = out.cast("B")
+    if out.nbytes > MAX_BLOCK:
+        raise CorruptStore(where, f"stored block claims a raw length of {out.nbytes} bytes, over "
+                           f"the {MAX_BLOCK} any block may hold")
     try:
         if codec == CODEC_NONE:
             if memoryview(stored).nbytes != out.nbytes:
@@ -131,9 +135,16 @@ def decode_into(codec: int, stored: bytes | memoryview, out: memoryview, where: 
 
 
 def decode(codec: int, stored: bytes | memoryview, size: int, where: object) -> bytes:
-    """The raw bytes of a stored block of raw ``size`` bytes."""
+    """The raw bytes of a stored block of raw ``size`` bytes.
+
+    A size over any block's (``MAX_BLOCK``) is :class:`CorruptStore` before anything is
+    allocated: the index a size comes from is data, not trusted.
+    """
     if codec == CODEC_NONE and memoryview(stored).nbytes == size:
         return bytes(stored)
+    if not 0 <= size <= MAX_BLOCK:
+        raise CorruptStore(where, f"stored block claims a raw length of {size} bytes, over the "
+                           f"{MAX_BLOCK} any block may hold")
     out = bytearray(size)
     decode_into(codec, stored, memoryview(out), where)
     return bytes(out)
@@ -142,6 +153,7 @@ def decode(codec: int, stored: bytes | memoryview, size: int, where: object) -> 
 def _unzstd(frame: bytes | memoryview, size: int) -> bytes:
     # decompress() sizes its output by the content size a frame declares, ignoring
     # max_output_size: a frame declaring another size is refused before anything is allocated.
+    # ``size`` itself is bounded by the callers (decode, decode_into: MAX_BLOCK at most).
     declared = zstandard.frame_content_size(frame)
     if declared not in (-1, size):  # -1: not declared
         raise ValueError(f"zstd frame declares {declared} bytes, not {size}")

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import msgpack
 
 from cas_ckpt import cid as cidlib
+from cas_ckpt.blocks.base import MAX_CHUNK, size_limit
 from cas_ckpt.blocks.compression import CODEC_NONE, CODECS
 from cas_ckpt.errors import CorruptStore
 
@@ -124,11 +125,23 @@ def parse_index(tail: bytes, size: int, where: object, version: int = 1) -> list
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise CorruptStore(where, f"unreadable pack index: {exc}") from None
     if entries:
-        _, offsets, lengths, _, _ = zip(*entries, strict=True)
+        _, offsets, lengths, _, sizes = zip(*entries, strict=True)
         if min(offsets) < len(PACK_MAGIC) or min(lengths) < 0 \
                 or max(map(operator.add, offsets, lengths)) > start:
             raise CorruptStore(where, "pack index points outside the pack")
+        if max(sizes) > MAX_CHUNK:  # only nodes may be larger: checked one by one
+            _check_sizes(entries, where)
     return entries
+
+
+def _check_sizes(entries: list[EntryFields], where: object) -> None:
+    """:class:`CorruptStore` naming the pack if an entry claims a raw length no writer makes
+    (``docs/format.md``, "Block sizes"): refused before anything is allocated for it."""
+    for cid, _offset, _length, _codec, size in entries:
+        if size > size_limit(cid):
+            kind = "node" if cidlib.is_node(cid) else "raw chunk"
+            raise CorruptStore(where, f"index entry of {cidlib.to_str(cid)} claims a {kind} of {size} "
+                               f"bytes, over the {size_limit(cid)} a {kind} may hold")
 
 
 def _plain_entries(rows: object) -> list[EntryFields] | None:

@@ -10,7 +10,7 @@ import numpy as np
 from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import Link, Tagged
-from cas_ckpt.errors import PathNotFound
+from cas_ckpt.errors import DecodeError, OutOfMemory, PathNotFound
 from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.paths import select
 from cas_ckpt.tree import NDARRAY, TUPLE, TreeReader, join_path
@@ -84,11 +84,25 @@ class DiffReport:
 def leaves(reader: TreeReader, value: Any, path: str = "") -> dict[str, Any]:
     """Flatten a tree into ``{path: leaf}`` in the state's order, leaves left undecoded; a long
     list or tuple of plain scalars is one :class:`Folded` leaf."""
+    try:
+        return _leaves(reader, value, path)
+    except MemoryError as exc:
+        if isinstance(exc, OutOfMemory):
+            raise
+        raise OutOfMemory(f"listing the values of {path or 'the state'} ran out of memory") from None
+
+
+def _leaves(reader: TreeReader, value: Any, path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     stack = [(value, path)]
     while stack:
         item, where = stack.pop()
-        item = reader.resolve(item)
+        try:
+            item = reader.resolve(item)
+        except DecodeError as exc:  # the reader names the node; the path is known here
+            if not exc.path:
+                exc.path = where
+            raise
         kind = "list"
         if isinstance(item, Tagged) and item.code == TUPLE and isinstance(item.value, list):
             item, kind = item.value, "tuple"

@@ -149,7 +149,9 @@ def collect(
     what they keep (a name ending in ``/`` covers every ref below it).
     """
     expire = check_expire_reflogs(expire_reflogs)
-    with refs.lock(exclusive=True):
+    # A dry run removes nothing: a shared lock keeps another GC out and lets saves (and readers
+    # on a read-only medium) go on; blocks a save adds meanwhile are young, as the grace spares.
+    with refs.lock(exclusive=not dry_run):
         blocks.refresh()
         found = roots(refs, reflog_expiry=reflog_expiry, expire_reflogs=expire)
         reach: Reach = walk(

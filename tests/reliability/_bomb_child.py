@@ -1,9 +1,11 @@
 """Child of test_fuzz: memory bombs, loaded under an address-space limit.
 
 Each case stores a small hostile DAG in a memory repository, under correct CIDs, that declares far
-more than it holds (one chunk repeated, pages repeated, link pages repeated, a huge node), then
-loads it. Prints a JSON object: case -> "ours:<error> <seconds>", "ok <seconds>" or
-"other:<error> <seconds>". The parent requires ours/ok, and that no case takes long.
+more than it holds (one chunk repeated, pages repeated, link pages repeated, nodes linked many
+times, a huge node), then loads it (and some diff or list it). Prints a JSON object: case ->
+"ours:<error> <seconds>", "ok <seconds>" or "other:<error> <seconds>" (CPU seconds: on a
+machine shared with other jobs, wall time measures them too). The parent requires
+ours/ok, that no case takes long, and that the expanding ones are ``ExpansionLimit``.
 """
 
 from __future__ import annotations
@@ -74,6 +76,22 @@ def repeated_pages() -> Any:
     return repo, put(codec.encode(Tagged(6, {"kind": "list", "pages": [Link(page)] * 100_000})))
 
 
+def repeated_small_pages() -> Any:
+    """issue #40: a 4 MB node linking one 1,000-item page 100,000 times, within every per-node
+    limit: 100 million items, 203 s and 1.6 GB to load, a bare MemoryError from diff."""
+    repo, put = world()
+    page = put(codec.encode([None] * 1000))
+    return repo, put(codec.encode(Tagged(6, {"kind": "list", "pages": [Link(page)] * 100_000})))
+
+
+def repeated_subtree_nodes() -> Any:
+    """A 90 KB node (a list of its own, as a writer makes for a container over 64 KiB) linked
+    20,000 times: 1.8 GB of nodes to decode from 850 KB stored."""
+    repo, put = world()
+    shared = put(codec.encode([f"{i:088d}" for i in range(1000)]))
+    return repo, put(codec.encode([Link(shared)] * 20_000))
+
+
 def repeated_map_pages() -> Any:
     repo, put = world()
     page = put(codec.encode({"k": 1}))
@@ -131,6 +149,8 @@ CASES = [
     repeated_link_pages,
     repeated_chunk_blob,
     repeated_pages,
+    repeated_small_pages,
+    repeated_subtree_nodes,
     repeated_map_pages,
     repeated_subtrees,
     shared_explosion,
@@ -141,21 +161,40 @@ CASES = [
 ]
 
 
+def load(repo: cas_ckpt.Repository, root: bytes) -> None:
+    value = repo.load(root)
+    del value
+
+
+def diff(repo: cas_ckpt.Repository, root: bytes) -> None:
+    repo.diff(root, repo.save({"other": 1}))
+
+
+def ls(repo: cas_ckpt.Repository, root: bytes) -> None:
+    from cas_ckpt.maintenance.diff import leaves
+    from cas_ckpt.tree import TreeReader
+
+    leaves(TreeReader(repo.blocks, repo.pool), Link(root))
+
+
+# Cases run by each of these besides load: (operation, case).
+OTHERS = [(diff, repeated_small_pages), (diff, repeated_subtree_nodes), (ls, repeated_small_pages)]
+
+
 def main() -> None:
     results = {}
-    for case in CASES:
-        started = time.perf_counter()
+    for operation, case in [(load, case) for case in CASES] + OTHERS:
+        name = case.__name__ if operation is load else f"{operation.__name__}:{case.__name__}"
+        started = time.process_time()  # CPU seconds, all threads: the work, whatever the load
         try:
-            repo, root = case()
-            value = repo.load(root)
+            operation(*case())
             outcome = "ok"
-            del value
         except cas_ckpt.CasCkptError as exc:
             outcome = f"ours:{type(exc).__name__}"
         except BaseException as exc:
             outcome = f"other:{type(exc).__name__}:{str(exc)[:80]}"
-        results[case.__name__] = f"{outcome} {time.perf_counter() - started:.1f}"
-        print(case.__name__, results[case.__name__], file=sys.stderr, flush=True)
+        results[name] = f"{outcome} {time.process_time() - started:.1f}"
+        print(name, results[name], file=sys.stderr, flush=True)
     print(json.dumps(results))
 
 

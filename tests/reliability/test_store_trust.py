@@ -12,22 +12,33 @@ Each test reproduces a defect found on 0.1.0 (issue #10) through the public API,
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import zstandard
 
 import cas_ckpt
 from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks import LocalStore
-from cas_ckpt.blocks.pack import FOOTER, FOOTER_MAGIC, PACK_MAGIC
+from cas_ckpt.blocks.compression import CODEC_NONE, CODEC_ZSTD
+from cas_ckpt.blocks.pack import (
+    FOOTER,
+    FOOTER_MAGIC,
+    PACK_MAGIC,
+    PACK_MAGIC_V2,
+    encode_index,
+    index_length,
+    parse_index,
+)
 
 from ._support import PYTHON, child_env, digest, fsck_problems, record
 
@@ -131,6 +142,88 @@ def test_odd_files_among_temp_packs_are_left_alone(tmp_path: Path, kind: str) ->
     """)
     assert result.returncode == 0 and result.stdout.split() == ["1"], result.stderr
     assert os.path.lexists(planted) and not (root / "tmp" / "dead-writer.pack.tmp").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Index entries lying about a block's raw length (issue #40)
+# ----------------------------------------------------------------------------------------------
+def _rewrite_pack(path: Path, entries: list[tuple[bytes, int, int, int, int]], body: bytes) -> Path:
+    """Replace the pack at ``path`` by ``body`` (magic and blocks) and an index of ``entries``,
+    under the name that index gives it."""
+    tail, name = encode_index(entries, 2)
+    path.unlink()
+    (path.parent / name).write_bytes(body + tail)
+    return path.parent / name
+
+
+def _lie(claim: int) -> Callable[[Path, bytes], Path]:
+    """A compressed chunk of the pack claims ``claim`` raw bytes (its stored bytes unchanged)."""
+
+    def plant(path: Path, _commit: bytes) -> Path:
+        data = path.read_bytes()
+        entries = parse_index(data, len(data), path, 2)
+        i = next(i for i, e in enumerate(entries) if e[3] != CODEC_NONE and not cidlib.is_node(e[0]))
+        entries[i] = (*entries[i][:4], claim)
+        blocks_end = len(data) - index_length(data[-FOOTER.size :], len(data), path)
+        return _rewrite_pack(path, entries, data[:blocks_end])
+
+    return plant
+
+
+def _node_bomb(path: Path, commit: bytes) -> Path:
+    """The commit, as a 32 KB zstd frame of 1 GiB of zeros that claims to be 1 GiB."""
+    compressor = zstandard.ZstdCompressor(level=1).compressobj(size=1 << 30)
+    zeros = bytes(1 << 20)
+    frame = b"".join([*(compressor.compress(zeros) for _ in range(1024)), compressor.flush()])
+    entry = (commit, len(PACK_MAGIC_V2), len(frame), CODEC_ZSTD, 1 << 30)
+    return _rewrite_pack(path, [entry], PACK_MAGIC_V2 + frame)
+
+
+LIES = {"chunk-1TiB": _lie(1 << 40), "chunk-3GiB": _lie(3 << 30), "chunk-1MiB+1": _lie((1 << 20) + 1),
+        "node-zstd-bomb": _node_bomb}
+
+
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_a_raw_length_no_writer_makes_is_damage_not_memory(tmp_path: Path, lie: str) -> None:
+    """An index entry of a compressed pack claiming 1 TiB made load, fsck, gc and push raise a bare
+    MemoryError; 3 GiB allocated and zero-filled 3 GiB for a 100-byte block; a 32 KB frame stored
+    as a node claiming 1 GiB cost a 17 s, 2 GB load. A chunk is at most 1 MiB and a node at most
+    the node limit: the pack is damage (fsck names it), skipped, and never allocated for."""
+    root = tmp_path / "repo"
+    with cas_ckpt.open(root, compression="zstd") as repo:
+        repo.save({"other": np.arange(1000.0)}, ref="other")
+        good = set((root / "packs").iterdir())
+        commit = bytes(repo.save({"zeros": np.zeros(300_000), "w": _state(1)["w"]}, ref="main"))
+        expected = digest(repo.load("other"))
+    (target,) = set((root / "packs").iterdir()) - good
+    lied = LIES[lie](target, commit)
+    # Under a 2 GiB address-space limit: the claim is refused, never allocated.
+    result = _run(f"""
+        import resource, cas_ckpt
+        from _support import digest
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+        outcomes = {{}}
+        with cas_ckpt.open({str(root)!r}) as repo:
+            for name, run in [("load", repo.load), ("fsck", repo.fsck), ("gc", repo.gc),
+                              ("push", lambda: repo.push({str(tmp_path / "remote")!r}))]:
+                try:
+                    outcomes[name] = type(run()).__name__
+                except cas_ckpt.CasCkptError as exc:
+                    outcomes[name] = "ours"
+                except BaseException as exc:
+                    outcomes[name] = f"other {{type(exc).__name__}}: {{exc}}"
+            report = repo.fsck()
+            assert not report.ok and any({lied.name!r} in p and "claims" in p
+                                         for p in report.store_problems), report
+            assert digest(repo.load("other")) == {expected!r}
+        print(outcomes)
+    """, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = ast.literal_eval(result.stdout)
+    assert not [o for o in outcomes.values() if o.startswith("other")], outcomes
+    assert outcomes["load"] == "ours" and outcomes["push"] == "ours", outcomes
+    assert lied.exists()  # GC keeps a damaged pack: it may hold the only copy of something
+    record("raw_length_lies", kinds=1)
 
 
 # ----------------------------------------------------------------------------------------------
