@@ -735,6 +735,7 @@ class Repository:
         root = cidlib.to_bytes(cid)
         if ref is not None:
             check_ref_name(ref)
+        self._check_writable()  # before anything travels
         source = gateway_source(gateway, **(storage_options or {}))
         try:
             updates = [Update(ref, root, force)] if ref is not None else []

@@ -150,6 +150,8 @@ WRITES: dict[str, Call] = {
     "pin": lambda r, _: r.pin("main"),
     "unpin": lambda r, _: r.unpin("other"),
     "pull": lambda r, out: r.pull(out / "pushed", "pulled", remote_ref="main"),  # READS pushed it
+    # nothing listens on port 9 (discard): only the refusal up front makes this a read-only error
+    "fetch": lambda r, _: r.fetch(r.resolve("main"), gateway="http://127.0.0.1:9", ref="fetched"),
     "import_car": lambda r, out: r.import_car(out / "x.car", ref="imported"),
     "import_safetensors": lambda r, out: r.import_safetensors(out / "m.safetensors", ref="st"),
 }
