@@ -270,8 +270,15 @@ def _register_replication(sub: Any, json_flag: Any) -> None:
     p.add_argument("dst", metavar="DST", help="new repository directory or s3://bucket/prefix")
 
 
+def _register_history(sub: Any, json_flag: Any) -> None:
+    p = _add(sub, "commit-graph", cmd_commit_graph, "bring the commit graph up to date: history "
+             "then reads a few files, not a block per commit", json_flag)
+    p.add_argument("--consolidate", action="store_true",
+                   help="merge every layer into one, leaving out commits gc removed")
+
+
 _COMMANDS = (_register_init, _register_reading, _register_ref, _register_maintenance, _register_car,
-             _register_replication)
+             _register_replication, _register_history)
 
 
 def _positive_int(text: str) -> int:
@@ -751,6 +758,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
     else:
         _print(f"removed {report.blocks_freed} blocks, freed {human(report.bytes_freed)}"
                + (f", {report.temp_files_removed} stale temp files" if report.temp_files_removed else ""))
+    return EXIT_OK
+
+
+def cmd_commit_graph(args: argparse.Namespace) -> int:
+    with open_repo(args, write=True) as repo:
+        report = repo.update_commit_graph(consolidate=args.consolidate)
+    if args.json:
+        _print_json(report)
+        return EXIT_OK
+    for name, why in sorted(report.damaged.items()):
+        _print(f"rebuilt around damaged layer {name}: {why}")
+    layers = "layer" if report.layers == 1 else "layers"
+    _print(f"commit graph: {report.commits} commits in {report.layers} {layers}; "
+           f"{report.commits_added} added, {report.layers_merged} merged, "
+           f"{human(report.bytes_written)} written")
     return EXIT_OK
 
 

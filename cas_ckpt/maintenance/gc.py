@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
@@ -65,10 +66,8 @@ def roots(
     """Refs, pins, and reflog entries newer than ``reflog_expiry`` s, except those of the refs
     ``expire_reflogs`` names (see :func:`governs`)."""
     strong: dict[bytes, str] = {}
-    for name in refs.names():
-        value = refs.get(name)
-        if value is not None:
-            strong.setdefault(value, name)
+    for name, value in refs.values().items():
+        strong.setdefault(value, name)
     for pin in refs.pins():
         strong.setdefault(pin, "pin")
     weak: dict[bytes, str] = {}
@@ -105,11 +104,14 @@ def collect(
     expire_reflogs: Iterable[str] = (),
     dry_run: bool = False,
     progress: Callable[[str, int], None] | None = None,
+    commits: Callable[[bytes], Any] | None = None,
 ) -> GCReport:
     """Mark from every root, then sweep unreachable blocks older than ``grace`` seconds.
 
     ``expire_reflogs``: refs whose reflog entries are not roots, because a retention policy decides
-    what they keep (a name ending in ``/`` covers every ref below it).
+    what they keep (a name ending in ``/`` covers every ref below it). ``commits``: stored commit
+    nodes, decoded (their links at least), known without reading their blocks (from the commit
+    graph's copies, checked against their CIDs), so marking lineage reads no block per commit.
     """
     expire = check_expire_reflogs(expire_reflogs)
     with refs.lock(exclusive=True):
@@ -120,6 +122,7 @@ def collect(
             found.strong,
             weak=found.weak,
             progress=(lambda n: progress("mark", n)) if progress else None,
+            nodes=commits,
         )
         if reach.problems:
             first = next(iter(reach.problems.values()))
