@@ -303,7 +303,7 @@ class CommitGraph:
         written.merged = [layer.name for layer in chosen]
         if entries:
             data, name = encode_layer(entries, open_parents)
-            if names == [name]:
+            if names == [name] and name not in self.damaged:
                 return Written()  # the one layer merged holds exactly this already
             self._publish(data, name)
             written.name, written.commits, written.bytes = name, len(entries), len(data)

@@ -221,7 +221,6 @@ class History:
         if graph is None:
             return CommitGraphReport(0, 0, 0, 0, 0, 0, {}, time.perf_counter() - started)
         with self._lock:
-            self.blocks.refresh()
             graph.refresh()
             damaged = dict(graph.damaged)
             heads = [*refs.values().values(), *sorted(refs.pins())]
@@ -270,6 +269,10 @@ class History:
         graph = self.graph
         assert graph is not None
         graph.refresh()  # layers other writers published: merged along, and what they hold is done
+        if merge_all:
+            # After the listing: every commit a listed layer holds was in a published pack before
+            # the layer was, so a commit the store lacks now was collected, not unseen.
+            self.blocks.refresh()
         pending = {c: n for c, n in self._pending.items() if not graph.covers(c)}
         frontier = {p for c, n in pending.items() for p in _parents(c, n) or () if p not in pending}
         if exact:

@@ -1,5 +1,6 @@
 """Exact comparison of states (type, dtype, shape, layout and bits, recursively), running a
-training script until a step to SIGKILL it there, and damaging a byte of a file."""
+training script until a step to SIGKILL it there, damaging a byte of a file, and a history as
+the commit blocks alone give it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+import cas_ckpt
+from cas_ckpt import cid as cidlib
+from cas_ckpt import codec
+from cas_ckpt.commit import Commit, parse_commit
+from cas_ckpt.errors import BlockNotFound
 
 
 def assert_state_equal(expected: Any, actual: Any, path: str = "<root>") -> None:
@@ -120,3 +127,18 @@ def flip_byte(path: str | Path, position: int, mask: int = 0x01) -> None:
         byte = f.read(1)
         f.seek(position)
         f.write(bytes([byte[0] ^ mask]))
+
+
+def from_blocks(repo: cas_ckpt.Repository, head: Any) -> list[Commit]:
+    """``repo.log(head)`` as the commit blocks alone give it (no commit graph involved)."""
+    found: list[Commit] = []
+    cid: bytes | None = cidlib.to_bytes(head)
+    while cid is not None:
+        try:
+            data = repo.blocks.get(cid)
+        except BlockNotFound:
+            break
+        commit = parse_commit(cid, codec.decode(data, cid=cid))
+        found.append(commit)
+        cid = bytes(commit.parents[0]) if commit.parents else None
+    return found
