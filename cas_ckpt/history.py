@@ -130,6 +130,14 @@ class History:
                              "their blocks", self.blocks, type(exc).__name__, exc)
             return False
 
+    def check(self) -> dict[str, str]:
+        """Every damaged layer of the graph (layer -> why), each copy checked against its CID."""
+        if self.graph is None:
+            return {}
+        self.graph.refresh()
+        self.graph.copies()  # checks every copy: one that does not match marks its layer
+        return dict(self.graph.damaged)
+
     def close(self) -> None:
         """Release the graph's open files (its layers stay read, in memory)."""
         if self.graph is not None:

@@ -169,11 +169,13 @@ def test_a_copy_that_does_not_match_its_cid_is_never_used(
         assert [c.message for c in again.log("main")][-4] == "save 0003"
         assert "does not match its hash" in caplog.text
         assert list(graph(again).damaged) == [name]
+        (problem,) = again.fsck().store_problems
+        assert problem.startswith(f"damaged commit-graph layer {name}: corrupt")
         report = again.update_commit_graph()
         assert report.damaged and report.layers_dropped == 0 and report.layers_merged == 1
         # The same commits make the same layer: the repair replaced the damaged file by its name.
         assert not graph(again).damaged and layer_files(again) == {name: data}
-        assert len(graph(again)) == GRAPH_EVERY
+        assert len(graph(again)) == GRAPH_EVERY and again.fsck().ok
 
 
 def _same(repo: cas_ckpt.Repository) -> Any:
@@ -193,6 +195,7 @@ def test_a_truncated_layer_is_ignored_then_rebuilt(repo: cas_ckpt.Repository, cu
         head = again.resolve("main")
         assert list(again.log("main")) == from_blocks(again, head)
         assert name in graph(again).damaged and len(graph(again)) == 0
+        assert not again.fsck().ok
         save_many(again, 1, start=100)  # a save rebuilds around the damage, a bounded walk at a time
         assert name not in layer_files(again) and not graph(again).damaged
         save_many(again, 5, start=101)
