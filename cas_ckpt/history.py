@@ -107,7 +107,12 @@ class History:
 
     def __init__(self, blocks: BlockStore, pool: Callable[[], Executor]) -> None:
         self.blocks = blocks
-        backend = blocks.sibling(DIRECTORY, SUFFIX)
+        try:
+            backend = blocks.sibling(DIRECTORY, SUFFIX)
+        except (CasCkptError, OSError) as exc:  # no room for it (a file, a link, no permission)
+            _log.warning("%s has no usable place for a commit graph (%s: %s); history is read from "
+                         "the commits' blocks", blocks, type(exc).__name__, exc)
+            backend = None
         self.graph = None if backend is None else CommitGraph(backend, verify=blocks.verify)
         self._pool = pool
         self._pending: dict[bytes, bytes] = {}  # commits no layer holds, with their nodes

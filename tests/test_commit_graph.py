@@ -353,3 +353,28 @@ def test_history_requests_do_not_grow_with_history_on_s3(s3_url: str) -> None:
     assert seen[40, True] == seen[200, True], seen
     for op in ("log", "ancestor", "gc"):  # the count stands for something: without the graph...
         assert seen[200, False][op] - seen[40, False][op] >= 160, (op, seen)
+
+
+@pytest.mark.parametrize("planted", ["file", "link"])
+def test_no_room_for_the_graph_leaves_history_to_the_blocks(
+    tmp_path: Path, planted: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "repo"
+    with cas_ckpt.open(root) as repo:
+        save_many(repo, GRAPH_EVERY + 1)
+    shutil.rmtree(root / "commit-graph")
+    if planted == "file":
+        (root / "commit-graph").write_bytes(b"not a directory")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        (root / "commit-graph").symlink_to(tmp_path / "elsewhere")
+    with caplog.at_level(logging.WARNING, logger="cas_ckpt"), cas_ckpt.open(root) as repo:
+        save_many(repo, GRAPH_EVERY, start=100)
+        assert list(repo.log()) == from_blocks(repo, repo.resolve("main"))
+        assert "commit graph" in caplog.text  # a warning says why it is not used
+        if planted == "link":  # never followed: no graph at all
+            assert repo.history.graph is None and repo.update_commit_graph().commits == 0
+            assert list((tmp_path / "elsewhere").iterdir()) == []
+        else:
+            with pytest.raises(cas_ckpt.CasCkptError, match="commit-graph"):
+                repo.update_commit_graph()
