@@ -1,14 +1,16 @@
 """The commit graph under SIGKILL, concurrent writers and GC, on a local directory and on S3.
 
-* **kill**: a child process saves and merges the whole graph in a loop (``_graph_child.py``: a
-  merge publishes a new layer, then deletes the old ones) and is SIGKILLed at a random moment,
-  mostly inside a merge. After each kill a fresh process must see only whole layers (none
-  damaged), every ref's history exactly as the commit blocks give it, and a clean fsck; the next
-  child carries on from there. CI kills 6 times on disk and 2 on S3; ``CAS_CKPT_LONG=1`` 40 and 8.
-* **concurrency**: two child processes save to refs of their own and merge the graph after each
-  save, while this process merges it too and collects garbage (the refs it deletes free commits
-  the graph holds copies of). Afterwards nothing is damaged, each child's history is exactly its
-  saves, read through the graph as from the blocks, and one more merge covers every commit.
+* **kill**: a child process saves and merges the whole graph (3,000 commits and more on disk,
+  300 on S3) in a loop (``_graph_child.py``: a merge publishes a new layer, then deletes the old
+  ones) and is SIGKILLed at a random moment within 20 ms of a merge's start, so mostly inside
+  one. After each kill a fresh process must see only whole layers (none damaged), every ref's
+  history exactly as the commit blocks give it, and a clean fsck; the next child carries on from
+  there. CI kills 4 times on disk and 2 on S3; ``CAS_CKPT_LONG=1`` 40 and 8.
+* **concurrency**: two child processes save (12 times each; 60 in long mode) to refs of their own
+  and merge the graph after each save, while this process merges it too and collects garbage
+  (having deleted a ref whose commits the graph holds copies of). Afterwards nothing is damaged,
+  each child's history is exactly its saves, read through the graph as from the blocks, and one
+  more merge covers every commit.
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ def _check(location: str) -> int:
         return len(graph)
 
 
+def _history(repo: cas_ckpt.Repository, commits: int) -> None:
+    """``commits`` commits on ``run``, written at once (their layers too)."""
+    with repo.transaction() as txn:
+        tree = txn.tree.write({"n": 0})
+        parent: list[bytes] = []
+        for n in range(commits):
+            parent = [txn.put_commit(tree, parent, step=n, metadata={"n": n}, message=None)]
+        txn.move_ref("run", None, parent[0], "history")
+
+
 def _progress(children: list[subprocess.Popen[str]], logs: list[Path]) -> None:
     """Wait until a child finished another round (or all ended): GC back to back would keep
     saves waiting (on S3 a save waits for a running GC, and GC for registered saves)."""
@@ -66,19 +78,21 @@ def test_sigkill_while_the_graph_is_written(
     medium: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     location = _location(medium, tmp_path, request)
-    cas_ckpt.open(location).close()
-    kills = (40 if LONG else 6) if medium == "local" else (8 if LONG else 2)
+    with cas_ckpt.open(location) as repo:
+        # A graph whose merge takes longer than a save, so that most kills land in one.
+        _history(repo, 3000 if medium == "local" else 300)
+    kills = (40 if LONG else 4) if medium == "local" else (8 if LONG else 2)
     log, rng, inside = tmp_path / "log", random.Random(medium), 0
     for _ in range(kills):
         offset = log.stat().st_size if log.exists() else 0
         child = _child(location, "run", 0, log)
         deadline = time.monotonic() + 120
-        while child.poll() is None and time.monotonic() < deadline:
-            if log.exists() and log.read_bytes()[offset:].count(b"done") >= 2:
+        while child.poll() is None and time.monotonic() < deadline:  # a merge has begun
+            if log.exists() and b"begin" in log.read_bytes()[offset:]:
                 break
-            time.sleep(0.005)
+            time.sleep(0.002)
         assert child.poll() is None, f"the child ended by itself: {child.communicate()[1]}"
-        time.sleep(rng.uniform(0.0, 0.3))
+        time.sleep(rng.uniform(0.0, 0.02))
         child.kill()
         child.communicate()
         inside += log.read_text().splitlines()[-1].startswith("begin")
@@ -96,7 +110,7 @@ def test_sigkill_while_the_graph_is_written(
 @pytest.mark.parametrize("medium", ["local", "s3"])
 def test_writers_merges_and_gc_at_once(medium: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     location = _location(medium, tmp_path, request)
-    rounds = 60 if LONG else 20
+    rounds = 60 if LONG else 12
     with cas_ckpt.open(location) as repo:
         for n in range(20):  # history whose commits GC will free while the graph holds them
             repo.save({"n": n}, ref="doomed", step=n)
