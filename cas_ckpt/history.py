@@ -109,7 +109,7 @@ class History:
         self.blocks = blocks
         try:
             backend = blocks.sibling(DIRECTORY, SUFFIX)
-        except (CasCkptError, OSError) as exc:  # no room for it (a file, a link, no permission)
+        except CasCkptError as exc:  # a link where its folder goes: not followed (a failing disk raises)
             _log.warning("%s has no usable place for a commit graph (%s: %s); history is read from "
                          "the commits' blocks", blocks, type(exc).__name__, exc)
             backend = None
