@@ -141,7 +141,7 @@ def measure(medium: str, n: int, reps: int, workdir: Path) -> dict[str, Any]:
     for _ in range(reps):
         with cas_ckpt.open(location) as repo:  # each repetition a process just started would see
             commits = timed("log", lambda repo=repo: list(repo.log(RUN)))
-            assert len(commits) == n, (len(commits), n)
+            assert len(commits) == next_step, (len(commits), next_step)  # a retention save each rep
             timed("log_10", lambda repo=repo: list(repo.log(RUN, limit=10)))
 
             def diff_meta(repo: Any = repo) -> bool:
