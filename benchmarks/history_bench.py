@@ -13,8 +13,9 @@ uncovered tip a save leaves between two layers), step refs for the retained step
 - ``log_10``: the newest 10 commits, as ``cas-ckpt log | head`` would want them;
 - ``cli_log``: ``cas-ckpt log RUN`` itself (opening the repository included, its output
   discarded): expired marks and fork points;
-- ``diff_meta``: the metadata of the oldest commit (``RUN~N-1``) and of the newest, read to
-  compare them; ``diff``: ``repo.diff(RUN~N-1, RUN)`` (the states are small: the walk dominates);
+- ``diff_meta``: the metadata of the oldest commit (``RUN~N-1``, its data pinned) and of the
+  newest, read to compare them; ``diff``: ``repo.diff(RUN~N-1, RUN)`` (the states are small: the
+  walk dominates);
 - ``steps``: ``CheckpointManager.steps()`` of the run (keep_last=5, keep_best=3 by ``loss``);
 - ``retention``: one ``manager.save`` of a small state with that retention (a step expires, GC
   runs: its lineage marking walks the whole history); ``gc``: ``repo.gc`` as retention runs it;
@@ -98,6 +99,7 @@ def build(location: str, n: int) -> None:
                       metadata={"step": step, "metrics": {"loss": loss(n, step)}})
         for step in range(n - 5, n):
             repo.set_ref(f"{RUN}.steps/{step:012d}", f"{RUN}~{n - 1 - step}")
+        repo.pin(f"{RUN}~{n - 1}")  # the first commit's data stays through retention: diff reads it
 
 
 def loss(n: int, step: int) -> float:
@@ -144,11 +146,13 @@ def measure(medium: str, n: int, reps: int, workdir: Path) -> dict[str, Any]:
             assert len(commits) == next_step, (len(commits), next_step)  # a retention save each rep
             timed("log_10", lambda repo=repo: list(repo.log(RUN, limit=10)))
 
-            def diff_meta(repo: Any = repo) -> bool:
-                return bool(repo.commit(f"{RUN}~{n - 1}").metadata != repo.commit(RUN).metadata)
+            first = f"{RUN}~{next_step - 1}"  # the first commit, its data pinned
+
+            def diff_meta(repo: Any = repo, first: str = first) -> bool:
+                return bool(repo.commit(first).metadata != repo.commit(RUN).metadata)
 
             assert timed("diff_meta", diff_meta)
-            timed("diff", lambda repo=repo: repo.diff(f"{RUN}~{n - 1}", RUN))
+            timed("diff", lambda repo=repo, first=first: repo.diff(first, RUN))
         with contextlib.redirect_stdout(io.StringIO()):
             code = timed("cli_log", lambda: cli.main(["--repo", location, "log", RUN]))
         assert code == 0
