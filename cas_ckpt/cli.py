@@ -302,8 +302,17 @@ def _register_http(sub: Any, json_flag: Any) -> None:
     p.add_argument("--force", action="store_true", help="move --ref even if that drops history it holds")
 
 
+
+def _register_history(sub: Any, json_flag: Any) -> None:
+    p = _add(sub, "commit-graph", cmd_commit_graph, "bring the commit graph up to date: history "
+             "then reads a few files, not a block per commit", json_flag)
+    p.add_argument("--consolidate", action="store_true",
+                   help="merge every layer into one, leaving out commits gc removed")
+
+
+
 _COMMANDS = (_register_init, _register_reading, _register_ref, _register_maintenance, _register_car,
-             _register_replication, _register_http)
+             _register_replication, _register_http, _register_history)
 
 
 def _positive_int(text: str) -> int:
@@ -601,7 +610,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def _commit_json(commit: cas_ckpt.Commit) -> dict[str, Any]:
-    return {"cid": str(commit.cid), "tree": str(commit.tree), "parents": [str(p) for p in commit.parents],
+    return {"cid": _text(commit.cid), "tree": _text(commit.tree), "parents": list(map(_text, commit.parents)),
             "step": commit.step, "time": commit.time, "metadata": jsonable(commit.metadata),
             "message": commit.message}
 
@@ -620,12 +629,17 @@ def cmd_log(args: argparse.Namespace) -> int:
         return EXIT_OK
     for c in commits:
         step = f"step {c.step}" if c.step is not None else "step -"
-        parts = [str(c.cid), _stamp(c.time), step]
+        parts = [_text(c.cid), _stamp(c.time), step]
         parts += ["[expired]"] if c.cid in expired else []
         parts += [f"[fork: {', '.join(forks[c.cid])}]"] if c.cid in forks else []
         parts += [text for text in (_metrics_text(c.metadata), c.message) if text]
         _print("  ".join(parts))
     return EXIT_OK
+
+
+def _text(cid: cas_ckpt.CID) -> str:
+    """``str(cid)``, without multiformats' generic encoder (2 ms a CID: most of a long log)."""
+    return cidlib.to_str(bytes(cid))
 
 
 def _log_root(repo: Repository, target: str | None) -> bytes:
@@ -795,6 +809,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
     else:
         _print(f"removed {report.blocks_freed} blocks, freed {human(report.bytes_freed)}"
                + (f", {report.temp_files_removed} stale temp files" if report.temp_files_removed else ""))
+    return EXIT_OK
+
+
+def cmd_commit_graph(args: argparse.Namespace) -> int:
+    with open_repo(args, write=True) as repo:
+        report = repo.update_commit_graph(consolidate=args.consolidate)
+    if args.json:
+        _print_json(report)
+        return EXIT_OK
+    for name, why in sorted(report.damaged.items()):
+        _print(f"rebuilt around damaged layer {name}: {why}")
+    layers = "layer" if report.layers == 1 else "layers"
+    _print(f"commit graph: {report.commits} commits in {report.layers} {layers}; "
+           f"{report.commits_added} added, {report.layers_merged} merged, "
+           f"{human(report.bytes_written)} written")
     return EXIT_OK
 
 

@@ -131,8 +131,8 @@ else:
 class _Decoder:
     __slots__ = ("cid", "depth")
 
-    def __init__(self, cid: str | None) -> None:
-        self.cid = cid
+    def __init__(self, cid: bytes | None) -> None:
+        self.cid = cid  # binary: its text only for an error (a base32 encoding per node read)
         self.depth = 0
 
     def unpack(self, data: bytes) -> Any:
@@ -157,11 +157,11 @@ class _Decoder:
             try:
                 target = cidlib.check_binary(payload)
             except InvalidCID as exc:
-                raise DecodeError(f"bad link: {exc}", cid=self.cid) from None
+                raise DecodeError(f"bad link: {exc}", cid=_name(self.cid)) from None
             return HistoryLink(target) if code == HISTORY_LINK else Link(target)
         self.depth += 1
         if self.depth > MAX_DEPTH:
-            raise DecodeError(f"nesting deeper than {MAX_DEPTH}", cid=self.cid)
+            raise DecodeError(f"nesting deeper than {MAX_DEPTH}", cid=_name(self.cid))
         try:
             if self.depth <= _SHALLOW:
                 return Tagged(code, self._unpack_shallow(payload))
@@ -189,19 +189,22 @@ class _Decoder:
 
 def decode(data: bytes, *, cid: bytes | None = None) -> Any:
     """Decode a node, raising :class:`DecodeError` (naming ``cid``) on anything malformed."""
-    name = cidlib.to_str(cid) if cid is not None else None
     if len(data) > MAX_NODE_SIZE:
-        raise DecodeError(f"node of {len(data)} bytes exceeds {MAX_NODE_SIZE}", cid=name)
+        raise DecodeError(f"node of {len(data)} bytes exceeds {MAX_NODE_SIZE}", cid=_name(cid))
     try:
-        return _Decoder(name).unpack(bytes(data))
+        return _Decoder(cid).unpack(bytes(data))
     except DecodeError:
         raise
     except RecursionError:
-        raise DecodeError("nesting too deep", cid=name) from None
+        raise DecodeError("nesting too deep", cid=_name(cid)) from None
     except MemoryError:
-        raise OutOfMemory(f"decoding node {name} of {len(data)} bytes ran out of memory") from None
+        raise OutOfMemory(f"decoding node {_name(cid)} of {len(data)} bytes ran out of memory") from None
     except (ValueError, TypeError, msgpack.UnpackException, UnicodeDecodeError, OverflowError) as e:
-        raise DecodeError(f"malformed msgpack node: {type(e).__name__}: {e}", cid=name) from None
+        raise DecodeError(f"malformed msgpack node: {type(e).__name__}: {e}", cid=_name(cid)) from None
+
+
+def _name(cid: bytes | None) -> str | None:
+    return cidlib.to_str(cid) if cid is not None else None
 
 
 def links(value: Any) -> list[Link]:

@@ -29,7 +29,7 @@ import signal
 import sys
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -184,9 +184,9 @@ class CheckpointManager:
 
     # -- queries -------------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Retained steps, oldest first."""
+        """Retained steps, oldest first (their refs' names: one listing, nothing read per step)."""
         self._drain()
-        return sorted(self._step_refs())
+        return sorted(self._steps(self.repo.refs_store.names(self._prefix)).values())
 
     def latest_step(self) -> int | None:
         """The step of the latest checkpoint (what ``restore()`` loads), or None if none."""
@@ -453,18 +453,24 @@ class CheckpointManager:
         return f"{self._prefix}{_as_step(step):0{STEP_DIGITS}d}"
 
     def _step_refs(self) -> dict[int, bytes]:
-        found: dict[int, bytes] = {}
-        for name in self.repo.refs_store.names():
-            if name.startswith(self._prefix) and name[len(self._prefix):].isdigit():
-                value = self.repo.refs_store.get(name)
-                if value is not None:
-                    found[int(name[len(self._prefix):])] = value
-        return found
+        """Each retained step and its commit (the refs read at once)."""
+        values = self.repo.refs_store.values(self._prefix)
+        return {step: values[name] for name, step in self._steps(values).items()}
+
+    def _steps(self, names: Iterable[str]) -> dict[str, int]:
+        """The step refs among ``names`` (all below this run's prefix) and their steps."""
+        digits = len(self._prefix)
+        return {name: int(name[digits:]) for name in names if name[digits:].isdigit()}
 
     def _commit(self, cid: bytes) -> Commit:
         if cid not in self._commits:
             self._commits[cid] = self.repo.commit(cid)
         return self._commits[cid]
+
+    def _read_commits(self, cids: Iterable[bytes]) -> None:
+        """Read the commits of ``cids`` not known yet, at once (the commit graph's copies, the rest
+        in parallel): retention ranks every retained step."""
+        self._commits.update(self.repo.history.commits(c for c in cids if c not in self._commits))
 
     def _target(self, step: int | None) -> bytes:
         if step is None:
@@ -570,6 +576,8 @@ class CheckpointManager:
             return
         steps = self._step_refs()
         head = self.repo.refs_store.get(self.ref)
+        if self.keep_best is not None:
+            self._read_commits(steps.values())
         keep = self._retention.keep(steps, head, lambda cid: self._commit(cid).metadata.get("metrics"))
         if self._replicator is not None:  # a step on its way to the remote stays until it is there
             keep |= self._replicator.pending()
@@ -590,7 +598,9 @@ class CheckpointManager:
         if self.keep_best is None or self.best_metric in metrics or self._best_metric_stored:
             return
         reported = set(metrics)
-        for cid in self._step_refs().values():
+        steps = self._step_refs()
+        self._read_commits(steps.values())
+        for cid in steps.values():
             stored = self._commit(cid).metadata.get("metrics")
             if isinstance(stored, dict):
                 if self.best_metric in stored:

@@ -45,6 +45,7 @@ from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
 from cas_ckpt.codec import HistoryLink, Link
 from cas_ckpt.commit import is_commit
 from cas_ckpt.errors import BlockNotFound, RefDiverged
+from cas_ckpt.history import History
 from cas_ckpt.maintenance.walk import child_links, float_chunks
 from cas_ckpt.refs import RefStore, check_ref_name
 
@@ -59,6 +60,7 @@ class Source(Protocol):
 
     blocks: BlockStore
     location: str
+    history: History
 
     @property
     def pool(self) -> Executor: ...
@@ -144,7 +146,7 @@ def transfer(
     with dst.transaction(verify_existing=verify_existing) as txn:
         writer: BlockWriter = txn.blocks
         olds = {u.ref: dst.refs_store.get(u.ref) for u in updates}
-        nodes = _NodeCache(src.blocks)
+        nodes = _NodeCache(src)
         for update in updates:  # before anything is sent: a rejected push sends nothing
             old = olds[update.ref]
             if not update.force and old is not None and old != update.new \
@@ -174,19 +176,21 @@ def transfer(
 
 def descends(repo: Side, new: bytes, old: bytes) -> bool:
     """True if commit ``old`` is ``new`` or one of its ancestors in ``repo``'s history."""
-    return _descends(_NodeCache(repo.blocks), new, old)
+    return _descends(_NodeCache(repo), new, old)
 
 
 class _NodeCache:
-    """Decoded source nodes, each read once (the ancestry check and the plan share them)."""
+    """Decoded source nodes, each read once (the ancestry check and the plan share them); history
+    commits from the source's commit graph where it holds them."""
 
-    def __init__(self, blocks: BlockStore) -> None:
-        self.blocks = blocks
+    def __init__(self, side: Side) -> None:
+        self.blocks = side.blocks
+        self.read = side.history.lookup().node
         self.decoded: dict[bytes, Any] = {}
 
     def get(self, cid: bytes) -> Any:
         if cid not in self.decoded:
-            self.decoded[cid] = codec.decode(self.blocks.get(cid), cid=cid)
+            self.decoded[cid] = codec.decode(self.read(cid), cid=cid)
         return self.decoded[cid]
 
     def parents(self, cid: bytes) -> list[bytes]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from multiformats import CID
 
-from cas_ckpt import car, codec, hf, replication
+from cas_ckpt import car, hf, replication
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends.http import HttpRemote, is_http
 from cas_ckpt.backends.s3 import S3Bucket
@@ -51,6 +51,7 @@ from cas_ckpt.errors import (
     RepositoryError,
     StateTypeError,
 )
+from cas_ckpt.history import CommitGraphReport, History
 from cas_ckpt.maintenance.diff import DiffReport, compare
 from cas_ckpt.maintenance.fsck import FsckReport
 from cas_ckpt.maintenance.fsck import check as fsck_check
@@ -115,6 +116,7 @@ class Transaction:
         self.blocks = blocks
         self.tree = TreeWriter(blocks, repo.hasher, repo.pool, chunk_size=repo.config.chunk_size)
         self.moves: list[tuple[str, bytes | None, bytes, str]] = []
+        self.commits: dict[bytes, bytes] = {}  # the commit nodes written, for the commit graph
 
     @property
     def stats(self) -> WriteStats:
@@ -133,6 +135,7 @@ class Transaction:
                                  "values in the state")
         cid = self.repo.hasher.node(node)
         self.blocks.put(cid, node)
+        self.commits[cid] = node
         return cid
 
     def move_ref(self, ref: str, old: bytes | None, new: bytes, message: str) -> None:
@@ -178,6 +181,7 @@ class Repository:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._local = threading.local()
+        self.history = History(blocks, lambda: self.pool)  # commits, through the commit graph
 
     # -- plumbing ------------------------------------------------------------------------------
     @property
@@ -194,6 +198,7 @@ class Repository:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self.history.close()
         self.blocks.close()
 
     def __enter__(self) -> Repository:
@@ -279,6 +284,8 @@ class Repository:
                 yield txn
             for ref, old, new, message in txn.moves:
                 self._move_ref(ref, old, new, message)
+        if txn.moves:  # the commits are durable and named: the commit graph may hold them now
+            self.history.saved([new for _ref, _old, new, _message in txn.moves], txn.commits)
 
     def set_compression(self, compression: str) -> None:
         """Make ``compression`` the repository's setting (recorded in its config) for later saves.
@@ -380,14 +387,15 @@ class Repository:
 
     def _ancestor(self, target: str, cid: bytes, depth: int) -> bytes:
         """The ``depth``-th first-parent ancestor of commit ``cid`` (``target`` names it)."""
+        lookup = self.history.lookup()
         for step in range(depth):
             try:
-                parents = self.commit(cid).parents
+                parents = self.history.parents(cid, lookup)
             except BlockNotFound:  # history collected: the ancestor is not stored
                 parents = []
             if not parents:
                 raise AncestorNotFound(target, step)
-            cid = cidlib.to_bytes(parents[0])
+            cid = parents[0]
         return cid
 
     def load(
@@ -466,30 +474,16 @@ class Repository:
 
     def commit(self, target: Target = "main") -> Commit:
         """The commit record a ref or CID names."""
-        cid = self._resolve(target)
-        node = codec.decode(self.blocks.get(cid), cid=cid)
-        if not is_commit(node):
-            raise DecodeError("not a commit node", cid=cidlib.to_str(cid))
-        return parse_commit(cid, node)
+        return self.history.commit(self._resolve(target))
 
     # -- history and refs ----------------------------------------------------------------------
     def log(self, ref: Target = "main", *, limit: int | None = None) -> Iterator[Commit]:
         """Commits newest first, following each commit's first parent.
 
-        Stops quietly where history was garbage collected.
+        Stops quietly where history was garbage collected. Commits come from the commit graph
+        where it holds them (a few requests for any history on S3), else from their blocks.
         """
-        cid: bytes | None = self._resolve(ref)
-        seen: set[bytes] = set()
-        count = 0
-        while cid is not None and cid not in seen and (limit is None or count < limit):
-            seen.add(cid)
-            try:
-                commit = self.commit(cid)
-            except BlockNotFound:
-                return
-            yield commit
-            count += 1
-            cid = cidlib.to_bytes(commit.parents[0]) if commit.parents else None
+        return self.history.log(self._resolve(ref), limit=limit)
 
     def expired(self, commit: Commit) -> bool:
         """True if GC removed ``commit``'s data (its tree node is gone): loading it would fail."""
@@ -530,13 +524,7 @@ class Repository:
 
     def refs(self, prefix: str = "") -> dict[str, CID]:
         """Every ref (optionally only those under ``prefix``) and the root CID it holds."""
-        result = {}
-        for name in self.refs_store.names():
-            if name.startswith(prefix):
-                value = self.refs_store.get(name)
-                if value is not None:
-                    result[name] = cidlib.to_cid(value)
-        return result
+        return {name: cidlib.to_cid(value) for name, value in self.refs_store.values(prefix).items()}
 
     def reflog(self, ref: str = "main") -> list[ReflogEntry]:
         """Every update of ``ref``, oldest first (:class:`RefNotFound` if there is neither the
@@ -614,7 +602,8 @@ class Repository:
         """
         self.blocks.refresh()
         self.blocks.get(cid)  # BlockNotFound / CorruptBlock for the root itself
-        problems = walk(self.blocks, {cid: "target"}, check_raw=True).problems
+        lookup = self.history.lookup()
+        problems = walk(self.blocks, {cid: "target"}, check_raw=True, nodes=lookup.links).problems
         if problems:
             first = next(iter(problems.values()))
             if first.kind == "missing":
@@ -652,6 +641,7 @@ class Repository:
             return gc_collect(
                 self.blocks, self.refs_store, grace=grace, reflog_expiry=reflog_expiry,
                 expire_reflogs=expire_reflogs, dry_run=dry_run, progress=progress,
+                commits=self.history.lookup().links,  # lineage from the commit graph, not a read each
             )
 
     def fsck(
@@ -660,8 +650,25 @@ class Repository:
         sample: float | None = None,
         progress: Callable[[str, int, int], None] | None = None,
     ) -> FsckReport:
-        """Re-hash every block (or a ``sample`` fraction) and resolve every link from refs."""
-        return fsck_check(self.blocks, self.refs_store, sample=sample, progress=progress)
+        """Re-hash every block (or a ``sample`` fraction) and resolve every link from refs; the
+        commit graph's layers are checked too (a damaged one is a store problem: history reads
+        past it, and :meth:`update_commit_graph` rewrites it)."""
+        report = fsck_check(self.blocks, self.refs_store, sample=sample, progress=progress)
+        report.store_problems.extend(
+            f"damaged commit-graph layer {name}: {why} (ignored by reads; `cas-ckpt commit-graph` "
+            "rewrites it)" for name, why in sorted(self.history.check().items()))
+        return report
+
+    def update_commit_graph(self, *, consolidate: bool = False) -> CommitGraphReport:
+        """Bring the commit graph up to date: every commit a ref or pin reaches copied into it (a
+        repository written by 0.2 gets one), what damaged layers held rebuilt; ``consolidate``
+        merges all layers into one, leaving out commits GC removed.
+
+        Saves keep the graph up to date on their own, a layer every 16 commits, and history
+        queries read what it lacks from the blocks: this is for upkeep. See ``docs/format.md``.
+        """
+        with self._writing():
+            return self.history.update(self.refs_store, consolidate=consolidate)
 
     def stats(self, *, reflog_expiry: float = DEFAULT_REFLOG_EXPIRY) -> Usage:
         """Logical versus stored bytes per ref, per run (shared, and exclusive: what deleting the

@@ -699,6 +699,28 @@ class BackendTests:
         assert [i.name for i in backend.list()] == ["b.pack"]
         assert backend.read("a.pack", 0, 3) is None
 
+    def test_a_sibling_keeps_its_objects_apart(self, backend: Backend) -> None:
+        """Objects of another kind (the commit graph's layers) live beside the packs, never
+        among them, and every sibling of one directory sees the same objects."""
+        sibling = backend.sibling("commit-graph", ".graph")
+        if sibling is None:
+            pytest.skip("this medium keeps packs only")
+        self._object(backend, "a.pack", b"pack bytes")
+        self._object(sibling, "b.graph", b"graph bytes")
+        assert [i.name for i in backend.list()] == ["a.pack"]
+        again = backend.sibling("commit-graph", ".graph")
+        assert again is not None
+        assert [(i.name, i.size) for i in again.list()] == [("b.graph", 11)]
+        assert again.read("b.graph", 0, 11) == b"graph bytes" and sibling.read("a.pack", 0, 4) is None
+        other = backend.sibling("elsewhere", ".graph")
+        assert other is not None and other.list() == []
+        again.delete("b.graph")
+        assert sibling.list() == [] and [i.name for i in backend.list()] == ["a.pack"]
+        sibling.close()
+        again.close()
+        other.close()
+        assert backend.read("a.pack", 0, 4) == b"pack"  # closing a sibling leaves this one open
+
     def test_a_live_sink_survives_temp_cleaning(self, backend: Backend) -> None:
         sink = backend.create()
         sink.write(b"in progress")

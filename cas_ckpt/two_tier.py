@@ -302,13 +302,14 @@ class Replicator:
     def _retain_remote(self, remote: Repository) -> None:
         if self.retention.keeps_all and not self._gc_due:
             return
-        steps = {int(name[len(self._prefix):]): cid for name in remote.refs_store.names()
-                 if name.startswith(self._prefix) and name[len(self._prefix):].isdigit()
-                 and (cid := remote.refs_store.get(name)) is not None}
+        digits = len(self._prefix)
+        steps = {int(name[digits:]): cid for name, cid in remote.refs_store.values(self._prefix).items()
+                 if name[digits:].isdigit()}  # the step refs read at once
         head = remote.refs_store.get(self.ref)
+        commits = remote.history.commits(steps.values()) if self.retention.keep_best else {}
 
         def metrics(cid: bytes) -> Any:
-            return remote.commit(cid).metadata.get("metrics")
+            return (commits.get(cid) or remote.commit(cid)).metadata.get("metrics")
 
         expired = sorted(set(steps) - self.retention.keep(steps, head, metrics))
         for step in expired:

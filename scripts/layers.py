@@ -27,7 +27,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("blocks", ("blocks", "stores")),
     ("refs", ("refs",)),
     ("state", ("tree", "_small", "paths")),
-    ("repository", ("commit", "maintenance", "car", "hf", "replication", "repository")),
+    ("repository", ("commit", "commit_graph", "history", "maintenance", "car", "hf", "replication",
+                    "repository")),
     ("training", ("records", "two_tier", "manager", "integrations", "dcp")),
     ("tools", ("testing", "http", "cli", "demo", "__main__")),
 )

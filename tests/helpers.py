@@ -1,6 +1,6 @@
 """Exact comparison of states (type, dtype, shape, layout and bits, recursively), running a
-training script until a step to SIGKILL it there, damaging a byte of a file, and a block store
-that counts what is read."""
+training script until a step to SIGKILL it there, damaging a byte of a file, a block store
+that counts what is read, and a history as the commit blocks alone give it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ from typing import Any
 
 import numpy as np
 
+import cas_ckpt
+from cas_ckpt import cid as cidlib
+from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore, BlockWriter
+from cas_ckpt.commit import Commit, parse_commit
+from cas_ckpt.errors import BlockNotFound
 
 
 def assert_state_equal(expected: Any, actual: Any, path: str = "<root>") -> None:
@@ -173,3 +178,18 @@ class CountingStore(BlockStore):
 
     def bytes_read(self) -> int:
         return sum(self.inner.size(c) for c in self.reads)
+
+
+def from_blocks(repo: cas_ckpt.Repository, head: Any) -> list[Commit]:
+    """``repo.log(head)`` as the commit blocks alone give it (no commit graph involved)."""
+    found: list[Commit] = []
+    cid: bytes | None = cidlib.to_bytes(head)
+    while cid is not None:
+        try:
+            data = repo.blocks.get(cid)
+        except BlockNotFound:
+            break
+        commit = parse_commit(cid, codec.decode(data, cid=cid))
+        found.append(commit)
+        cid = bytes(commit.parents[0]) if commit.parents else None
+    return found

@@ -222,6 +222,21 @@ def test_names_are_sorted_and_hierarchical(refs: cas_ckpt.refs.RefStore) -> None
     assert refs.reflog_names() == ["main", "runs/exp-8", "zeta/a/b"]
 
 
+@pytest.mark.parametrize("prefix", ["", "r", "run", "run.steps/", "run.steps/0000", "run.steps/x",
+                                    "runs/", "runs/a/", "run.steps/00000002", "zz", "a/b/c/"])
+def test_names_and_values_below_a_prefix(refs: cas_ckpt.refs.RefStore, prefix: str) -> None:
+    """``names(prefix)``/``values(prefix)`` are ``names()``/the refs' values filtered by the
+    prefix as a string (not a path), whichever directory or key the prefix ends in."""
+    names = ["run", "run.steps/000000000001", "run.steps/000000000002", "run.stepsX",
+             "runs/a/b", "runs/ab", "zeta"]
+    for i, name in enumerate(names):
+        assert refs.add_if_new(name, B if i % 2 else A)
+    expected = [n for n in names if n.startswith(prefix)]
+    assert refs.names(prefix) == expected
+    assert refs.values(prefix) == {n: refs.get(n) for n in expected}
+    assert refs.values() == {n: (B if i % 2 else A) for i, n in enumerate(names)}
+
+
 @pytest.mark.parametrize("method", ["get", "add", "set", "remove", "reflog"])
 def test_store_methods_validate_names(refs: cas_ckpt.refs.RefStore, method: str) -> None:
     call = {

@@ -168,6 +168,16 @@ class Backend(ABC):
         """Bytes a new object may take before the medium is full; None if unknown or unbounded."""
         return None
 
+    def sibling(self, directory: str, suffix: str) -> Backend | None:
+        """A backend for objects of another kind on this medium, apart from these: the same
+        root, bucket or memory, ``directory`` instead of ``packs/``; their names end in
+        ``suffix``. None where the medium keeps nothing but packs.
+
+        Each call with the same ``directory`` MUST see the same objects (a memory backend keeps
+        one per directory). Closing a sibling leaves this backend open.
+        """
+        return None
+
     def forget(self, name: str) -> None:  # noqa: B027 - optional hook
         """Release what this instance holds for ``name`` (descriptors, caches): it left the store."""
 

@@ -150,14 +150,19 @@ class LocalSink(Sink):
 
 
 class LocalBackend(Backend):
-    """Objects as files in ``<root>/packs``, sinks in ``<root>/tmp``."""
+    """Objects as files in ``<root>/packs`` (a sibling's: ``<root>/<directory>``), named
+    ``*<suffix>``; sinks in ``<root>/tmp``."""
 
     can_mmap = True
 
-    def __init__(self, root: str | os.PathLike[str], *, read_only: bool = False) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, read_only: bool = False, directory: str = "packs",
+        suffix: str = SUFFIX,
+    ) -> None:
         super().__init__(read_only=read_only)
         self.root = Path(root)
-        self.pack_dir = self.root / "packs"
+        self.pack_dir = self.root / directory  # where the objects are (packs, unless a sibling)
+        self.suffix = suffix
         self.tmp_dir = self.root / "tmp"
         if not read_only:
             _fs.makedirs(_fs.refuse_links(self.root, self.pack_dir))
@@ -188,7 +193,7 @@ class LocalBackend(Backend):
             return []
         known, self._listed = self._listed, {}
         for entry in entries:
-            if not entry.name.endswith(SUFFIX):
+            if not entry.name.endswith(self.suffix):
                 continue
             # A published pack never changes, so its size and mtime are looked up once per
             # file (the inode comes with the directory entry): a save lists packs/ each time.
@@ -208,7 +213,8 @@ class LocalBackend(Backend):
         (a save looks for new packs each time: with thousands, describing every one took
         milliseconds)."""
         try:
-            names = {n for n in os.listdir(_fs.refuse_links(self.root, self.pack_dir)) if n.endswith(SUFFIX)}
+            listing = os.listdir(_fs.refuse_links(self.root, self.pack_dir))
+            names = {n for n in listing if n.endswith(self.suffix)}
         except FileNotFoundError:
             return set(), []
         now, new = time.time(), []
@@ -340,6 +346,9 @@ class LocalBackend(Backend):
         with self._lock:
             self._maps.pop(name, None)  # arrays still viewing it keep the mapping alive
         self._files.forget(name)  # a read using the descriptor right now keeps it until done
+
+    def sibling(self, directory: str, suffix: str) -> LocalBackend:
+        return LocalBackend(self.root, read_only=self.read_only, directory=directory, suffix=suffix)
 
     def free_space(self) -> int | None:
         try:

@@ -44,6 +44,7 @@ class MemoryBackend(Backend):
         super().__init__()
         self.objects: dict[str, tuple[bytes, float]] = {}
         self._lock = threading.Lock()
+        self._siblings: dict[str, MemoryBackend] = {}
 
     def describe(self) -> str:
         return "memory://"
@@ -66,6 +67,10 @@ class MemoryBackend(Backend):
                                                  f"the object has {len(data)}")
         out.cast("B")[:] = memoryview(data)[offset : offset + out.nbytes]
         return True
+
+    def sibling(self, directory: str, suffix: str) -> MemoryBackend:
+        with self._lock:
+            return self._siblings.setdefault(directory, MemoryBackend())
 
     def create(self) -> MemorySink:
         return MemorySink(self)

@@ -612,14 +612,16 @@ class S3Sink(Sink):
 
     def publish(self, name: str) -> bool:
         path = self._sealed()
-        if not self._backend.bucket.put_file(PACKS + name, path, part_size=self._backend.part_size):
+        backend = self._backend
+        if not backend.bucket.put_file(backend.folder + name, path, part_size=backend.part_size):
             return False
         self.abort()
         return True
 
     def replace(self, name: str) -> None:
-        self._backend.bucket.put_file(PACKS + name, self._sealed(), part_size=self._backend.part_size,
-                                      create=False)
+        backend = self._backend
+        backend.bucket.put_file(backend.folder + name, self._sealed(), part_size=backend.part_size,
+                                create=False)
         self._backend.forget(name)
         self.abort()
 
@@ -632,7 +634,8 @@ class S3Sink(Sink):
 
 
 class S3Backend(Backend):
-    """Packs as ``<prefix>packs/<name>`` objects, created only if absent (``If-None-Match: *``).
+    """Packs as ``<prefix>packs/<name>`` objects (a sibling's: ``<prefix><folder><name>``),
+    created only if absent (``If-None-Match: *``).
 
     ``cache_dir`` keeps fetched bytes on local disk. GC never removes a pack younger than
     ``min_grace`` seconds by the server's clock: a writer on another machine cannot be locked out
@@ -653,9 +656,12 @@ class S3Backend(Backend):
         read_size: int = READ_SIZE,
         cache_dir: str | os.PathLike[str] | None = None,
         min_grace: float = DEFAULT_GRACE,
+        folder: str = PACKS,
     ) -> None:
         super().__init__(read_only=read_only)
+        self._owns_bucket = True  # closes it: a sibling does not
         self.bucket = bucket if isinstance(bucket, S3Bucket) else S3Bucket(bucket)
+        self.folder = folder
         if not read_only:
             self.bucket.check_conditional_writes()
         self.part_size = part_size
@@ -677,12 +683,12 @@ class S3Backend(Backend):
         return self.bucket.url
 
     def where(self, name: str) -> str:
-        return self.bucket.where(PACKS + name)
+        return self.bucket.where(self.folder + name)
 
     def list(self) -> list[ObjectInfo]:
         found = []
-        for meta in self.bucket.list(PACKS):
-            name = meta.key[len(PACKS) :]
+        for meta in self.bucket.list(self.folder):
+            name = meta.key[len(self.folder) :]
             if "/" not in name:
                 found.append(ObjectInfo(name, meta.size, meta.age))
         return found
@@ -704,7 +710,7 @@ class S3Backend(Backend):
         cache = self.cache if starts else None  # only blocks are cached (not indexes, headers)
         if cache is not None and cache.read_into(name, offset, out, starts):
             return True
-        if not self.bucket.read_into(PACKS + name, offset, out):
+        if not self.bucket.read_into(self.folder + name, offset, out):
             return False
         if cache is not None:
             cache.write(name, offset, out, starts)
@@ -717,24 +723,33 @@ class S3Backend(Backend):
         if self.cache is not None:
             self.cache.drop(name)
 
+    def sibling(self, directory: str, suffix: str) -> S3Backend:
+        """Objects under ``<prefix><directory>/``, through this backend's bucket (not cached)."""
+        other = S3Backend(self.bucket, read_only=self.read_only, part_size=self.part_size,
+                          read_size=self.read_coalesce, min_grace=self.min_grace,
+                          folder=f"{directory}/")
+        other._owns_bucket = False
+        return other
+
     def create(self) -> S3Sink:
         return S3Sink(self)
 
     def delete(self, name: str) -> None:
-        self.bucket.delete_many([PACKS + name])
+        self.bucket.delete_many([self.folder + name])
         self.forget(name)
 
     def clean_temp(self, min_age: float) -> int:
         """Abort multipart uploads older than the grace period (left by writers that died)."""
         removed = 0
-        for key, upload, age in self.bucket.uploads(PACKS):
+        for key, upload, age in self.bucket.uploads(self.folder):
             if age >= max(min_age, self.min_grace):
                 self.bucket.abort_upload(key, upload)
                 removed += 1
         return removed
 
     def close(self) -> None:
-        self.bucket.close()
+        if self._owns_bucket:  # a sibling shares its bucket's pool with the packs' backend
+            self.bucket.close()
         if self.cache is not None:
             self.cache.close()
         if self._spool is not None:

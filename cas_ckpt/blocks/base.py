@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from multiformats import CID
 
@@ -41,6 +41,9 @@ def check_size(cid: bytes, size: int) -> None:
     limit = size_limit(cid)
     if size > limit:
         raise BlockTooLarge(cidlib.to_str(cid), "node" if cidlib.is_node(cid) else "raw chunk", size, limit)
+
+if TYPE_CHECKING:
+    from cas_ckpt.backends.base import Backend
 
 
 @dataclass
@@ -396,6 +399,11 @@ class BlockStore(ABC):
     def clean_temp(self) -> int:
         """Remove leftovers of writers that died; return how many."""
         return 0
+
+    def sibling(self, directory: str, suffix: str) -> Backend | None:
+        """Objects of another kind kept on this store's medium beside its blocks (the commit
+        graph's layers), through a backend of their own; None where there is no such place."""
+        return None
 
     def refresh(self) -> None:  # noqa: B027 - optional hook, most stores see writes at once
         """Pick up blocks other processes have committed since this store was opened."""

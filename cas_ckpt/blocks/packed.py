@@ -830,6 +830,9 @@ class PackedBlockStore(BlockStore):
                 complete = False
         return complete
 
+    def sibling(self, directory: str, suffix: str) -> Backend | None:
+        return self.backend.sibling(directory, suffix)
+
     def clean_temp(self) -> int:
         self._check_writable()
         return self.backend.clean_temp(self.backend.min_grace)

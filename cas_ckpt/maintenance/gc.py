@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
@@ -85,10 +86,8 @@ def root_entries(
     """Every root, one per ref, pin and live reflog entry (the same CID may come several times):
     reflog entries newer than ``reflog_expiry`` s, except those of the refs ``expire_reflogs``
     names (see :func:`governs`). The one definition of what GC keeps, for GC and ``du``."""
-    for name in refs.names():
-        value = refs.get(name)
-        if value is not None:
-            yield Root(value, name, "ref")
+    for name, value in refs.values().items():  # read at once (S3: in parallel)
+        yield Root(value, name, "ref")
     for pin in refs.pins():
         yield Root(pin, "pin", "pin")
     if reflog_expiry > 0:
@@ -142,11 +141,14 @@ def collect(
     expire_reflogs: Iterable[str] = (),
     dry_run: bool = False,
     progress: Callable[[str, int], None] | None = None,
+    commits: Callable[[bytes], Any] | None = None,
 ) -> GCReport:
     """Mark from every root, then sweep unreachable blocks older than ``grace`` seconds.
 
     ``expire_reflogs``: refs whose reflog entries are not roots, because a retention policy decides
-    what they keep (a name ending in ``/`` covers every ref below it).
+    what they keep (a name ending in ``/`` covers every ref below it). ``commits``: stored commit
+    nodes, decoded (their links at least), known without reading their blocks (from the commit
+    graph's copies, checked against their CIDs), so marking lineage reads no block per commit.
     """
     expire = check_expire_reflogs(expire_reflogs)
     # A dry run removes nothing: a shared lock keeps another GC out and lets saves (and readers
@@ -159,6 +161,7 @@ def collect(
             found.strong,
             weak=found.weak,
             progress=(lambda n: progress("mark", n)) if progress else None,
+            nodes=commits,
         )
         if reach.problems:
             first = next(iter(reach.problems.values()))

@@ -123,6 +123,7 @@ def walk(
     check_raw: bool = False,
     progress: Callable[[int], None] | None = None,
     reach: Reach | None = None,
+    nodes: Callable[[bytes], Any] | None = None,
 ) -> Reach:
     """Mark everything ``roots`` (binary CID -> root name) reach; record problems, never raise.
 
@@ -130,14 +131,28 @@ def walk(
     expired record, not a problem. They are walked after the strong ones, so a block both need is
     always judged as the strong root needs it. ``check_raw`` also checks that raw chunks exist
     (fsck); GC does not need to. ``reach``: an earlier walk's, to go on from (what it marked is
-    not walked again).
+    not walked again). ``nodes``: a stored node, decoded, where known without reading its block
+    (None: read it); what it gives must hold the links the block holds.
     """
     reach = Reach() if reach is None else reach
     counter = _Counter(progress)
-    _mark(store, reach, roots, strong=True, check_raw=check_raw, counter=counter)
+    read = _Reader(store, nodes)
+    _mark(read, reach, roots, strong=True, check_raw=check_raw, counter=counter)
     if weak:
-        _mark(store, reach, weak, strong=False, check_raw=check_raw, counter=counter)
+        _mark(read, reach, weak, strong=False, check_raw=check_raw, counter=counter)
     return reach
+
+
+@dataclass
+class _Reader:
+    """A walk's nodes, decoded: what ``nodes`` knows first, else the store's block (verified)."""
+
+    store: BlockStore
+    nodes: Callable[[bytes], Any] | None
+
+    def __call__(self, cid: bytes) -> Any:
+        node = self.nodes(cid) if self.nodes is not None else None
+        return node if node is not None else codec.decode(self.store.get(cid, verify=True), cid=cid)
 
 
 @dataclass
@@ -152,7 +167,7 @@ class _Counter:
 
 
 def _mark(
-    store: BlockStore,
+    read: _Reader,
     reach: Reach,
     roots: dict[bytes, str],
     *,
@@ -171,10 +186,10 @@ def _mark(
         reach.where.setdefault(cid, Where(root, path))
         counter.tick()
         if not cidlib.is_node(cid):
-            if check_raw and strong and not store.has(cid):
+            if check_raw and strong and not read.store.has(cid):
                 _problem(reach, cid, "missing", "block not found", Where(root, path))
             continue
-        node = _read_node(store, reach, cid, Where(root, path), strong=strong)
+        node = _read_node(read, reach, cid, Where(root, path), strong=strong)
         if node is None:
             continue
         top = is_commit(node)  # a commit's tree starts the state paths afresh
@@ -185,9 +200,9 @@ def _mark(
                 stack.append((link.cid, root, "" if top else where, True))
 
 
-def _read_node(store: BlockStore, reach: Reach, cid: bytes, where: Where, *, strong: bool) -> Any:
+def _read_node(read: _Reader, reach: Reach, cid: bytes, where: Where, *, strong: bool) -> Any:
     try:
-        return codec.decode(store.get(cid, verify=True), cid=cid)
+        return read(cid)
     except BlockNotFound:
         if where.path == "<history>" or not strong:
             return None  # lineage past a collected commit, or data an earlier GC expired

@@ -186,8 +186,13 @@ class RefStore(ABC):
         return self._swap(name, check, None, message)
 
     @abstractmethod
-    def names(self) -> list[str]:
-        """Every ref name, sorted."""
+    def names(self, prefix: str = "") -> list[str]:
+        """Every ref name (only those starting with ``prefix``), sorted."""
+
+    def values(self, prefix: str = "") -> dict[str, bytes]:
+        """Every ref (only those starting with ``prefix``) and its binary CID, read at once (a
+        remote medium reads them in parallel)."""
+        return {name: value for name in self.names(prefix) if (value := self.get(name)) is not None}
 
     @abstractmethod
     def reflog(self, name: str) -> list[ReflogEntry]:

@@ -26,6 +26,7 @@ from cas_ckpt.refs.base import (
     check_ref_name,
     describe_holder,
     holder_info,
+    is_ref_name,
 )
 
 # In refs/ and logs/, under the ref lock, no writer is using a file of these names: they are what
@@ -205,8 +206,25 @@ class LocalRefStore(RefStore):
             raise CorruptStore(base, "holds directories nested deeper than any ref name") from None
         return sorted(names)
 
-    def names(self) -> list[str]:
-        return [n for n in self._walk(self.refs_dir) if self.get(n) is not None]
+    def names(self, prefix: str = "") -> list[str]:
+        return [n for n in self._candidates(prefix) if self.get(n) is not None]
+
+    def values(self, prefix: str = "") -> dict[str, bytes]:
+        return {n: value for n in self._candidates(prefix) if (value := self.get(n)) is not None}
+
+    def _candidates(self, prefix: str) -> list[str]:
+        """Names of the ref files that start with ``prefix``: only the directory they lie in is
+        walked (a run's ``<ref>.steps/`` among many runs' refs)."""
+        top = prefix.rpartition("/")[0]
+        if not top or not is_ref_name(top):
+            return [n for n in self._walk(self.refs_dir) if n.startswith(prefix)]
+        base = self.refs_dir.joinpath(*top.split("/"))
+        try:
+            if not stat.S_ISDIR(os.lstat(base).st_mode):
+                return []  # a ref of that name, a link, or something else: nothing lies below
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [name for n in self._walk(base) if (name := f"{top}/{n}").startswith(prefix)]
 
     def reflog(self, name: str) -> list[ReflogEntry]:
         path = self._path(self.logs_dir, name)

@@ -50,8 +50,11 @@ class MemoryRefStore(RefStore):
             self._refs[name] = new
             return True
 
-    def names(self) -> list[str]:
-        return sorted(self._refs)
+    def names(self, prefix: str = "") -> list[str]:
+        return sorted(name for name in self._refs if name.startswith(prefix))
+
+    def values(self, prefix: str = "") -> dict[str, bytes]:
+        return {name: self._refs[name] for name in self.names(prefix) if name in self._refs}
 
     def reflog(self, name: str) -> list[ReflogEntry]:
         return list(self._logs.get(check_ref_name(name), []))

@@ -256,9 +256,15 @@ class S3RefStore(RefStore):
             if self.bucket.head(f"refs/{parent}") is not None:
                 raise InvalidRefName(name, f"clashes with the existing ref {parent!r}")
 
-    def names(self) -> list[str]:
-        names = (m.key[len("refs/") :] for m in self.bucket.list("refs/"))
+    def names(self, prefix: str = "") -> list[str]:
+        names = (m.key[len("refs/") :] for m in self.bucket.list(f"refs/{prefix}"))
         return sorted(n for n in names if is_ref_name(n))
+
+    def values(self, prefix: str = "") -> dict[str, bytes]:
+        """One listing, then the refs read in parallel (a GET each)."""
+        names = self.names(prefix)
+        heads = self.bucket.pool.map(self._head, names) if len(names) > 1 else map(self._head, names)
+        return {name: head.cid for name, head in zip(names, heads, strict=True) if head is not None}
 
     # -- reflogs -------------------------------------------------------------------------------
     def _entries(self, name: str) -> list[Meta]:
