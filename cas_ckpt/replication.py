@@ -60,7 +60,7 @@ class Source(Protocol):
 
     blocks: BlockStore
     location: str
-    history: History
+    history: History | None  # commits through the source's commit graph (None: a gateway has none)
 
     @property
     def pool(self) -> Executor: ...
@@ -81,6 +81,7 @@ class Gateway:
     blocks: BlockStore
     location: str
     pool: Executor
+    history: None = None
 
 
 @dataclass(frozen=True)
@@ -183,9 +184,9 @@ class _NodeCache:
     """Decoded source nodes, each read once (the ancestry check and the plan share them); history
     commits from the source's commit graph where it holds them."""
 
-    def __init__(self, side: Side) -> None:
+    def __init__(self, side: Source) -> None:
         self.blocks = side.blocks
-        self.read = side.history.lookup().node
+        self.read = side.history.lookup().node if side.history is not None else side.blocks.get
         self.decoded: dict[bytes, Any] = {}
 
     def get(self, cid: bytes) -> Any:

@@ -44,11 +44,17 @@ class HttpRefStore(RefStore):
             raise RemoteError(self.remote.where(path), f"answered {found!r} for ref {name!r}")
         return self._cid(found.get("cid"), path)
 
-    def names(self) -> list[str]:
-        found = self.remote.get_json("/refs")
+    def names(self, prefix: str = "") -> list[str]:
+        return sorted(self.values(prefix))
+
+    def values(self, prefix: str = "") -> dict[str, bytes]:
+        """One request: ``/refs?prefix=`` answers every ref with its CID."""
+        path = f"/refs?prefix={urllib.parse.quote(prefix, safe='')}" if prefix else "/refs"
+        found = self.remote.get_json(path)
         if not isinstance(found, dict):
-            raise RemoteError(self.remote.where("/refs"), "did not answer with a map of refs")
-        return sorted(name for name in found if isinstance(name, str) and is_ref_name(name))
+            raise RemoteError(self.remote.where(path), "did not answer with a map of refs")
+        return {name: self._cid(cid, path) for name, cid in sorted(found.items())
+                if isinstance(name, str) and is_ref_name(name) and name.startswith(prefix)}
 
     def reflog(self, name: str) -> list[ReflogEntry]:
         path = f"/reflog/{_quoted(check_ref_name(name))}"
