@@ -151,6 +151,7 @@ WRITES: dict[str, Call] = {
     "unpin": lambda r, _: r.unpin("other"),
     "pull": lambda r, out: r.pull(out / "pushed", "pulled", remote_ref="main"),  # READS pushed it
     # nothing listens on port 9 (discard): only the refusal up front makes this a read-only error
+    "update_commit_graph": lambda r, _: r.update_commit_graph(consolidate=True),
     "fetch": lambda r, _: r.fetch(r.resolve("main"), gateway="http://127.0.0.1:9", ref="fetched"),
     "import_car": lambda r, out: r.import_car(out / "x.car", ref="imported"),
     "import_safetensors": lambda r, out: r.import_safetensors(out / "m.safetensors", ref="st"),
