@@ -614,8 +614,15 @@ def _finish_at_exit(manager: CheckpointManager) -> None:
 
 
 def _finish_saves() -> None:
-    """Wait for every async save in flight; report each failure on stderr, and exit non-zero."""
+    """Wait for every async save in flight, and replication; report each failure on stderr.
+
+    A save that failed here lost a checkpoint: the process then exits non-zero (unless it already
+    does, ended by an uncaught exception: that status stays). Replication that cannot catch up
+    lost nothing (the checkpoints are local, and the run's next manager sends them): reported
+    only, the exit status is the program's own.
+    """
     failures = []
+    lost = False
     managers = [m for m in list(_ASYNC_MANAGERS)
                 if m._future is not None or (m._replicator is not None and not m._closed)]
     for i, manager in enumerate(managers):
@@ -626,18 +633,22 @@ def _finish_saves() -> None:
                 manager._replicator.wait()
         except SaveFailed as exc:
             failures.append(f"{exc}; the checkpoint was not saved")
+            lost = True
         except ReplicationFailed as exc:
-            failures.append(str(exc))
+            failures.append(f"{exc}; the run's next manager on this repository sends them")
         except KeyboardInterrupt:
+            interrupted = [m for m in managers[i:] if m._future is not None]
             failures.extend(
                 f"interrupted at exit while the async save of step {m._pending_step} to {m.ref!r} "
-                "was in flight; it may not be saved"
-                for m in managers[i:] if m._future is not None
+                "was in flight; it may not be saved" for m in interrupted
             )
+            lost = lost or bool(interrupted)
             break
     for message in failures:
         print(f"cas_ckpt: {message}", file=sys.stderr, flush=True)
-    if failures:
+    # An uncaught exception ending the main thread was printed (which sets sys.last_value) and
+    # already makes the status 1; forcing 120 would only hide which failure came first.
+    if lost and getattr(sys, "last_value", None) is None:
         _exit_status_120()
 
 

@@ -265,14 +265,18 @@ class Replicator:
 
     def _failed(self, batch: dict[int, tuple[bytes, int]], exc: Exception) -> None:
         with self._cond:
-            self._failures += 1
+            attempt = self._failures + 1
+            delay = min(0.25 * 2 ** (attempt - self._base - 1), MAX_DELAY)
+            # Logged before the attempt is counted: wait() raises once it sees the count, and the
+            # warning must already be there for whoever reads the log then.
+            _log.warning("replicating steps %s of %r to %s failed (attempt %d, retrying in %.1f s): "
+                         "%s: %s", sorted(batch), self.ref, self.where, attempt, delay,
+                         type(exc).__name__, exc)
+            self._failures = attempt
             self._error = exc
-            delay = min(0.25 * 2 ** (self._failures - self._base - 1), MAX_DELAY)
             self._next = time.monotonic() + delay
             self._busy = False
             self._cond.notify_all()
-        _log.warning("replicating steps %s of %r to %s failed (attempt %d, retrying in %.1f s): %s: %s",
-                     sorted(batch), self.ref, self.where, self._failures, delay, type(exc).__name__, exc)
 
     def _push(self, batch: dict[int, tuple[bytes, int]]) -> None:
         """Send the batch's checkpoints still held locally (their step refs and the run's ref at

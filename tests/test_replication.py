@@ -10,7 +10,6 @@ import logging
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -373,13 +372,44 @@ def test_a_replication_failure_is_reported_and_retried(local: cas_ckpt.Repositor
         assert lag is not None and lag.steps == 2 and lag.failures >= 3 and lag.error
         assert "replicating steps [1" in caplog.text and "failed (attempt 3" in caplog.text
         blocker.unlink()  # the remote comes back: the next retry catches up
-        deadline = time.monotonic() + 60
-        while mgr.replication_lag.steps and time.monotonic() < deadline:  # type: ignore[union-attr]
-            time.sleep(0.05)
+        mgr.wait()  # retries at once, without sitting out the backoff
+        assert mgr.replication_lag.steps == 0  # type: ignore[union-attr]
         mgr.close()
     with cas_ckpt.open(blocker) as remote:
         assert remote.load("run")["w"].tolist() == list(range(6))
         assert sorted(remote.refs("run.steps/")) == ["run.steps/000000000001", "run.steps/000000000002"]
+
+
+def test_each_failed_attempt_is_logged_before_anyone_sees_it_counted(
+    local: cas_ckpt.Repository, tmp_path: Path
+) -> None:
+    """wait() raises once it sees 3 failures; the third warning must be in the log by then (it
+    was logged after the count was published, and a test reading the log at once failed)."""
+    blocker = tmp_path / "remote"
+    blocker.write_text("not a repository")
+    local.save({"w": np.arange(4)}, ref="run", step=0)
+    seen: list[tuple[int, int]] = []  # (attempt logged, failures visible then)
+    managers: list[cas_ckpt.CheckpointManager] = []
+
+    class Witness(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "failed (attempt" in record.getMessage():
+                lag = managers[0].replication_lag
+                assert lag is not None
+                seen.append((int(record.getMessage().split("attempt ")[1].split(",")[0]), lag.failures))
+
+    witness = Witness()
+    logging.getLogger("cas_ckpt").addHandler(witness)
+    try:
+        managers.append(cas_ckpt.CheckpointManager(local, "run", replicate_to=blocker))
+        managers[0].save(1, {"w": np.arange(5)})
+        with pytest.raises(ReplicationFailed):
+            managers[0].wait()
+    finally:
+        logging.getLogger("cas_ckpt").removeHandler(witness)
+        blocker.unlink()
+        managers[0].close()
+    assert len(seen) >= 3 and all(failures == attempt - 1 for attempt, failures in seen), seen
 
 
 def test_close_raises_when_replication_cannot_catch_up(local: cas_ckpt.Repository, tmp_path: Path) -> None:
