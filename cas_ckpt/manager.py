@@ -53,7 +53,8 @@ from cas_ckpt.errors import (
     UnknownMetric,
 )
 from cas_ckpt.refs import check_ref_name
-from cas_ckpt.repository import Commit, Repository, SaveReport, Target
+from cas_ckpt.refs.base import Lease
+from cas_ckpt.repository import Commit, RepoOrPath, Repository, SaveReport, Target, ensure_open
 from cas_ckpt.tree import MAX_DEPTH, dtype_name, is_tensor, join_path
 from cas_ckpt.two_tier import ReplicationLag, Replicator, Retention
 
@@ -68,6 +69,9 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 wit
 class CheckpointManager:
     """Saves one run's checkpoints under ``ref`` and applies a retention policy after each save.
 
+    ``repo``: an open :class:`Repository` (it stays the caller's to close), or a location as
+    :func:`cas_ckpt.open` takes it (a directory as str or path-like, ``"s3://bucket/prefix"``,
+    ``"memory://"``), opened (created if missing) by the manager and closed by :meth:`close`.
     ``save_every``: save only steps divisible by it (``force=True`` saves any step).
     ``keep_last`` / ``keep_every`` / ``keep_best``: keep the last N steps, every step divisible by
     K, and the N best by ``metrics[best_metric]`` (``best_mode`` "min" or "max"); a step any rule
@@ -101,7 +105,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        repo: Repository,
+        repo: RepoOrPath,
         ref: str = "main",
         *,
         save_every: int | None = None,
@@ -130,7 +134,6 @@ class CheckpointManager:
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
         if keep_best is not None and not best_metric:
             raise ValueError("keep_best needs best_metric")
-        self.repo = repo
         self.ref = check_ref_name(ref)
         self.save_every = save_every
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
@@ -152,19 +155,28 @@ class CheckpointManager:
         self._preempted: int | None = None  # the signal that asked this run to stop
         self._handlers: dict[int, Any] = {}  # signal -> the handler installed before ours
         self.preempted_at: int | None = None  # the step at which reached_preemption said True
-        # The ranks of one torch.distributed job are one writer: rank 0 holds the run's lease.
-        writer = not repo.read_only and _rank() == 0
-        self._lease = repo.refs_store.lease(self.ref, takeover=takeover) if writer else None
-        if self._lease is not None:  # an unclosed manager gives its run back when collected
-            self._release_lease = weakref.finalize(self, self._lease.release)
+        self._lease: Lease | None = None
         self._replicator: Replicator | None = None
-        if replicate_to is not None and self._lease is not None:  # the run's writer replicates
-            self._replicator = self._start_replication(replicate_to, replicate_every, remote_retention)
-        if fork_from is not None and repo.refs_store.get(self.ref) is None:
-            self._fork(fork_from)
-        self._reconcile()
-        if preemption:
-            self._install_handlers(tuple(preemption_signals))
+        # A location is opened here and closed by close(); a Repository stays its caller's.
+        self.repo, self._owns_repo = ensure_open(repo)
+        with contextlib.ExitStack() as undo:  # a manager that fails to start gives everything back
+            if self._owns_repo:
+                undo.callback(self.repo.close)
+            # The ranks of one torch.distributed job are one writer: rank 0 holds the run's lease.
+            if not self.repo.read_only and _rank() == 0:
+                self._lease = self.repo.refs_store.lease(self.ref, takeover=takeover)
+                # An unclosed manager gives its run back when collected.
+                self._release_lease = weakref.finalize(self, self._lease.release)
+                undo.callback(self._release_lease)
+            if replicate_to is not None and self._lease is not None:  # the run's writer replicates
+                self._replicator = self._start_replication(replicate_to, replicate_every, remote_retention)
+                undo.callback(self._replicator.stop)
+            if fork_from is not None and self.repo.refs_store.get(self.ref) is None:
+                self._fork(fork_from)
+            self._reconcile()
+            if preemption:
+                self._install_handlers(tuple(preemption_signals))
+            undo.pop_all()
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.ref!r} in {self.repo!r}>"
@@ -254,7 +266,8 @@ class CheckpointManager:
                 self._close()
 
     def _close(self) -> None:
-        """Stop the threads, restore signal handlers and give the run's lease back."""
+        """Stop the threads, restore signal handlers, give the run's lease back, and close the
+        repository if this manager opened it."""
         self._closed = True
         self._buffers = None
         self._restore_handlers()
@@ -263,6 +276,8 @@ class CheckpointManager:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._owns_repo:
+            self.repo.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -521,9 +536,7 @@ class CheckpointManager:
         try:
             replicator.resume()
         except BaseException:
-            replicator.close()
-            if self._lease is not None:
-                self._release_lease()
+            replicator.stop()
             raise
         _finish_at_exit(self)  # a script that ends without close() still replicates its last save
         return replicator

@@ -996,6 +996,19 @@ def _s3_stores(
 
 
 
+RepoOrPath = Repository | str | os.PathLike[str]
+
+
+def ensure_open(repo_or_path: RepoOrPath) -> tuple[Repository, bool]:
+    """The repository, and whether this call opened it (a location, then its caller closes it)."""
+    if isinstance(repo_or_path, Repository):
+        return repo_or_path, False
+    if isinstance(repo_or_path, (str, os.PathLike)):
+        return open(repo_or_path), True
+    raise TypeError(f"expected a cas_ckpt.Repository or a location (a path, 'memory://', "
+                    f"'s3://...'), not {type(repo_or_path).__name__}")
+
+
 @contextlib.contextmanager
 def _other(
     remote: Repository | str | os.PathLike[str], like: Repository | None, *, create: bool,

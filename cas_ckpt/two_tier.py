@@ -227,18 +227,23 @@ class Replicator:
                 self._cond.wait(0.5)
 
     def close(self) -> None:
-        """:meth:`finish` and :meth:`wait`, then stop the thread (also when waiting failed)."""
+        """:meth:`finish` and :meth:`wait`, then :meth:`stop` (also when waiting failed)."""
         try:
             self.finish()
             self.wait()
         finally:
-            with self._cond:
-                self._stop = True
-                self._cond.notify_all()
-            self._thread.join(timeout=60)
-            if self._remote is not None and not isinstance(self._spec, Repository):
-                self._remote.close()
-                self._remote = None
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the thread (a push in progress completes first) and close the remote if it was
+        opened here; what is still queued stays unsent."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+        if self._remote is not None and not isinstance(self._spec, Repository):
+            self._remote.close()
+            self._remote = None
 
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:

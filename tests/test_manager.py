@@ -32,6 +32,40 @@ def stored_bytes(repo: cas_ckpt.Repository) -> int:
     return sum(repo.blocks.size(c) for c in repo.blocks.keys())  # noqa: SIM118 - a store
 
 
+def open_descriptors() -> int:
+    return len(list(Path("/proc/self/fd").iterdir()))
+
+
+# -- opening ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", [str, Path])
+def test_a_location_is_opened_by_the_manager_and_closed_by_close(tmp_path: Path, kind: type) -> None:
+    location = kind(tmp_path / "checkpoints")
+    before = open_descriptors()
+    with CheckpointManager(location, "run", keep_last=1) as mgr:  # created if missing
+        mgr.save(1, state_for(1))
+        mgr.save(2, state_for(2))
+        assert mgr.restore()["tag"] == "s2" and mgr.steps() == [2]
+        assert mgr.repo.location == str(tmp_path / "checkpoints")
+    assert open_descriptors() == before  # its packs closed with it
+    with cas_ckpt.open(tmp_path / "checkpoints") as repo:
+        assert repo.commit("run").step == 2
+        mgr = CheckpointManager(repo, "run")  # an open Repository stays its caller's
+        mgr.close()
+        assert repo.load("run")["tag"] == "s2"
+
+
+def test_a_manager_that_fails_to_start_closes_the_repository_it_opened(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "checkpoints") as repo, CheckpointManager(repo, "run") as holder:
+        holder.save(1, state_for(1))
+        repo.load("run")
+        before = open_descriptors()
+        with pytest.raises(cas_ckpt.errors.LeaseHeld):
+            CheckpointManager(tmp_path / "checkpoints", "run")
+        assert open_descriptors() == before
+    with pytest.raises(TypeError, match="a location"):
+        CheckpointManager(42, "run")  # type: ignore[arg-type]
+
+
 # -- save, skip, duplicates --------------------------------------------------------------------
 def test_save_every_skips_unless_forced(repo: cas_ckpt.Repository) -> None:
     mgr = CheckpointManager(repo, "run", save_every=5)
