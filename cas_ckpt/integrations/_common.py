@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
