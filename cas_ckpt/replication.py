@@ -6,8 +6,11 @@ each block, and copies only the missing ones, read in parallel and written throu
 destination's own writer (so they land in packs sized for that medium). The order is the
 repository's write order, on the destination:
 
-1. inside ``dst.transaction()`` (its save lock held shared: its GC cannot sweep a block the
-   transfer counted on), every missing block is copied, verified against its CID as it is read;
+1. inside ``dst.transaction(verify_incoming=True)`` (its save lock held shared: its GC cannot
+   sweep a block the transfer counted on), every missing block is copied; the destination's writer
+   hashes each before writing it, whatever the source's ``verify`` setting, and a block whose bytes
+   do not match is read again from the source, which tries each of its copies (a source with no
+   intact copy fails the transfer with :class:`CorruptBlock`, nothing moved);
 2. the batch commits: every block is durable there;
 3. only then does each destination ref move, by compare-and-swap from the value it held when the
    transfer started. A ref that moved meanwhile is a :class:`RefConflict`; one that holds a commit
@@ -44,7 +47,7 @@ from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
 from cas_ckpt.codec import HistoryLink, Link
 from cas_ckpt.commit import is_commit
-from cas_ckpt.errors import BlockNotFound, RefDiverged
+from cas_ckpt.errors import BlockNotFound, CorruptBlock, RefDiverged
 from cas_ckpt.maintenance.walk import child_links, float_chunks
 from cas_ckpt.refs import RefStore, check_ref_name
 
@@ -64,7 +67,9 @@ class Side(Protocol):
     @property
     def pool(self) -> Executor: ...
 
-    def transaction(self, *, verify_existing: bool = False) -> contextlib.AbstractContextManager[Any]: ...
+    def transaction(
+        self, *, verify_existing: bool = False, verify_incoming: bool = False
+    ) -> contextlib.AbstractContextManager[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,7 @@ def transfer(
     for update in updates:
         check_ref_name(update.ref)
     src.blocks.refresh()
-    with dst.transaction(verify_existing=verify_existing) as txn:
+    with dst.transaction(verify_existing=verify_existing, verify_incoming=True) as txn:
         writer: BlockWriter = txn.blocks
         olds = {u.ref: dst.refs_store.get(u.ref) for u in updates}
         nodes = _NodeCache(src.blocks)
@@ -171,8 +176,8 @@ class _NodeCache:
         self.decoded: dict[bytes, Any] = {}
 
     def get(self, cid: bytes) -> Any:
-        if cid not in self.decoded:
-            self.decoded[cid] = codec.decode(self.blocks.get(cid), cid=cid)
+        if cid not in self.decoded:  # verified whatever the source's setting: the plan follows it
+            self.decoded[cid] = codec.decode(self.blocks.get(cid, verify=True), cid=cid)
         return self.decoded[cid]
 
     def parents(self, cid: bytes) -> list[bytes]:
@@ -292,9 +297,12 @@ def _send(
     src: Side, blocks: list[tuple[bytes, int]], writer: BlockWriter, report: TransferReport,
     progress: Progress | None, floats: dict[bytes, int],
 ) -> None:
-    """Copy ``blocks`` into ``writer``: each batch read in parallel (hash-checked, and encoded
-    for a compressing destination, ``floats`` giving float chunks' element sizes) while the
-    previous one is written."""
+    """Copy ``blocks`` into ``writer``: each batch read in parallel (and encoded for a compressing
+    destination, ``floats`` giving float chunks' element sizes) while the previous one is written.
+
+    The reads are not hashed: the writer (``verify_incoming``) hashes what it receives. A block it
+    refuses is read again with the source's every copy tried (:class:`CorruptBlock` if none is
+    intact)."""
     total_blocks, total_bytes = len(blocks), sum(size for _, size in blocks)
     if progress is not None:
         progress(0, 0, total_blocks, total_bytes)
@@ -302,7 +310,8 @@ def _send(
     def read(batch: list[tuple[bytes, int]]) -> tuple[memoryview, list[Stored | None]]:
         # A fresh buffer per batch: a writer may keep a view of what it was given until it seals.
         out = memoryview(bytearray(sum(size for _, size in batch)))
-        src.blocks.get_many_into([c for c, _ in batch], [s for _, s in batch], out, src.pool)
+        src.blocks.get_many_into([c for c, _ in batch], [s for _, s in batch], out, src.pool,
+                                 verify=False)
         if not writer.compresses:
             return out, [None] * len(batch)
         starts = list(itertools.accumulate((size for _, size in batch), initial=0))
@@ -323,12 +332,34 @@ def _send(
             data, encoded = pending.result()
             following = next(batches, None)
             pending = fetcher.submit(read, following) if following is not None else None
-            offset = 0
-            for (cid, size), stored in zip(current, encoded, strict=True):
-                writer.put(cid, data[offset : offset + size], stored=stored)
-                offset += size
-                report.blocks_sent += 1
-                report.bytes_sent += size
+            _write_batch(src, writer, current, data, encoded)
+            report.blocks_sent += len(current)
+            report.bytes_sent += sum(size for _, size in current)
             if progress is not None:
                 progress(report.blocks_sent, report.bytes_sent, total_blocks, total_bytes)
             current = following
+
+
+def _write_batch(
+    src: Side, writer: BlockWriter, batch: list[tuple[bytes, int]], data: memoryview,
+    encoded: list[Stored | None],
+) -> None:
+    """Put one batch read from ``src`` (``data``: its blocks back to back); a block the writer
+    refuses as damaged is replaced by a copy the source verifies, and the batch put again."""
+    starts = list(itertools.accumulate((size for _, size in batch), initial=0))
+    blocks: list[tuple[bytes, Any, Stored | None]] = [
+        (cid, data[starts[i] : starts[i + 1]], encoded[i]) for i, (cid, _) in enumerate(batch)]
+    position = {cid: i for i, (cid, _) in enumerate(batch)}
+    refetched: set[int] = set()
+    while True:
+        try:
+            writer.put_many(blocks)
+            return
+        except CorruptBlock as exc:
+            i = position.get(cidlib.to_bytes(exc.cid))
+            if i is None or i in refetched:  # not one of ours, or the source verified it: a bug
+                raise
+            refetched.add(i)
+            cid = blocks[i][0]
+            # Each copy tried, and hashed: CorruptBlock here when the source has none intact.
+            blocks[i] = (cid, memoryview(src.blocks.get(cid, verify=True)), None)

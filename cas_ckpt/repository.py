@@ -247,7 +247,8 @@ class Repository:
 
     @contextlib.contextmanager
     def transaction(
-        self, *, verify_existing: bool = False, compression: str | None = None
+        self, *, verify_existing: bool = False, verify_incoming: bool = False,
+        compression: str | None = None,
     ) -> Iterator[Transaction]:
         """The one write path: blocks first, durable, then refs, all under the shared save lock.
 
@@ -257,15 +258,19 @@ class Repository:
         nothing. GC (which takes the lock exclusively) cannot sweep a block the transaction
         deduplicated against. ``verify_existing`` re-reads and checks every stored block the
         transaction would reuse, storing a good copy over a damaged one (imports do: a re-import
-        repairs). ``compression`` overrides the repository's setting for this batch. A failure of
-        the medium raises :class:`MediumError` (an OSError too).
+        repairs). ``verify_incoming`` hashes every block put into it before writing it, and
+        refuses (:class:`CorruptBlock`) one that does not match its CID: for blocks received from
+        another repository (a push, pull or clone writes through it so, whatever the other side's
+        ``verify``). ``compression`` overrides the repository's setting for this batch. A failure
+        of the medium raises :class:`MediumError` (an OSError too).
         """
         codec = self.config.compression if compression is None else check_setting(compression)
         with self._writing(), self.refs_store.lock(exclusive=False):
             if codec != "none" and self.config.version < 2:
                 self._update_config(version=2)  # before any version 2 pack exists
             self.blocks.refresh()
-            with self.blocks.writer(verify_existing=verify_existing, compression=codec) as writer:
+            with self.blocks.writer(verify_existing=verify_existing, verify_incoming=verify_incoming,
+                                    compression=codec) as writer:
                 txn = Transaction(self, writer)
                 yield txn
             for ref, old, new, message in txn.moves:

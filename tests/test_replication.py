@@ -352,6 +352,68 @@ def test_a_local_checkpoint_that_fails_verification_is_fetched_again(
         assert_state_equal(_state(1, arrays=2), reopened.load("run"))
 
 
+def _damage(repo: cas_ckpt.Repository, cid: bytes) -> None:
+    """Flip one byte of ``cid``'s first stored copy, in place (bit rot)."""
+    pack, offset, _ = repo.blocks.locate(cid)
+    flip_byte(repo.blocks.pack_dir / pack, offset + 10, 0xFF)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_transfer_from_an_unverified_source_never_stores_damaged_blocks(
+    tmp_path: Path, remote: cas_ckpt.Repository, compression: str
+) -> None:
+    """The source reads without hashing (verify=False); the destination hashes what it receives,
+    so a damaged block is refused there, the ref does not move, and the destination stays clean."""
+    if compression == "zstd":
+        remote.set_compression("zstd")
+    with cas_ckpt.open(tmp_path / "src") as src:
+        src.save(_state(1, arrays=3), ref="main", step=1)
+        chunk = _first_chunk(src)
+        _damage(src, chunk)
+    with cas_ckpt.open(tmp_path / "src", verify=False) as unverified:
+        assert not cidlib.matches(chunk, unverified.blocks.get(chunk))  # it does hand out rot
+        with pytest.raises(cas_ckpt.errors.CorruptBlock, match=cidlib.to_str(chunk)):
+            remote.pull(unverified, "main")
+        with pytest.raises(cas_ckpt.errors.CorruptBlock):
+            unverified.push(remote, "main")
+    assert remote.refs() == {}
+    remote.blocks.refresh()
+    assert remote.fsck().ok and not remote.blocks.has(chunk)
+
+
+def test_a_damaged_copy_in_the_source_is_replaced_by_its_intact_one(
+    tmp_path: Path, remote: cas_ckpt.Repository
+) -> None:
+    state = _state(2, arrays=3)
+    with cas_ckpt.open(tmp_path / "src") as src:
+        src.save(state, ref="main", step=1)
+        chunk = _first_chunk(src)
+        with src.blocks.writer() as writer:  # a second copy, in a pack of its own
+            writer.add_copy(chunk, src.blocks.get(chunk))
+    with cas_ckpt.open(tmp_path / "src", verify=False) as unverified:
+        _damage(unverified, chunk)  # the copy this process reads first
+        assert not cidlib.matches(chunk, unverified.blocks.get(chunk))
+        report = remote.pull(unverified, "main")
+    assert report.refs == {"main": remote.resolve("main")}
+    assert_state_equal(state, remote.load("main"))
+    assert remote.fsck().ok
+
+
+def test_a_two_tier_push_never_sends_local_bit_rot_to_the_backup(tmp_path: Path) -> None:
+    shared = _state(3, arrays=2)
+    with cas_ckpt.open(tmp_path / "local", verify=False) as local, \
+            cas_ckpt.open(tmp_path / "remote") as backup:
+        mgr = cas_ckpt.CheckpointManager(local, "run", replicate_to=backup, replicate_every=2)
+        mgr.save(1, shared)  # not due: stays local
+        chunk = _first_chunk(local)
+        _damage(local, chunk)  # rots on the local disk
+        mgr.save(2, {**shared, "step": 2})  # reuses the rotten chunk; due: pushed
+        with pytest.raises(ReplicationFailed, match="CorruptBlock") as failed:
+            mgr.close()
+        assert failed.value.steps == [2]
+        assert backup.refs() == {} and backup.fsck().ok and not backup.blocks.has(chunk)
+
+
 def _first_chunk(repo: cas_ckpt.Repository) -> bytes:
     return next(key for key in repo.blocks.keys() if not cidlib.is_node(key))  # noqa: SIM118 - a store
 
