@@ -265,6 +265,33 @@ class CheckpointManager:
             finally:
                 self._close()
 
+    def delete(self, *, dry_run: bool = False) -> dict[str, CID]:
+        """Delete this run from the repository and close the manager; return the refs dropped
+        (the head, its step refs and other companions: :meth:`Repository.run_refs`) with what each
+        held. ``dry_run``: only return them; the manager stays open.
+
+        Waits for the save in flight, and stops replication without sending what is queued (the
+        remote's copy of the run is left as it is: delete it there too if it must go). Every
+        ref's reflog stays: GC keeps the run's checkpoints for the reflog expiry (other runs'
+        retention included), and ``repo.restore_ref`` brings each ref back.
+        """
+        if self._closed:
+            raise RepositoryError(f"checkpoint manager for {self.ref!r} is closed")
+        self._drain()
+        found = self.repo.run_refs(self.ref)
+        if dry_run:
+            return found
+        self._check_lease()
+        if self._replicator is not None:
+            self._replicator.stop()
+            self._replicator = None
+        try:
+            if found:
+                self.repo.delete_run(self.ref)
+        finally:
+            self._close()
+        return found
+
     def _close(self) -> None:
         """Stop the threads, restore signal handlers, give the run's lease back, and close the
         repository if this manager opened it."""

@@ -45,6 +45,8 @@ from cas_ckpt.errors import (
     MapLocationError,
     MediumError,
     RefConflict,
+    RefError,
+    ReflogEntryNotFound,
     RefNotFound,
     RepositoryError,
     StateTypeError,
@@ -69,6 +71,7 @@ DEFAULT_COMPRESSION = "none"
 Target = CID | str | bytes
 # A unique prefix of a node CID's base32 text, as git takes abbreviated hashes (8 characters at least).
 _CID_PREFIX = re.compile(r"b[a-z2-7]{7,}")
+_REFLOG_SELECTOR = re.compile(r"(.+)@\{(\d+)\}")  # REF@{N}: what REF held N updates ago
 
 # Texts that are meant as CIDs (raw chunks bafk..., nodes bag..., CIDv0 Qm...): say why they are not.
 _CID_START = ("baf", "bag", "Qm")
@@ -347,6 +350,8 @@ class Repository:
         base, tilde, depth = target.rpartition("~")
         if tilde and base and depth.isdigit():
             return self._ancestor(target, self._resolve(base), int(depth))
+        if selector := _REFLOG_SELECTOR.fullmatch(target):
+            return self._reflog_entry(target, selector[1], int(selector[2]))
         try:
             return cidlib.to_bytes(target)
         except InvalidCID as exc:
@@ -365,6 +370,18 @@ class Repository:
             raise InvalidCID(f"{target!r} is neither a ref nor a valid CID: {error}") from None
         check_ref_name(target)
         raise RefNotFound(target) from None
+
+    def _reflog_entry(self, target: str, ref: str, back: int) -> bytes:
+        """What ``ref`` held ``back`` updates ago (``REF@{N}``, as git's; ``@{0}`` is now)."""
+        entries = self.refs_store.reflog(check_ref_name(ref))[::-1]
+        if back >= len(entries):
+            raise ReflogEntryNotFound(target, f"the reflog of {ref!r} has {len(entries)} entries")
+        held = entries[back].new
+        if held is None:
+            raise ReflogEntryNotFound(
+                target, f"that update deleted {ref!r}; it held {cidlib.to_str(entries[back].old)} "
+                        f"before ({ref}@{{{back + 1}}})" if entries[back].old else "a deletion")
+        return held
 
     def _ancestor(self, target: str, cid: bytes, depth: int) -> bytes:
         """The ``depth``-th first-parent ancestor of commit ``cid`` (``target`` names it)."""
@@ -505,8 +522,42 @@ class Repository:
         return result
 
     def reflog(self, ref: str = "main") -> list[ReflogEntry]:
-        """Every update of ``ref``, oldest first."""
+        """Every update of ``ref``, oldest first, also after the ref was deleted (the last entry
+        then has ``new`` None and ``old`` what it held). ``REF@{N}`` as a target is what ``ref``
+        held N updates ago."""
         return self.refs_store.reflog(check_ref_name(ref))
+
+    def restore_ref(self, ref: str) -> CID:
+        """Create deleted ``ref`` again at what it held when it was deleted (its reflog says).
+
+        :class:`RefNotFound` if its reflog records no deletion, :class:`RefError` if the ref
+        exists, :class:`CheckpointExpired` if GC has freed that checkpoint's data since.
+        """
+        entries = self.refs_store.reflog(check_ref_name(ref))
+        held = next((e.old for e in reversed(entries) if e.new is None and e.old is not None), None)
+        if held is None:
+            raise RefNotFound(ref)
+        current = self.refs_store.get(ref)
+        if current is not None:
+            raise RefError(f"ref {ref!r} exists (it holds {cidlib.to_str(current)}): only a "
+                           "deleted ref is restored")
+        with self._writing(), self.refs_store.lock(exclusive=False):  # GC cannot sweep in between
+            self._check_complete(held)
+            self._move_ref(ref, None, held, f"restore {cidlib.to_str(held)}")
+        return cidlib.to_cid(held)
+
+    def drop_reflog(self, ref: str) -> None:
+        """Forget the reflog of deleted ``ref``: what only it kept from GC goes at the next
+        collection (GC drops such a reflog itself once every entry is past the expiry).
+
+        :class:`RefError` if the ref exists, :class:`RefNotFound` if it has no reflog.
+        """
+        with self._writing():
+            if self.refs_store.drop_reflog(check_ref_name(ref)):
+                return
+        if self.refs_store.get(ref) is not None:
+            raise RefError(f"ref {ref!r} exists: only the reflog of a deleted ref is dropped")
+        raise RefNotFound(ref)
 
     def set_ref(self, ref: str, target: Target, *, expected: Target | None = None) -> CID:
         """Point ``ref`` at ``target`` (compare-and-swap against ``expected`` when given)."""
@@ -527,6 +578,30 @@ class Repository:
         if not removed:
             actual = self.refs_store.get(ref)
             raise RefConflict(ref, cidlib.to_str(old), cidlib.to_str(actual) if actual else None)
+
+    def run_refs(self, ref: str) -> dict[str, CID]:
+        """``ref``, the refs below it (``ref/...``), and its companions: a checkpoint manager's
+        step refs (``ref.steps/...``) and Lightning's file refs (``ref.files/...``); each with the
+        CID it holds."""
+        companions = tuple(f"{check_ref_name(ref)}{suffix}" for suffix in ("/", ".steps/", ".files/"))
+        return {name: cid for name, cid in self.refs().items()
+                if name == ref or name.startswith(companions)}
+
+    def delete_run(self, ref: str, *, dry_run: bool = False) -> dict[str, CID]:
+        """Delete :meth:`run_refs` of ``ref``, ``ref`` itself last, each by compare-and-swap from
+        the CID listed; return them (what would be deleted, with ``dry_run``).
+
+        Their reflogs stay, so GC keeps their checkpoints for the reflog expiry and
+        :meth:`restore_ref` brings each back. :class:`RefNotFound` if there is none;
+        :class:`RefConflict` if one moved meanwhile (those before it are deleted: run it again).
+        """
+        found = self.run_refs(ref)
+        if not found:
+            raise RefNotFound(ref)
+        if not dry_run:
+            for name in sorted(found, key=lambda name: name == ref):
+                self.delete_ref(name, expected=found[name])
+        return found
 
     def rename_ref(self, old: str, new: str) -> CID:
         """Rename ``old`` to ``new`` (RefConflict if ``new`` exists); return the CID it holds.

@@ -527,3 +527,26 @@ def test_rewind_drops_later_steps_and_the_next_save_is_its_child(repo: cas_ckpt.
     with pytest.raises(cas_ckpt.errors.StepNotFound):
         mgr.rewind(25)
     mgr.close()
+
+
+# -- deleting a run ------------------------------------------------------------------------------
+def test_delete_drops_the_run_keeps_its_reflogs_and_closes(repo: cas_ckpt.Repository) -> None:
+    mgr = CheckpointManager(repo, "runs/a", keep_last=2, async_save=True)
+    for step in (1, 2, 3):
+        mgr.save(step, state_for(step, 4096))
+    repo.save({"other": 1}, ref="runs/ab")  # a name that starts alike is another run
+    planned = mgr.delete(dry_run=True)  # waits for the save in flight; deletes nothing
+    assert sorted(planned) == ["runs/a", mgr.step_ref(2), mgr.step_ref(3)]
+    assert sorted(repo.refs()) == ["runs/a", "runs/a.steps/000000000002",
+                                   "runs/a.steps/000000000003", "runs/ab"]
+    head = repo.resolve("runs/a")
+    assert mgr.delete() == planned and planned["runs/a"] == head
+    assert sorted(repo.refs()) == ["runs/ab"]
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="closed"):
+        mgr.save(4, state_for(4, 4096))
+    assert repo.gc().blocks_freed == 0  # the reflogs keep the run for their expiry
+    assert repo.restore_ref(mgr.step_ref(2)) == planned[mgr.step_ref(2)]
+    assert repo.load(mgr.step_ref(2))["tag"] == "s2"
+    with CheckpointManager(repo, "runs/a") as fresh:  # the lease was given back; a new run starts
+        assert fresh.latest_step() is None
+        fresh.save(1, state_for(9, 4096))
