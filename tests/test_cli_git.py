@@ -221,7 +221,7 @@ def test_a_deleted_ref_is_listed_in_its_reflog_kept_by_gc_and_restored(repo: Pat
     held = json.loads(cas(repo, "log", "exp", "-n", "1", "--json").stdout)[0]["cid"]
     assert cas(repo, "ref", "delete", "exp").returncode == 0
     log = cas(repo, "reflog", "exp")
-    assert log.returncode == 0 and log.stdout.startswith(f"exp@{{0}}  (deleted)  ")
+    assert log.returncode == 0 and log.stdout.startswith("exp@{0}  (deleted)  ")
     assert f"(was {held})" in log.stdout.splitlines()[0]
     assert cas(repo, "gc").returncode == 0  # the default GC keeps it: the deletion is a root
     assert cas(repo, "ref", "restore", "exp").stdout == f"restored exp -> {held}\n"

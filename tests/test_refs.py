@@ -293,7 +293,7 @@ def test_on_disk_a_kept_reflog_above_a_new_name_is_refused_naming_it(tmp_path: P
     refs.ensure_dirs()
     refs.add_if_new("runs", A)
     refs.remove_if_equals("runs", A)
-    with pytest.raises(cas_ckpt.errors.InvalidRefName, match="deleted ref 'runs'.*ref restore runs"):
+    with pytest.raises(cas_ckpt.errors.InvalidRefName, match=r"deleted ref 'runs'.*ref restore runs"):
         refs.add_if_new("runs/exp", B)
     assert refs.names() == [] and [e.new for e in refs.reflog("runs")] == [A, None]
     assert refs.add_if_new("runs", B)  # the name itself is free: its reflog goes on
@@ -391,7 +391,8 @@ def test_a_deleted_ref_keeps_its_checkpoint_through_gc_and_comes_back(repo: cas_
     other.close()
     assert repo.load(held)["w"][0] == 1 and repo.load(first)["w"][0] == 0
     assert repo.restore_ref("runs/important") == held
-    assert repo.load("runs/important")["w"][0] == 1 and repo.reflog("runs/important")[-1].message.startswith("restore ")
+    assert repo.load("runs/important")["w"][0] == 1
+    assert repo.reflog("runs/important")[-1].message.startswith("restore ")
     with pytest.raises(cas_ckpt.errors.RefError, match="exists"):
         repo.restore_ref("runs/important")
     repo.delete_ref("runs/important")
