@@ -56,7 +56,7 @@ from cas_ckpt.refs import check_ref_name
 from cas_ckpt.refs.base import Lease
 from cas_ckpt.repository import Commit, RepoOrPath, Repository, SaveReport, Target, ensure_open
 from cas_ckpt.tree import MAX_DEPTH, dtype_name, is_tensor, join_path
-from cas_ckpt.two_tier import ReplicationLag, Replicator, Retention
+from cas_ckpt.two_tier import ReplicationLag, Replicator, Retention, steps_of
 
 __all__ = ["CheckpointManager", "snapshot"]
 
@@ -152,6 +152,7 @@ class CheckpointManager:
         self._best_metric_stored = False  # a retained step reported best_metric
         self._closed = False
         self._lock = threading.Lock()
+        self._retaining = threading.Lock()  # saves and the replicator's thread both apply retention
         self._preempted: int | None = None  # the signal that asked this run to stop
         self._handlers: dict[int, Any] = {}  # signal -> the handler installed before ours
         self.preempted_at: int | None = None  # the step at which reached_preemption said True
@@ -174,6 +175,8 @@ class CheckpointManager:
             if fork_from is not None and self.repo.refs_store.get(self.ref) is None:
                 self._fork(fork_from)
             self._reconcile()
+            if self._replicator is not None:  # before any retention: what a dead manager left
+                self._replicator.queue_unsent()
             if preemption:
                 self._install_handlers(tuple(preemption_signals))
             undo.pop_all()
@@ -255,13 +258,17 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for the save in flight (raising its failure) and for replication (raising
-        :class:`ReplicationFailed` if it cannot catch up), and stop the background threads."""
+        :class:`ReplicationFailed` if it cannot catch up), apply retention to what reached the
+        remote, and stop the background threads."""
         try:
             self._drain()
         finally:
             try:
                 if self._replicator is not None:
-                    self._replicator.close()
+                    try:
+                        self._replicator.close()
+                    finally:
+                        self._retain()  # steps retention kept while they were on their way
             finally:
                 self._close()
 
@@ -482,13 +489,7 @@ class CheckpointManager:
         return f"{self._prefix}{_as_step(step):0{STEP_DIGITS}d}"
 
     def _step_refs(self) -> dict[int, bytes]:
-        found: dict[int, bytes] = {}
-        for name in self.repo.refs_store.names():
-            if name.startswith(self._prefix) and name[len(self._prefix):].isdigit():
-                value = self.repo.refs_store.get(name)
-                if value is not None:
-                    found[int(name[len(self._prefix):])] = value
-        return found
+        return steps_of(self.repo.refs_store, self._prefix)
 
     def _commit(self, cid: bytes) -> Commit:
         if cid not in self._commits:
@@ -559,7 +560,7 @@ class CheckpointManager:
         retention = self._retention if rules is None else Retention.parse(
             rules, best_metric=self.best_metric, best_mode=self.best_mode)
         replicator = Replicator(self.repo, self.ref, remote, step_ref=self.step_ref, every=every,
-                                retention=retention)
+                                retention=retention, on_replicated=self._retain)
         try:
             replicator.resume()
         except BaseException:
@@ -593,19 +594,23 @@ class CheckpointManager:
 
     # -- retention -----------------------------------------------------------------------------
     def _retain(self) -> None:
-        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
+        """Expire the steps no rule keeps, then collect. After each save, and with replication
+        after each push (on the replicator's thread: a step waiting for the remote is kept until
+        it is there) and at close()."""
+        if self._retention.keeps_all or self._lease is None:
             return
-        steps = self._step_refs()
-        head = self.repo.refs_store.get(self.ref)
-        keep = self._retention.keep(steps, head, lambda cid: self._commit(cid).metadata.get("metrics"))
-        if self._replicator is not None:  # a step on its way to the remote stays until it is there
-            keep |= self._replicator.pending()
-        expired = sorted(set(steps) - keep)
-        for step in expired:
-            self.repo.delete_ref(self.step_ref(step), expected=steps[step])
-        if expired and self.gc_after_retention:
-            # This policy decides what this run keeps, nothing else: other refs' reflogs stay roots.
-            self.repo.gc(expire_reflogs=(self.ref, self._prefix))
+        with self._retaining:
+            steps = self._step_refs()
+            head = self.repo.refs_store.get(self.ref)
+            keep = self._retention.keep(steps, head, lambda cid: self._commit(cid).metadata.get("metrics"))
+            if self._replicator is not None:  # a step on its way to the remote stays until it is there
+                keep |= self._replicator.pending()
+            expired = sorted(set(steps) - keep)
+            for step in expired:
+                self.repo.delete_ref(self.step_ref(step), expected=steps[step])
+            if expired and self.gc_after_retention:
+                # This policy decides what this run keeps, nothing else: other refs' reflogs stay roots.
+                self.repo.gc(expire_reflogs=(self.ref, self._prefix))
 
     def _check_best_metric(self, metrics: dict[str, Any]) -> None:
         """Refuse a save while ``keep_best`` ranks by a metric that no save has reported.

@@ -21,6 +21,7 @@ from typing import Any
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import CasCkptError, ReplicationFailed
+from cas_ckpt.refs import RefStore
 from cas_ckpt.replication import TransferReport, Update, descends, transfer
 from cas_ckpt.repository import Repository
 from cas_ckpt.repository import open as open_repository
@@ -85,6 +86,17 @@ class Retention:
         return [step for *_, step in sorted(scored)[: self.keep_best]]
 
 
+def steps_of(refs: RefStore, prefix: str) -> dict[int, bytes]:
+    """A run's step refs in ``refs`` (``prefix``: ``"<ref>.steps/"``): step -> commit."""
+    found: dict[int, bytes] = {}
+    for name in refs.names():
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            cid = refs.get(name)
+            if cid is not None:
+                found[int(name[len(prefix):])] = cid
+    return found
+
+
 @dataclass(frozen=True)
 class ReplicationLag:
     """How far the remote is behind: checkpoints due for replication and not yet there, the bytes
@@ -104,9 +116,11 @@ class Replicator:
     def __init__(
         self, repo: Repository, ref: str, remote: Repository | str | os.PathLike[str], *,
         step_ref: Callable[[int], str], every: int | None, retention: Retention,
+        on_replicated: Callable[[], None] | None = None,
     ) -> None:
         self.repo, self.ref, self.step_ref = repo, ref, step_ref
         self.every, self.retention = every, retention
+        self._on_replicated = on_replicated  # after each push that succeeded, on this thread
         self._remote = remote if isinstance(remote, Repository) else None
         self._spec = remote
         self.where = remote.location if isinstance(remote, Repository) else os.fspath(remote)
@@ -114,6 +128,7 @@ class Replicator:
         self._cond = threading.Condition()
         self._opening = threading.Lock()
         self._pending: dict[int, tuple[bytes, int]] = {}  # step -> (commit, bytes its save wrote)
+        self._unchecked: set[int] = set()  # queued at start without the remote's word: see _push
         self._saves = 0
         self._latest: tuple[int, bytes, int] | None = None
         self._remote_head: tuple[bytes | None] | None = None  # last known value (None: unknown)
@@ -178,6 +193,43 @@ class Replicator:
         self.last_report = transfer(remote, self.repo, [Update(local, cid, force=True)],
                                     verify_existing=repair)
         return cid
+
+    def queue_unsent(self) -> None:
+        """Queue the local steps the remote lacks, saved while it was away by a manager that is
+        gone: the queue is rebuilt from the two repositories, never kept only in memory, so local
+        retention keeps those steps until they are there. Call after :meth:`resume`, before any
+        retention. A remote out of reach then gets every local step queued, and the first push
+        that reaches it sends only those it lacks."""
+        steps = steps_of(self.repo.refs_store, self._prefix)
+        if self._remote_head is not None:
+            try:
+                self._queue(self._lacking(self.remote(), self._remote_head[0], steps))
+                return
+            except (CasCkptError, OSError) as exc:
+                _log.warning("cannot reach %s to compare the steps of %r (%s: %s)", self.where,
+                             self.ref, type(exc).__name__, exc)
+        self._queue(steps, checked=False)
+
+    def _lacking(self, remote: Repository, head: bytes | None, steps: dict[int, bytes]) -> dict[int, bytes]:
+        """Of ``steps`` (step -> commit), those the remote still needs: newer than its run's
+        latest step (older ones it lacks were never due, or its retention expired them), and
+        without an equal step ref there."""
+        after = None if head is None else remote.commit(head).step
+        return {step: cid for step, cid in steps.items()
+                if (after is None or step > after) and remote.refs_store.get(self.step_ref(step)) != cid}
+
+    def _queue(self, steps: dict[int, bytes], *, checked: bool = True) -> None:
+        """Queue checkpoints saved before this manager started (their bytes unknown: 0)."""
+        if not steps:
+            return
+        _log.info("queueing steps %s of %r for %s, saved locally before this manager started",
+                  sorted(steps), self.ref, self.where)
+        with self._cond:
+            if not checked:
+                self._unchecked.update(steps)
+            for step, cid in steps.items():
+                self._pending.setdefault(step, (cid, 0))
+            self._cond.notify_all()
 
     # -- the queue -----------------------------------------------------------------------------
     def saved(self, step: int, cid: bytes, nbytes: int, *, now: bool = False) -> None:
@@ -260,12 +312,21 @@ class Replicator:
                 self._push(batch)
             except Exception as exc:  # reported, counted and retried: never dropped
                 self._failed(batch, exc)
-            else:
+                continue
+            with self._cond:
+                for step, item in batch.items():
+                    if self._pending.get(step) == item:
+                        del self._pending[step]
+                self._failures, self._error = 0, None
+            try:  # still busy: wait() returns once what follows a push (local retention) is done
+                if self._on_replicated is not None:
+                    self._on_replicated()
+            except Exception as exc:  # the push succeeded: retention runs again later
+                _log.warning("after replicating %r to %s: %s: %s", self.ref, self.where,
+                             type(exc).__name__, exc)
+            finally:
                 with self._cond:
-                    for step, item in batch.items():
-                        if self._pending.get(step) == item:
-                            del self._pending[step]
-                    self._failures, self._error, self._busy = 0, None, False
+                    self._busy = False
                     self._cond.notify_all()
 
     def _failed(self, batch: dict[int, tuple[bytes, int]], exc: Exception) -> None:
@@ -297,6 +358,14 @@ class Replicator:
         if not present:
             return
         remote = self.remote()
+        unchecked = self._unchecked & set(present)
+        if unchecked:  # queued while the remote was out of reach: send only what it lacks
+            lacking = self._lacking(remote, remote.refs_store.get(self.ref),
+                                    {s: present[s] for s in unchecked})
+            present = {s: cid for s, cid in present.items() if s not in unchecked or s in lacking}
+        if not present:
+            self._unchecked -= unchecked
+            return
         newest = max(present)
         updates = [Update(self.step_ref(s), cid, force=True) for s, cid in sorted(present.items())]
         if self._remote_head is None:  # first push of this manager: only a fast-forward
@@ -306,14 +375,13 @@ class Replicator:
         self.last_report = transfer(self.repo, remote, updates)
         self._remote_head = (present[newest],)
         self._replicated = newest
+        self._unchecked -= unchecked
         self._retain_remote(remote)
 
     def _retain_remote(self, remote: Repository) -> None:
         if self.retention.keeps_all and not self._gc_due:
             return
-        steps = {int(name[len(self._prefix):]): cid for name in remote.refs_store.names()
-                 if name.startswith(self._prefix) and name[len(self._prefix):].isdigit()
-                 and (cid := remote.refs_store.get(name)) is not None}
+        steps = steps_of(remote.refs_store, self._prefix)
         head = remote.refs_store.get(self.ref)
 
         def metrics(cid: bytes) -> Any:

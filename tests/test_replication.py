@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -283,6 +284,117 @@ def test_two_tier_manager_replicates_in_the_background_with_its_own_retention(
     assert [s for s, c in sorted(history.items()) if not remote.expired(c)] == [2, 4, 6, 8]  # GC ran
     assert_state_equal(_state(4, arrays=2), remote.load("run.steps/000000000004"))
     assert remote.fsck().problems == []
+
+
+def test_local_retention_applies_once_steps_reach_the_remote_and_at_close(
+    local: cas_ckpt.Repository, remote: cas_ckpt.Repository
+) -> None:
+    """keep_last=1 and 8 quick saves: retention ran only inside save(), while the steps were
+    still on their way, so 2 (a folder) to 7 (S3) steps stayed after close(), lag 0."""
+    mgr = cas_ckpt.CheckpointManager(local, "run", keep_last=1, replicate_to=remote)
+    for step in range(1, 9):
+        mgr.save(step, {"step": step, "w": np.full(4096, step)})
+    mgr.wait()  # returns once what follows the last push (local retention) is done too
+    assert mgr.replication_lag.steps == 0 and mgr.steps() == [8]  # type: ignore[union-attr]
+    mgr.close()
+    assert sorted(local.refs()) == ["run", "run.steps/000000000008"]
+    assert len(local.blocks) == len(cas_ckpt.maintenance.walk.walk(
+        local.blocks, {cidlib.to_bytes(local.resolve("run")): "run"}).data) + 7  # commits of 1-7 only
+    assert sorted(remote.refs()) == ["run", "run.steps/000000000008"]
+
+
+def test_retention_at_close_catches_up_with_a_remote_that_came_back(
+    local: cas_ckpt.Repository, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "remote"
+    blocker.write_text("not yet")  # the remote is away while the run saves
+    local.save({"step": 0}, ref="run", step=0)
+    mgr = cas_ckpt.CheckpointManager(local, "run", keep_last=1, replicate_to=blocker)
+    for step in (1, 2, 3):
+        mgr.save(step, {"step": step})
+    assert mgr.steps() == [0, 1, 2, 3]  # all kept: none has reached the remote
+    blocker.unlink()
+    mgr.close()
+    assert sorted(local.refs()) == ["run", "run.steps/000000000003"]
+
+
+RESTARTED_TRAINER = """
+import sys
+import cas_ckpt
+repo = cas_ckpt.open(sys.argv[1])
+manager = cas_ckpt.CheckpointManager(repo, "run", keep_last=2, replicate_to=sys.argv[2],
+                                     remote_retention={})
+for step in range(2, 7):
+    manager.save(step, {"step": step})
+print(manager.replication_lag.steps, manager.steps(), flush=True)
+sys.stdin.readline()  # killed here, with steps 2-6 not replicated
+"""
+
+
+@pytest.mark.parametrize("medium", ["local", "s3"])
+def test_steps_saved_while_the_remote_was_away_are_sent_after_a_restart(
+    tmp_path: Path, medium: str, request: pytest.FixtureRequest
+) -> None:
+    """A trainer saves steps 2-6 while its remote is away and is killed (kill -9); restarted on
+    the same disk with the remote back, its first save expired steps 2-5 locally before any push:
+    the queue lived in memory only, and those steps were nowhere."""
+    where = request.getfixturevalue("s3_url") if medium == "s3" else str(tmp_path / "remote")
+    local_dir = tmp_path / "local"
+    options = {"keep_last": 2, "remote_retention": {}}
+    with cas_ckpt.CheckpointManager(local_dir, "run", replicate_to=where, **options) as first:
+        first.save(1, {"step": 1})  # replicated
+    env = dict(os.environ)
+    if medium == "s3":
+        env["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"  # the proxy is down: nothing answers there
+    else:
+        (tmp_path / "remote").rename(tmp_path / "remote.away")  # away, its data intact
+        (tmp_path / "remote").write_text("down")
+    trainer = subprocess.Popen([sys.executable, "-c", RESTARTED_TRAINER, str(local_dir), where],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, env=env)
+    try:
+        assert trainer.stdout is not None
+        # The lag shows them (and step 1, which a remote out of reach cannot confirm it holds).
+        assert trainer.stdout.readline() == "6 [1, 2, 3, 4, 5, 6]\n"
+    finally:
+        trainer.kill()
+        trainer.communicate(timeout=60)
+    if medium == "local":
+        (tmp_path / "remote").unlink()
+        (tmp_path / "remote.away").rename(tmp_path / "remote")  # back
+    with cas_ckpt.CheckpointManager(local_dir, "run", replicate_to=where, **options) as restarted:
+        assert restarted.replication_lag.steps == 5  # type: ignore[union-attr]
+        restarted.save(7, {"step": 7})
+        restarted.wait()
+        assert restarted.steps() == [6, 7]
+    with cas_ckpt.open(where) as remote:
+        steps = sorted(int(n.rpartition("/")[2]) for n in remote.refs("run.steps/"))
+        assert steps == [1, 2, 3, 4, 5, 6, 7]
+        assert [remote.load(f"run.steps/{s:012d}")["step"] for s in steps] == steps
+        assert remote.load("run") == {"step": 7}
+
+
+def test_a_restart_with_the_remote_still_away_keeps_every_local_step_until_it_is_back(
+    tmp_path: Path,
+) -> None:
+    remote = tmp_path / "remote"
+    options = {"keep_last": 1, "remote_retention": {}}
+    with cas_ckpt.CheckpointManager(tmp_path / "local", "run", replicate_to=remote, **options) as first:
+        first.save(1, {"step": 1})
+    remote.rename(tmp_path / "away")
+    remote.write_text("down")
+    with cas_ckpt.open(tmp_path / "local") as local:
+        local.save({"step": 2}, ref="run", step=2)  # saved by a run that died before pushing it
+        local.set_ref("run.steps/000000000002", "run")
+        mgr = cas_ckpt.CheckpointManager(local, "run", replicate_to=remote, **options)
+        mgr.save(3, {"step": 3})
+        assert mgr.steps() == [1, 2, 3]  # unknown to be there: kept
+        remote.unlink()
+        (tmp_path / "away").rename(remote)
+        mgr.close()
+        assert sorted(local.refs()) == ["run", "run.steps/000000000003"]
+    with cas_ckpt.open(remote) as back:
+        assert sorted(back.refs("run.steps/")) == [f"run.steps/{s:012d}" for s in (1, 2, 3)]
 
 
 def test_replicate_every_nth_save_and_always_the_last_at_close(local: cas_ckpt.Repository,
