@@ -39,6 +39,7 @@ from multiformats import CID
 from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import (
     BlockNotFound,
+    CasCkptError,
     CheckpointExists,
     CheckpointExpired,
     CorruptBlock,
@@ -56,7 +57,7 @@ from cas_ckpt.refs import check_ref_name
 from cas_ckpt.refs.base import Lease
 from cas_ckpt.repository import Commit, RepoOrPath, Repository, SaveReport, Target, ensure_open
 from cas_ckpt.tree import MAX_DEPTH, dtype_name, is_tensor, join_path
-from cas_ckpt.two_tier import ReplicationLag, Replicator, Retention, steps_of
+from cas_ckpt.two_tier import ReplicationLag, Replicator, Retention, best_of, steps_of
 
 __all__ = ["CheckpointManager", "snapshot"]
 
@@ -137,7 +138,8 @@ class CheckpointManager:
         self.ref = check_ref_name(ref)
         self.save_every = save_every
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
-        self.best_metric, self.best_mode = best_metric, best_mode
+        self.best_mode = best_mode
+        self._metric = best_metric  # what "best" means: best_step(), best_metric(), keep_best
         self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
         self.async_save = async_save
         self._buffers: dict[Place, Any] | None = {} if reuse_buffers else None
@@ -205,6 +207,52 @@ class CheckpointManager:
         """The metrics saved with ``step`` (latest when None)."""
         metrics = self.commit(step).metadata.get("metrics")
         return dict(metrics) if isinstance(metrics, dict) else {}
+
+    def best_step(self, metric: str | None = None, *, mode: str | None = None) -> int | None:
+        """The retained step whose ``metric`` is best: lowest with ``mode`` "min", highest with
+        "max" (defaults: the manager's ``best_metric`` and ``best_mode``, as Orbax's ``best_fn``
+        and ``best_mode``, Lightning's ``monitor`` and ``mode``); the later step of a tie.
+
+        Steps whose metrics lack it, or hold NaN, never rank; None if no retained step reported
+        it. With ``replicate_to``, the steps the remote retains count too (:meth:`restore`
+        fetches one held only there); a remote out of reach is logged and the local steps rank.
+        ``ValueError`` if neither ``metric`` nor the manager's ``best_metric`` names one.
+        """
+        best = self._best(metric, mode)
+        return None if best is None else best[0]
+
+    def best_metric(self, metric: str | None = None, *, mode: str | None = None) -> int | float | None:
+        """The value of ``metric`` at :meth:`best_step` (as Lightning's ``best_model_score``);
+        None if no retained step reported it."""
+        best = self._best(metric, mode)
+        return None if best is None else best[1]
+
+    def _best(self, metric: str | None, mode: str | None) -> tuple[int, int | float] | None:
+        name = metric if metric is not None else self._metric
+        if not name:
+            raise ValueError(f"no metric to rank the steps of {self.ref!r} by: pass metric=, or "
+                             "make the manager with best_metric=")
+        mode = self.best_mode if mode is None else mode
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
+        self._drain()
+        steps = {step: (self.repo, cid) for step, cid in self._step_refs().items()}
+        if self._replicator is not None:
+            try:
+                remote = self._replicator.remote()
+                for step, cid in steps_of(remote.refs_store, self._prefix).items():
+                    steps.setdefault(step, (remote, cid))
+            except (CasCkptError, OSError) as exc:
+                _log.warning("ranking the steps of %r without %s, out of reach (%s: %s)", self.ref,
+                             self._replicator.where, type(exc).__name__, exc)
+
+        def metrics(step: int) -> Any:
+            repo, cid = steps[step]
+            if cid not in self._commits:  # a commit is the same wherever it is stored
+                self._commits[cid] = repo.commit(cid)
+            return self._commits[cid].metadata.get("metrics")
+
+        return best_of(steps, metrics, name, mode)
 
     # -- save ----------------------------------------------------------------------------------
     def save(
@@ -558,7 +606,7 @@ class CheckpointManager:
     ) -> Replicator:
         """The background replicator; first pulls the run if the remote is ahead of this side."""
         retention = self._retention if rules is None else Retention.parse(
-            rules, best_metric=self.best_metric, best_mode=self.best_mode)
+            rules, best_metric=self._metric, best_mode=self.best_mode)
         replicator = Replicator(self.repo, self.ref, remote, step_ref=self.step_ref, every=every,
                                 retention=retention, on_replicated=self._retain)
         try:
@@ -619,17 +667,17 @@ class CheckpointManager:
         best one included. Once a retained step reported the metric, saves may leave it out (steps
         without an evaluation, say): they never rank.
         """
-        if self.keep_best is None or self.best_metric in metrics or self._best_metric_stored:
+        if self.keep_best is None or self._metric in metrics or self._best_metric_stored:
             return
         reported = set(metrics)
         for cid in self._step_refs().values():
             stored = self._commit(cid).metadata.get("metrics")
             if isinstance(stored, dict):
-                if self.best_metric in stored:
+                if self._metric in stored:
                     self._best_metric_stored = True
                     return
                 reported.update(k for k in stored if isinstance(k, str))
-        raise UnknownMetric(self.ref, str(self.best_metric), sorted(reported))
+        raise UnknownMetric(self.ref, str(self._metric), sorted(reported))
 
 
 # -- interpreter exit ----------------------------------------------------------------------------

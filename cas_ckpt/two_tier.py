@@ -15,7 +15,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,17 +73,33 @@ class Retention:
         if self.keep_every:
             keep.update(s for s in steps if s % self.keep_every == 0)
         if self.keep_best:
-            keep.update(self._best(steps, metrics))
+            assert self.best_metric is not None  # parse() and the manager check it
+            ranked = ranking(steps, lambda step: metrics(steps[step]), self.best_metric, self.best_mode)
+            keep.update(step for step, _ in ranked[: self.keep_best])
         return keep
 
-    def _best(self, steps: dict[int, bytes], metrics: Callable[[bytes], Any]) -> list[int]:
-        scored = []
-        for step, cid in steps.items():
-            found = metrics(cid)
-            value = found.get(self.best_metric) if isinstance(found, dict) else None
-            if type(value) in (int, float) and not math.isnan(value):
-                scored.append((value if self.best_mode == "min" else -value, -step, step))
-        return [step for *_, step in sorted(scored)[: self.keep_best]]
+
+def ranking(
+    steps: Collection[int], metrics: Callable[[int], Any], metric: str, mode: str
+) -> list[tuple[int, int | float]]:
+    """(step, value) of the ``steps`` whose metrics (a dict, from ``metrics(step)``) hold
+    ``metric`` as a number other than NaN, best first by ``mode`` ("min": lowest), the later
+    step first in a tie."""
+    scored = []
+    for step in steps:
+        found = metrics(step)
+        value = found.get(metric) if isinstance(found, dict) else None
+        if type(value) in (int, float) and not math.isnan(value):
+            scored.append((value if mode == "min" else -value, -step, step, value))
+    return [(step, value) for *_, step, value in sorted(scored)]
+
+
+def best_of(
+    steps: Collection[int], metrics: Callable[[int], Any], metric: str, mode: str
+) -> tuple[int, int | float] | None:
+    """The first of :func:`ranking`, or None."""
+    ranked = ranking(steps, metrics, metric, mode)
+    return ranked[0] if ranked else None
 
 
 def steps_of(refs: RefStore, prefix: str) -> dict[int, bytes]:

@@ -550,3 +550,44 @@ def test_delete_drops_the_run_keeps_its_reflogs_and_closes(repo: cas_ckpt.Reposi
     with CheckpointManager(repo, "runs/a") as fresh:  # the lease was given back; a new run starts
         assert fresh.latest_step() is None
         fresh.save(1, state_for(9, 4096))
+
+
+# -- the best step -------------------------------------------------------------------------------
+def test_best_step_and_best_metric_rank_the_retained_steps(repo: cas_ckpt.Repository) -> None:
+    losses = {1: 0.9, 2: 0.4, 3: float("nan"), 4: 0.4, 5: 0.7, 6: 0.8}
+    mgr = CheckpointManager(repo, "run", best_metric="loss", keep_best=2, keep_last=1)
+    assert mgr.best_step() is None and mgr.best_metric() is None  # nothing saved yet
+    for step, loss in losses.items():
+        mgr.save(step, {"step": step}, metrics={"loss": loss, "acc": step / 10})
+    mgr.save(7, {"step": 7}, metrics={"acc": 0.05})  # no loss reported: never ranks
+    assert mgr.steps() == [2, 4, 7]  # keep_best kept the best two (a tie: both), keep_last 7
+    assert (mgr.best_step(), mgr.best_metric()) == (4, 0.4)  # a tie: the later step
+    assert (mgr.best_step("acc", mode="max"), mgr.best_metric("acc", mode="max")) == (4, 0.4)
+    assert mgr.best_step("acc") == 7  # the manager's mode, min
+    assert mgr.best_step("unknown") is None
+    assert mgr.restore(mgr.best_step()) == {"step": 4}
+    mgr.close()
+    again = CheckpointManager(repo, "run", best_metric="loss")  # it lives in the repository
+    assert again.best_step() == 4
+    again.close()
+    plain = CheckpointManager(repo, "run")
+    with pytest.raises(ValueError, match="best_metric="):
+        plain.best_step()
+    with pytest.raises(ValueError, match="'min' or 'max'"):
+        plain.best_step("loss", mode="lowest")
+    assert plain.best_step("loss") == 4
+    plain.close()
+
+
+def test_best_step_of_a_two_tier_run_counts_the_steps_only_the_remote_keeps(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "local") as local, cas_ckpt.open(tmp_path / "remote") as remote:
+        mgr = CheckpointManager(local, "run", best_metric="loss", keep_last=1, replicate_to=remote,
+                                remote_retention={"keep_best": 1})
+        for step, loss in ((1, 0.5), (2, 0.1), (3, 0.3), (4, 0.6)):
+            mgr.save(step, {"step": step}, metrics={"loss": loss})
+        mgr.wait()
+        assert mgr.steps() == [4] and sorted(remote.refs("run.steps/")) == [
+            "run.steps/000000000002", "run.steps/000000000004"]
+        assert (mgr.best_step(), mgr.best_metric()) == (2, 0.1)
+        assert mgr.restore(mgr.best_step()) == {"step": 2}  # fetched from the remote
+        mgr.close()
