@@ -12,10 +12,10 @@ repository's write order, on the destination:
    do not match is read again from the source, which tries each of its copies (a source with no
    intact copy fails the transfer with :class:`CorruptBlock`, nothing moved);
 2. the batch commits: every block is durable there;
-3. only then does each destination ref move, by compare-and-swap from the value it held when the
-   transfer started. A ref that moved meanwhile is a :class:`RefConflict`; one that holds a commit
-   the source's history does not contain is a :class:`RefDiverged`, raised before anything is
-   sent, unless ``force``.
+3. only then are the transfer's pins set (a clone's), and then each destination ref moves, by
+   compare-and-swap from the value it held when the transfer started. A ref that moved meanwhile
+   is a :class:`RefConflict`; one that holds a commit the source's history does not contain is a
+   :class:`RefDiverged`, raised before anything is sent, unless ``force``.
 
 Packs the writer published before a crash stay on the destination, unreferenced: a re-run finds
 their blocks in the index and sends only what is still missing. Nothing half-sent is referenced.
@@ -119,13 +119,14 @@ def transfer(
     *,
     progress: Progress | None = None,
     verify_existing: bool = False,
-    roots: list[bytes] | tuple[bytes, ...] = (),
+    pins: list[bytes] | tuple[bytes, ...] = (),
 ) -> TransferReport:
     """Copy what ``updates`` need from ``src`` to ``dst`` and move the destination refs.
 
     ``verify_existing``: re-hash each block the destination already has; a damaged copy counts as
-    missing and is replaced (a pull that repairs). ``roots``: further checkpoints whose data is
-    sent without a ref (pins, which the caller then pins). See the module docstring for the order.
+    missing and is replaced (a pull that repairs). ``pins``: further checkpoints whose data is
+    sent, then pinned at the destination once every block is durable, before any ref moves.
+    See the module docstring for the order.
     """
     started = time.perf_counter()
     report = TransferReport(src.location or repr(src), dst.location or repr(dst))
@@ -142,7 +143,7 @@ def transfer(
                     and not _descends(nodes, update.new, old):
                 raise RefDiverged(update.ref, report.destination, cidlib.to_str(old),
                                   cidlib.to_str(update.new))
-        plan = _plan(nodes, [u.new for u in updates] + list(roots), writer.has)
+        plan = _plan(nodes, [u.new for u in updates] + list(pins), writer.has)
         report.blocks_skipped, report.bytes_skipped = plan.skipped_blocks, plan.skipped_bytes
         report.commits_sent = plan.commits
         floats: dict[bytes, int] = {}  # chunks of float arrays, for a compressing destination
@@ -150,6 +151,8 @@ def transfer(
             for node in nodes.decoded.values():
                 floats.update(float_chunks(node))
         _send(src, plan.send, writer, report, progress, floats)
+        for pin in pins:
+            txn.pin(pin)
         for update in updates:
             if update.force:
                 old = update.expect[0] if update.expect else dst.refs_store.get(update.ref)

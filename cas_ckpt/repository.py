@@ -113,6 +113,7 @@ class Transaction:
         self.blocks = blocks
         self.tree = TreeWriter(blocks, repo.hasher, repo.pool, chunk_size=repo.config.chunk_size)
         self.moves: list[tuple[str, bytes | None, bytes, str]] = []
+        self.pins: list[bytes] = []
 
     @property
     def stats(self) -> WriteStats:
@@ -132,6 +133,10 @@ class Transaction:
     def move_ref(self, ref: str, old: bytes | None, new: bytes, message: str) -> None:
         """Move ``ref`` from ``old`` (None: it must not exist) to ``new`` once the blocks are durable."""
         self.moves.append((check_ref_name(ref), old, new, message))
+
+    def pin(self, cid: bytes) -> None:
+        """Pin ``cid`` once the blocks are durable, before any ref moves."""
+        self.pins.append(cid)
 
 
 @dataclass
@@ -256,8 +261,8 @@ class Repository:
         """The one write path: blocks first, durable, then refs, all under the shared save lock.
 
         Yields a :class:`Transaction`; everything written into it becomes durable and visible
-        when the ``with`` block ends without an exception, and only then do the ref moves it
-        queued happen, each by compare-and-swap. An exception discards the batch and moves
+        when the ``with`` block ends without an exception, and only then do the pins and then the
+        ref moves it queued happen, each ref move by compare-and-swap. An exception discards the batch and moves
         nothing. GC (which takes the lock exclusively) cannot sweep a block the transaction
         deduplicated against. ``verify_existing`` re-reads and checks every stored block the
         transaction would reuse, storing a good copy over a damaged one (imports do: a re-import
@@ -276,6 +281,8 @@ class Repository:
                                     compression=codec) as writer:
                 txn = Transaction(self, writer)
                 yield txn
+            for cid in txn.pins:
+                self.refs_store.pin(cid)
             for ref, old, new, message in txn.moves:
                 self._move_ref(ref, old, new, message)
 
@@ -1111,29 +1118,32 @@ def clone(
 ) -> Repository:
     """Copy every ref and pin of ``src`` (with the data each names, and history) into ``dst``.
 
-    ``dst`` is a location (created, with ``src``'s hash and chunk size) or an open repository;
-    it must hold no refs or pins yet. Returns ``dst`` open (its ``last_transfer`` has the
-    figures). Reflogs stay behind: they record what happened in ``src``. Like a push, a clone
-    that died is run again and sends only what is missing.
+    ``dst`` is a location (created, with ``src``'s hash and chunk size) or an open repository.
+    It must hold no ref or pin that ``src`` lacks: a clone that died (killed at any point) is run
+    again into what it left, and sends only what is missing. The pins are set once every block
+    is durable, before any ref moves; each ref then moves as a pull's does (created, or moved
+    forward if ``src``'s moved on since). Returns ``dst`` open (its ``last_transfer`` has the
+    figures). Reflogs stay behind: they record what happened in ``src``.
     """
     with _other(src, None, create=False, read_only=True) as source:
         target = dst if isinstance(dst, Repository) else open(
             dst, hash=source.config.hash, chunk_size=source.config.chunk_size
         )
         try:
-            clash = target.refs_store.names() or target.refs_store.pins()
-            if clash:
-                raise RepositoryError(
-                    f"cannot clone into {target.location or target}: it already holds refs or pins"
-                )
             refs = {name: cid for name in source.refs_store.names()
                     if (cid := source.refs_store.get(name)) is not None}
             pins = sorted(source.refs_store.pins())
+            foreign = sorted(set(target.refs_store.names()) - set(refs)) + sorted(
+                cidlib.to_str(pin) for pin in target.refs_store.pins() - set(pins))
+            if foreign:
+                raise RepositoryError(
+                    f"cannot clone into {target.location or target}: it holds refs or pins that "
+                    f"{source.location or source} does not ({', '.join(foreign[:3])}"
+                    f"{', ...' if len(foreign) > 3 else ''}); a clone goes into a new repository, "
+                    "or into what a clone of the same source left"
+                )
             updates = [Update(name, cid) for name, cid in refs.items()]
-            report = replication.transfer(source, target, updates, progress=progress, roots=pins)
-            with target.refs_store.lock(exclusive=False):
-                for pin in pins:
-                    target.refs_store.pin(pin)
+            report = replication.transfer(source, target, updates, progress=progress, pins=pins)
             target._local.last_transfer = report
         except BaseException:
             if target is not dst:

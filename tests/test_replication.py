@@ -102,7 +102,10 @@ def test_push_pull_clone_round_trip(local: cas_ckpt.Repository, remote: cas_ckpt
         assert clone.last_transfer is not None and clone.last_transfer.blocks_sent > 0
         assert clone.load("main~0")["step"] == 2 and clone.load(local.pins()[0]) == {"pinned": 1}
         assert clone.fsck().problems == []
-    with pytest.raises(RepositoryError, match="already holds refs"):
+    with cas_ckpt.clone(local, tmp_path / "clone") as again:  # run again: nothing left to do
+        assert again.last_transfer is not None and again.last_transfer.up_to_date
+        again.save({"mine": 1}, ref="elsewhere")
+    with pytest.raises(RepositoryError, match=r"holds refs or pins that .* does not \(elsewhere\)"):
         cas_ckpt.clone(local, tmp_path / "clone")
 
 
