@@ -262,8 +262,8 @@ class Repository:
 
         Yields a :class:`Transaction`; everything written into it becomes durable and visible
         when the ``with`` block ends without an exception, and only then do the pins and then the
-        ref moves it queued happen, each ref move by compare-and-swap. An exception discards the batch and moves
-        nothing. GC (which takes the lock exclusively) cannot sweep a block the transaction
+        ref moves it queued happen, each ref move by compare-and-swap. An exception discards the
+        batch and moves nothing. GC (which takes the lock exclusively) cannot sweep a block the transaction
         deduplicated against. ``verify_existing`` re-reads and checks every stored block the
         transaction would reuse, storing a good copy over a damaged one (imports do: a re-import
         repairs). ``verify_incoming`` hashes every block put into it before writing it, and
