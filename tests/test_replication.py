@@ -400,6 +400,18 @@ def test_a_restart_with_the_remote_still_away_keeps_every_local_step_until_it_is
         assert sorted(back.refs("run.steps/")) == [f"run.steps/{s:012d}" for s in (1, 2, 3)]
 
 
+def test_deleting_a_two_tier_run_stops_replication_without_waiting_for_the_remote(
+    local: cas_ckpt.Repository, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "remote"
+    blocker.write_text("away")
+    local.save({"step": 0}, ref="run", step=0)
+    mgr = cas_ckpt.CheckpointManager(local, "run", replicate_to=blocker)
+    mgr.save(1, {"step": 1})
+    assert sorted(mgr.delete()) == ["run", "run.steps/000000000000", "run.steps/000000000001"]
+    assert local.refs() == {} and blocker.read_text() == "away"  # nothing sent, nothing raised
+
+
 def test_replicate_every_nth_save_and_always_the_last_at_close(local: cas_ckpt.Repository,
                                                                remote: cas_ckpt.Repository) -> None:
     with cas_ckpt.CheckpointManager(local, "run", replicate_to=remote, replicate_every=3) as mgr:

@@ -276,13 +276,15 @@ class S3RefStore(RefStore):
         self._name(name)
         if self._head(name) is not None:
             return False
-        entries = self.reflog(name)
-        if not entries or (older_than is not None and max(e.time for e in entries) >= older_than):
-            return False
         deleted = self._deletion(name)
         last = _seq(deleted[1]) if deleted else None
-        self.bucket.delete_many([m.key for m in self._entries(name)
-                                 if last is None or _seq(_entry_id(m.key)) <= last])
+        keys = [m.key for m in self._entries(name) if last is None or _seq(_entry_id(m.key)) <= last]
+        # The chain; without a deletion, entries no chain reaches (updates a crash cut short).
+        entries = self.reflog(name) if deleted else [
+            found[0] for found in self.bucket.pool.map(self._record, keys) if isinstance(found, tuple)]
+        if not keys or (older_than is not None and max((e.time for e in entries), default=0) >= older_than):
+            return False
+        self.bucket.delete_many(keys)
         return True
 
     def _check_clash(self, name: str) -> None:
