@@ -159,7 +159,7 @@ def test_replication_behind_at_exit_is_reported_and_leaves_the_exit_status_alone
                             cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "main done\n"
-    assert "cas_ckpt: replication of 'run'" in result.stderr and "steps [1]" in result.stderr
+    assert "cas_ckpt: replication of 'run'" in result.stderr and "steps [0, 1]" in result.stderr
     assert "Traceback" not in result.stderr
     with cas_ckpt.open(tmp_path / "repo") as repo:
         assert repo.load("run") == {"v": 1}

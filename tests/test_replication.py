@@ -554,19 +554,20 @@ def test_a_replication_failure_is_reported_and_retried(local: cas_ckpt.Repositor
         mgr = cas_ckpt.CheckpointManager(local, "run", replicate_to=blocker)
         mgr.save(1, {"w": np.arange(5)})
         mgr.save(2, {"w": np.arange(6)})
-        with pytest.raises(ReplicationFailed, match="behind by 2") as caught:
+        # Step 0 too: with the remote out of reach at start, nothing says it holds step 0.
+        with pytest.raises(ReplicationFailed, match="behind by 3") as caught:
             mgr.wait()
-        assert caught.value.steps == [1, 2] and "exists and is not" in str(caught.value)
+        assert caught.value.steps == [0, 1, 2] and "exists and is not" in str(caught.value)
         lag = mgr.replication_lag
-        assert lag is not None and lag.steps == 2 and lag.failures >= 3 and lag.error
-        assert "replicating steps [1" in caplog.text and "failed (attempt 3" in caplog.text
+        assert lag is not None and lag.steps == 3 and lag.failures >= 3 and lag.error
+        assert "replicating steps [0, 1" in caplog.text and "failed (attempt 3" in caplog.text
         blocker.unlink()  # the remote comes back: the next retry catches up
         mgr.wait()  # retries at once, without sitting out the backoff
         assert mgr.replication_lag.steps == 0  # type: ignore[union-attr]
         mgr.close()
     with cas_ckpt.open(blocker) as remote:
         assert remote.load("run")["w"].tolist() == list(range(6))
-        assert sorted(remote.refs("run.steps/")) == ["run.steps/000000000001", "run.steps/000000000002"]
+        assert sorted(remote.refs("run.steps/")) == [f"run.steps/00000000000{s}" for s in (0, 1, 2)]
 
 
 def test_each_failed_attempt_is_logged_before_anyone_sees_it_counted(
