@@ -159,7 +159,11 @@ updating = repo.refs_store._ref_lock("runs/a")  # locks/refs.lock, as a ref upda
 updating.__enter__()
 
 
+started, say_started = os.pipe()
+
+
 def worker() -> None:  # a DataLoader worker: lives on, whatever happens to its parent
+    os.write(say_started, b"!")  # running its own code: the after-fork hooks are done
     threading.Event().wait()
 
 
@@ -171,6 +175,7 @@ else:
     pid = os.fork()
     if pid == 0:
         worker()
+os.read(started, 1)
 print(pid, flush=True)
 sys.stdin.readline()  # hold everything until killed
 """
