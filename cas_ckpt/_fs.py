@@ -258,6 +258,53 @@ def create_exclusive(path: Path, data: bytes, *, tmp_dir: Path, durable: bool = 
     return created
 
 
+# -- descriptors that hold locks, never handed down to a forked child ---------------------------
+# A flock belongs to the open file description, and a fork shares it: a child (a DataLoader
+# worker, any multiprocessing "fork" child) that outlives its parent would hold the parent's
+# lease, GC lock or ref lock for as long as it lives. Such descriptors are recorded here and closed
+# in the child right after a fork. Closing the child's copy drops only the child's claim (the lock
+# goes when no descriptor of the description is left); unlocking there would drop the parent's.
+# The record is kept under a lock that a fork holds too, so none is opened or closed unrecorded.
+_PRIVATE: set[int] = set()
+_RECORDING = threading.Lock()
+
+
+def open_private(path: Path, flags: int, mode: int = 0o644) -> int:
+    """:func:`open_nofollow`, for a descriptor that will hold a lock: closed in forked children."""
+    with _RECORDING:
+        fd = open_nofollow(path, flags, mode)
+        _PRIVATE.add(fd)
+    return fd
+
+
+def dup_private(fd: int) -> int:
+    """``os.dup`` of a lock's descriptor, closed in forked children as well."""
+    with _RECORDING:
+        copy = os.dup(fd)
+        _PRIVATE.add(copy)
+    return copy
+
+
+def close_private(fd: int) -> None:
+    """Close a descriptor from :func:`open_private` or :func:`dup_private`."""
+    with _RECORDING:
+        _PRIVATE.discard(fd)
+        os.close(fd)
+
+
+def _close_private_in_child() -> None:
+    for fd in _PRIVATE:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _PRIVATE.clear()
+    _RECORDING.release()  # taken by the thread that forked, which is this one
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_RECORDING.acquire, after_in_parent=_RECORDING.release,
+                        after_in_child=_close_private_in_child)
+
+
 @contextlib.contextmanager
 def flocked(
     path: Path, *, exclusive: bool, blocking: bool = True, timeout: float | None = None
@@ -285,7 +332,7 @@ def flocked(
         # copy of the descriptor would otherwise keep the lock held for as long as it lives.
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        close_private(fd)
 
 
 def try_lock(path: Path) -> int | None:
@@ -300,7 +347,7 @@ def unlock(fd: int) -> None:
     """Release a lock from :func:`try_lock` (before closing: see :func:`flocked`)."""
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_UN)
-    os.close(fd)
+    close_private(fd)
 
 
 def still_names(path: Path, fd: int) -> bool:
@@ -331,16 +378,16 @@ def _lock(path: Path, mode: int, blocking: bool, timeout: float | None) -> int |
                 if not got and blocking and deadline is not None:
                     got = _flock_within(fd, mode, path, deadline - time.monotonic())
             if not got:
-                os.close(fd)
+                close_private(fd)
                 return None
             if _names(path, fd):
                 return fd
         except BaseException:
-            os.close(fd)
+            close_private(fd)
             raise
         # The file was removed or replaced while we waited: its lock excludes no one who opens
         # the path now. Lock the file the path names.
-        os.close(fd)
+        close_private(fd)
 
 
 def _flock(fd: int, mode: int, path: Path) -> bool:
@@ -360,7 +407,7 @@ def _flock_within(fd: int, mode: int, path: Path, timeout: float) -> bool:
     holder that locks again at once). It locks through a duplicate of ``fd`` (one open file
     description, so one lock); if it gets the lock after we gave up, it unlocks at once.
     """
-    dup = os.dup(fd)
+    dup = dup_private(fd)
     done = threading.Event()
     mutex = threading.Lock()
     state: dict[str, Any] = {"abandoned": False, "error": None}
@@ -374,7 +421,7 @@ def _flock_within(fd: int, mode: int, path: Path, timeout: float) -> bool:
             if state["abandoned"] and state["error"] is None:
                 fcntl.flock(dup, fcntl.LOCK_UN)
             done.set()
-        os.close(dup)
+        close_private(dup)
 
     threading.Thread(target=wait, name=f"cas_ckpt-flock-{path.name}", daemon=True).start()
     done.wait(max(timeout, 0.0))
@@ -390,7 +437,7 @@ def _flock_within(fd: int, mode: int, path: Path, timeout: float) -> bool:
 def _open_lock_file(path: Path, *, read_only_ok: bool = False) -> int | None:
     try:
         # O_NONBLOCK: opening a FIFO planted there must not wait for a writer.
-        fd = open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK)
+        fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno in (errno.EISDIR, errno.ENXIO):  # a directory; a socket
             raise CorruptStore(path, "lock file is not a regular file") from None
@@ -403,7 +450,7 @@ def _open_lock_file(path: Path, *, read_only_ok: bool = False) -> int | None:
         except FileNotFoundError:
             return None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+        close_private(fd)
         raise CorruptStore(path, "lock file is not a regular file")
     return fd
 

@@ -184,6 +184,8 @@ def _register_reading(sub: Any, json_flag: Any) -> None:
     p.add_argument("prefix", nargs="?", default="", help="only refs starting with this")
     p = _add(sub, "reflog", cmd_reflog, "a ref's updates, newest first", json_flag)
     p.add_argument("name", metavar="NAME")
+    p.add_argument("--drop", action="store_true",
+                   help="forget the reflog of deleted ref NAME (what only it keeps goes at the next gc)")
     p = _add(sub, "du", cmd_du, "stored bytes per run, shared and exclusive (what deleting it "
              "would free), and what gc would free", json_flag)
     p.add_argument("--by-ref", action="store_true", help="one line per ref instead of per run")
@@ -251,9 +253,15 @@ def _register_ref(sub: Any, json_flag: Any) -> None:
     p.add_argument("name", metavar="NAME")
     p.add_argument("target", metavar="TARGET")
     p.add_argument("--expect", metavar="CID", help="move only if NAME still holds this")
-    p = verb("delete", cmd_ref_delete, "delete NAME")
+    p = verb("delete", cmd_ref_delete, "delete NAME (its reflog stays: ref restore brings it back)")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--expect", metavar="CID", help="delete only if NAME still holds this")
+    p.add_argument("-r", "--recursive", action="store_true",
+                   help="also the refs below NAME and its NAME.steps/ and NAME.files/ refs (a run)")
+    p.add_argument("-y", "--yes", action="store_true", help="with --recursive: do not ask")
+    p.add_argument("-n", "--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    p = verb("restore", cmd_ref_restore, "create deleted NAME again at what it held (its reflog says)")
+    p.add_argument("name", metavar="NAME")
     p = verb("rename", cmd_ref_rename, "rename OLD to NEW (NEW must not exist)")
     p.add_argument("old", metavar="OLD")
     p.add_argument("new", metavar="NEW")
@@ -715,6 +723,11 @@ def cmd_refs(args: argparse.Namespace) -> int:
 
 
 def cmd_reflog(args: argparse.Namespace) -> int:
+    if args.drop:
+        with open_repo(args, write=True) as repo:
+            repo.drop_reflog(args.name)
+        _print(f"dropped the reflog of {args.name}")
+        return EXIT_OK
     with open_repo(args) as repo:
         entries = list(reversed(repo.reflog(args.name)))
     rows = [{"old": cidlib.to_str(e.old) if e.old else None,
@@ -723,9 +736,9 @@ def cmd_reflog(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(rows)
         return EXIT_OK
-    for row in rows:
-        _print(f"{row['new'] or '(deleted)'}  {_stamp(row['time'])}  {row['message']}"
-               f"  (was {row['old'] or 'absent'})")
+    for back, row in enumerate(rows):
+        _print(f"{args.name}@{{{back}}}  {row['new'] or '(deleted)'}  {_stamp(row['time'])}  "
+               f"{row['message']}  (was {row['old'] or 'absent'})")
     return EXIT_OK
 
 
@@ -737,9 +750,56 @@ def cmd_ref_set(args: argparse.Namespace) -> int:
 
 
 def cmd_ref_delete(args: argparse.Namespace) -> int:
-    with open_repo(args, write=True) as repo:
+    if args.recursive:
+        return _delete_run(args)
+    with open_repo(args, write=not args.dry_run) as repo:
+        held = repo.resolve(args.expect) if args.expect else repo.refs(args.name).get(args.name)
+        if held is None:
+            raise RefNotFound(args.name)
+        if args.dry_run:
+            _print(f"{held}  {args.name}")
+            _print("dry run: nothing deleted")
+            return EXIT_OK
         repo.delete_ref(args.name, expected=args.expect)
-    _print(f"deleted {args.name}")
+    _print(f"deleted {args.name} (its reflog is kept: cas-ckpt ref restore {args.name})")
+    return EXIT_OK
+
+
+def _delete_run(args: argparse.Namespace) -> int:
+    """``ref delete --recursive``: list the refs, then delete them if --yes or confirmed."""
+    if args.expect:
+        raise CommandError("--expect applies to one ref, not with --recursive", EXIT_USAGE)
+    with open_repo(args, write=not args.dry_run) as repo:
+        found = repo.run_refs(args.name)
+        if not found:
+            raise RefNotFound(args.name)
+        for name, cid in sorted(found.items()):
+            _print(f"{cid}  {name}")
+        if args.dry_run:
+            _print(f"dry run: would delete {len(found)} ref(s), nothing deleted")
+            return EXIT_OK
+        if not args.yes:
+            _confirm(f"delete these {len(found)} ref(s)?")
+        repo.delete_run(args.name)
+    _print(f"deleted {len(found)} ref(s) (their reflogs are kept: cas-ckpt ref restore NAME)")
+    return EXIT_OK
+
+
+def _confirm(question: str) -> None:
+    """Ask on the terminal; :class:`CommandError` (exit 2) unless answered yes. Without a
+    terminal on stdin nothing is asked, and nothing is confirmed."""
+    if sys.stdin is None or not sys.stdin.isatty():
+        raise CommandError("not deleting without confirmation: no terminal to ask on; pass --yes "
+                           "(or --dry-run to list only)", EXIT_USAGE)
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    if sys.stdin.readline().strip().lower() not in ("y", "yes"):
+        raise CommandError("not confirmed: nothing deleted", EXIT_USAGE)
+
+
+def cmd_ref_restore(args: argparse.Namespace) -> int:
+    with open_repo(args, write=True) as repo:
+        cid = repo.restore_ref(args.name)
+    _print(f"restored {args.name} -> {cid}")
     return EXIT_OK
 
 
@@ -808,7 +868,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         _print("dry run: nothing removed")
     else:
         _print(f"removed {report.blocks_freed} blocks, freed {human(report.bytes_freed)}"
-               + (f", {report.temp_files_removed} stale temp files" if report.temp_files_removed else ""))
+               + (f", {report.temp_files_removed} stale temp files" if report.temp_files_removed else "")
+               + (f", {report.reflogs_dropped} expired reflogs of deleted refs"
+                  if report.reflogs_dropped else ""))
     return EXIT_OK
 
 

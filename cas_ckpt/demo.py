@@ -7,6 +7,9 @@ would. The parent then resumes from the ref, trains to the end, checks the resul
 that never crashed, and prints the history and the storage figures.
 
     python -m cas_ckpt.demo [--repo PATH] [--steps N] [--every K] [--crash-after STEP]
+
+PATH must be a new or empty folder, or one an earlier run of the demo made (marked by a
+``.cas-ckpt-demo`` file), which is emptied first: the demo deletes nothing it did not make.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from cas_ckpt.maintenance.usage import logical_size
 from cas_ckpt.maintenance.walk import walk
 
 REF = "demo/mlp"
+MARK = ".cas-ckpt-demo"  # in a folder the demo made: its next run may empty it, nothing else may
 SIZES = (256, 1024, 256, 1)  # 2 MiB of float32 weights: several chunks per tensor
 FROZEN = ("layer0.weight", "layer0.bias")  # the backbone: never updated, stored once
 
@@ -142,9 +146,37 @@ def report(repo: cas_ckpt.Repository) -> None:
     print(f"  blocks reused    {references - len(unique)} of {references} block references")
 
 
+def prepare(folder: Path) -> str | None:
+    """Make ``folder`` ready for a new demo repository; what is wrong with it, or None.
+
+    Only a folder that is missing, empty, or marked by an earlier run of the demo is used (the
+    marked one emptied first): the demo never deletes anything it did not make.
+    """
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        return f"{folder} is not a folder"
+    if folder.is_dir() and any(folder.iterdir()):
+        if not (folder / MARK).is_file():
+            return (f"{folder} is not empty, and not a folder an earlier run of the demo made: "
+                    "the demo deletes only what it made; pass --repo with a new or empty folder")
+        for entry in folder.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    return None
+
+
+def create(folder: Path) -> None:
+    """Create the demo's repository in ``folder`` and mark the folder as the demo's."""
+    cas_ckpt.open(folder).close()
+    (folder / MARK).write_text("Made by python -m cas_ckpt.demo, which empties it on its next run.\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cas_ckpt.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--repo", default="demo-repo", help="repository folder (default: ./demo-repo)")
+    parser.add_argument("--repo", default="demo-repo",
+                        help="repository folder: new, empty, or made by an earlier run of the demo, "
+                             "which is emptied (default: ./demo-repo)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--crash-after", type=int, default=20)
@@ -155,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not 0 < args.crash_after < args.steps or args.crash_after % args.every:
         parser.error("--crash-after must be a multiple of --every below --steps")
-    shutil.rmtree(args.repo, ignore_errors=True)
+    problem = prepare(Path(args.repo))
+    if problem is not None:
+        parser.error(problem)
+    create(Path(args.repo))
     print(f"Training {args.steps} steps, checkpointing every {args.every} into {args.repo}/")
     crash_run(args.repo, args.steps, args.every, args.crash_after)
 

@@ -255,6 +255,14 @@ class AncestorNotFound(RefNotFound):
         self.ref = target
 
 
+class ReflogEntryNotFound(RefNotFound):
+    """``REF@{N}`` names a reflog entry the ref does not have, or one that deleted the ref."""
+
+    def __init__(self, target: str, reason: str) -> None:
+        RefError.__init__(self, f"{target!r} not found: {reason}")
+        self.ref = target
+
+
 class RefConflict(RefError):
     """A compare-and-swap on a ref lost: the ref no longer holds the expected value."""
 

@@ -39,6 +39,7 @@ from multiformats import CID
 from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import (
     BlockNotFound,
+    CasCkptError,
     CheckpointExists,
     CheckpointExpired,
     CorruptBlock,
@@ -55,9 +56,9 @@ from cas_ckpt.errors import (
 )
 from cas_ckpt.refs import check_ref_name
 from cas_ckpt.refs.base import Lease
-from cas_ckpt.repository import Commit, Repository, SaveReport, Target
+from cas_ckpt.repository import Commit, RepoOrPath, Repository, SaveReport, Target, ensure_open
 from cas_ckpt.tree import MAX_DEPTH, dtype_name, is_tensor, join_path
-from cas_ckpt.two_tier import ReplicationLag, Replicator, Retention
+from cas_ckpt.two_tier import ReplicationLag, Replicator, Retention, best_of, steps_of
 
 __all__ = ["CheckpointManager", "snapshot"]
 
@@ -70,6 +71,9 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 wit
 class CheckpointManager:
     """Saves one run's checkpoints under ``ref`` and applies a retention policy after each save.
 
+    ``repo``: an open :class:`Repository` (it stays the caller's to close), or a location as
+    :func:`cas_ckpt.open` takes it (a directory as str or path-like, ``"s3://bucket/prefix"``,
+    ``"memory://"``), opened (created if missing) by the manager and closed by :meth:`close`.
     ``save_every``: save only steps divisible by it (``force=True`` saves any step).
     ``keep_last`` / ``keep_every`` / ``keep_best``: keep the last N steps, every step divisible by
     K, and the N best by ``metrics[best_metric]`` (``best_mode`` "min" or "max"); a step any rule
@@ -103,7 +107,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        repo: Repository,
+        repo: RepoOrPath,
         ref: str = "main",
         *,
         save_every: int | None = None,
@@ -132,11 +136,11 @@ class CheckpointManager:
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
         if keep_best is not None and not best_metric:
             raise ValueError("keep_best needs best_metric")
-        self.repo = repo
         self.ref = check_ref_name(ref)
         self.save_every = save_every
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
-        self.best_metric, self.best_mode = best_metric, best_mode
+        self.best_mode = best_mode
+        self._metric = best_metric  # what "best" means: best_step(), best_metric(), keep_best
         self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
         self.async_save = async_save
         self._buffers: dict[Place, Any] | None = {} if reuse_buffers else None
@@ -151,22 +155,34 @@ class CheckpointManager:
         self._best_metric_stored = False  # a retained step reported best_metric
         self._closed = False
         self._lock = threading.Lock()
+        self._retaining = threading.Lock()  # saves and the replicator's thread both apply retention
         self._preempted: int | None = None  # the signal that asked this run to stop
         self._handlers: dict[int, Any] = {}  # signal -> the handler installed before ours
         self.preempted_at: int | None = None  # the step at which reached_preemption said True
-        # The ranks of one torch.distributed job are one writer: rank 0 holds the run's lease.
-        writer = not repo.read_only and _rank() == 0
-        self._lease = self._take_lease(takeover) if writer else None
-        if self._lease is not None:  # an unclosed manager gives its run back when collected
-            self._release_lease = weakref.finalize(self, self._lease.release)
+        self._lease: Lease | None = None
         self._replicator: Replicator | None = None
-        if replicate_to is not None and self._lease is not None:  # the run's writer replicates
-            self._replicator = self._start_replication(replicate_to, replicate_every, remote_retention)
-        if fork_from is not None and repo.refs_store.get(self.ref) is None:
-            self._fork(fork_from)
-        self._reconcile()
-        if preemption:
-            self._install_handlers(tuple(preemption_signals))
+        # A location is opened here and closed by close(); a Repository stays its caller's.
+        self.repo, self._owns_repo = ensure_open(repo)
+        with contextlib.ExitStack() as undo:  # a manager that fails to start gives everything back
+            if self._owns_repo:
+                undo.callback(self.repo.close)
+            # The ranks of one torch.distributed job are one writer: rank 0 holds the run's lease.
+            if not self.repo.read_only and _rank() == 0:
+                self._lease = self._take_lease(takeover)
+                # An unclosed manager gives its run back when collected.
+                self._release_lease = weakref.finalize(self, self._lease.release)
+                undo.callback(self._release_lease)
+            if replicate_to is not None and self._lease is not None:  # the run's writer replicates
+                self._replicator = self._start_replication(replicate_to, replicate_every, remote_retention)
+                undo.callback(self._replicator.stop)
+            if fork_from is not None and self.repo.refs_store.get(self.ref) is None:
+                self._fork(fork_from)
+            self._reconcile()
+            if self._replicator is not None:  # before any retention: what a dead manager left
+                self._replicator.queue_unsent()
+            if preemption:
+                self._install_handlers(tuple(preemption_signals))
+            undo.pop_all()
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.ref!r} in {self.repo!r}>"
@@ -203,6 +219,52 @@ class CheckpointManager:
         """The metrics saved with ``step`` (latest when None)."""
         metrics = self.commit(step).metadata.get("metrics")
         return dict(metrics) if isinstance(metrics, dict) else {}
+
+    def best_step(self, metric: str | None = None, *, mode: str | None = None) -> int | None:
+        """The retained step whose ``metric`` is best: lowest with ``mode`` "min", highest with
+        "max" (defaults: the manager's ``best_metric`` and ``best_mode``, as Orbax's ``best_fn``
+        and ``best_mode``, Lightning's ``monitor`` and ``mode``); the later step of a tie.
+
+        Steps whose metrics lack it, or hold NaN, never rank; None if no retained step reported
+        it. With ``replicate_to``, the steps the remote retains count too (:meth:`restore`
+        fetches one held only there); a remote out of reach is logged and the local steps rank.
+        ``ValueError`` if neither ``metric`` nor the manager's ``best_metric`` names one.
+        """
+        best = self._best(metric, mode)
+        return None if best is None else best[0]
+
+    def best_metric(self, metric: str | None = None, *, mode: str | None = None) -> int | float | None:
+        """The value of ``metric`` at :meth:`best_step` (as Lightning's ``best_model_score``);
+        None if no retained step reported it."""
+        best = self._best(metric, mode)
+        return None if best is None else best[1]
+
+    def _best(self, metric: str | None, mode: str | None) -> tuple[int, int | float] | None:
+        name = metric if metric is not None else self._metric
+        if not name:
+            raise ValueError(f"no metric to rank the steps of {self.ref!r} by: pass metric=, or "
+                             "make the manager with best_metric=")
+        mode = self.best_mode if mode is None else mode
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
+        self._drain()
+        steps = {step: (self.repo, cid) for step, cid in self._step_refs().items()}
+        if self._replicator is not None:
+            try:
+                remote = self._replicator.remote()
+                for step, cid in steps_of(remote.refs_store, self._prefix).items():
+                    steps.setdefault(step, (remote, cid))
+            except (CasCkptError, OSError) as exc:
+                _log.warning("ranking the steps of %r without %s, out of reach (%s: %s)", self.ref,
+                             self._replicator.where, type(exc).__name__, exc)
+
+        def metrics(step: int) -> Any:
+            repo, cid = steps[step]
+            if cid not in self._commits:  # a commit is the same wherever it is stored
+                self._commits[cid] = repo.commit(cid)
+            return self._commits[cid].metadata.get("metrics")
+
+        return best_of(steps, metrics, name, mode)
 
     # -- save ----------------------------------------------------------------------------------
     def save(
@@ -256,18 +318,50 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for the save in flight (raising its failure) and for replication (raising
-        :class:`ReplicationFailed` if it cannot catch up), and stop the background threads."""
+        :class:`ReplicationFailed` if it cannot catch up), apply retention to what reached the
+        remote, and stop the background threads."""
         try:
             self._drain()
         finally:
             try:
                 if self._replicator is not None:
-                    self._replicator.close()
+                    try:
+                        self._replicator.close()
+                    finally:
+                        self._retain()  # steps retention kept while they were on their way
             finally:
                 self._close()
 
+    def delete(self, *, dry_run: bool = False) -> dict[str, CID]:
+        """Delete this run from the repository and close the manager; return the refs dropped
+        (the head, its step refs and other companions: :meth:`Repository.run_refs`) with what each
+        held. ``dry_run``: only return them; the manager stays open.
+
+        Waits for the save in flight, and stops replication without sending what is queued (the
+        remote's copy of the run is left as it is: delete it there too if it must go). Every
+        ref's reflog stays: GC keeps the run's checkpoints for the reflog expiry (other runs'
+        retention included), and ``repo.restore_ref`` brings each ref back.
+        """
+        if self._closed:
+            raise RepositoryError(f"checkpoint manager for {self.ref!r} is closed")
+        self._drain()
+        found = self.repo.run_refs(self.ref)
+        if dry_run:
+            return found
+        self._check_lease()
+        if self._replicator is not None:
+            self._replicator.stop()
+            self._replicator = None
+        try:
+            if found:
+                self.repo.delete_run(self.ref)
+        finally:
+            self._close()
+        return found
+
     def _close(self) -> None:
-        """Stop the threads, restore signal handlers and give the run's lease back."""
+        """Stop the threads, restore signal handlers, give the run's lease back, and close the
+        repository if this manager opened it."""
         self._closed = True
         self._buffers = None
         self._restore_handlers()
@@ -276,6 +370,8 @@ class CheckpointManager:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._owns_repo:
+            self.repo.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -454,8 +550,7 @@ class CheckpointManager:
 
     def _step_refs(self) -> dict[int, bytes]:
         """Each retained step and its commit (the refs read at once)."""
-        values = self.repo.refs_store.values(self._prefix)
-        return {step: values[name] for name, step in self._steps(values).items()}
+        return steps_of(self.repo.refs_store, self._prefix)
 
     def _steps(self, names: Iterable[str]) -> dict[str, int]:
         """The step refs among ``names`` (all below this run's prefix) and their steps."""
@@ -534,15 +629,13 @@ class CheckpointManager:
     ) -> Replicator:
         """The background replicator; first pulls the run if the remote is ahead of this side."""
         retention = self._retention if rules is None else Retention.parse(
-            rules, best_metric=self.best_metric, best_mode=self.best_mode)
+            rules, best_metric=self._metric, best_mode=self.best_mode)
         replicator = Replicator(self.repo, self.ref, remote, step_ref=self.step_ref, every=every,
-                                retention=retention)
+                                retention=retention, on_replicated=self._retain)
         try:
             replicator.resume()
         except BaseException:
-            replicator.close()
-            if self._lease is not None:
-                self._release_lease()
+            replicator.stop()
             raise
         _finish_at_exit(self)  # a script that ends without close() still replicates its last save
         return replicator
@@ -572,21 +665,25 @@ class CheckpointManager:
 
     # -- retention -----------------------------------------------------------------------------
     def _retain(self) -> None:
-        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
+        """Expire the steps no rule keeps, then collect. After each save, and with replication
+        after each push (on the replicator's thread: a step waiting for the remote is kept until
+        it is there) and at close()."""
+        if self._retention.keeps_all or self._lease is None:
             return
-        steps = self._step_refs()
-        head = self.repo.refs_store.get(self.ref)
-        if self.keep_best is not None:
-            self._read_commits(steps.values())
-        keep = self._retention.keep(steps, head, lambda cid: self._commit(cid).metadata.get("metrics"))
-        if self._replicator is not None:  # a step on its way to the remote stays until it is there
-            keep |= self._replicator.pending()
-        expired = sorted(set(steps) - keep)
-        for step in expired:
-            self.repo.delete_ref(self.step_ref(step), expected=steps[step])
-        if expired and self.gc_after_retention:
-            # This policy decides what this run keeps, nothing else: other refs' reflogs stay roots.
-            self.repo.gc(expire_reflogs=(self.ref, self._prefix))
+        with self._retaining:
+            steps = self._step_refs()
+            head = self.repo.refs_store.get(self.ref)
+            if self.keep_best is not None:
+                self._read_commits(steps.values())
+            keep = self._retention.keep(steps, head, lambda cid: self._commit(cid).metadata.get("metrics"))
+            if self._replicator is not None:  # a step on its way to the remote stays until it is there
+                keep |= self._replicator.pending()
+            expired = sorted(set(steps) - keep)
+            for step in expired:
+                self.repo.delete_ref(self.step_ref(step), expected=steps[step])
+            if expired and self.gc_after_retention:
+                # This policy decides what this run keeps, nothing else: other refs' reflogs stay roots.
+                self.repo.gc(expire_reflogs=(self.ref, self._prefix))
 
     def _check_best_metric(self, metrics: dict[str, Any]) -> None:
         """Refuse a save while ``keep_best`` ranks by a metric that no save has reported.
@@ -595,7 +692,7 @@ class CheckpointManager:
         best one included. Once a retained step reported the metric, saves may leave it out (steps
         without an evaluation, say): they never rank.
         """
-        if self.keep_best is None or self.best_metric in metrics or self._best_metric_stored:
+        if self.keep_best is None or self._metric in metrics or self._best_metric_stored:
             return
         reported = set(metrics)
         steps = self._step_refs()
@@ -603,11 +700,11 @@ class CheckpointManager:
         for cid in steps.values():
             stored = self._commit(cid).metadata.get("metrics")
             if isinstance(stored, dict):
-                if self.best_metric in stored:
+                if self._metric in stored:
                     self._best_metric_stored = True
                     return
                 reported.update(k for k in stored if isinstance(k, str))
-        raise UnknownMetric(self.ref, str(self.best_metric), sorted(reported))
+        raise UnknownMetric(self.ref, str(self._metric), sorted(reported))
 
 
 # -- interpreter exit ----------------------------------------------------------------------------
@@ -637,8 +734,15 @@ def _finish_at_exit(manager: CheckpointManager) -> None:
 
 
 def _finish_saves() -> None:
-    """Wait for every async save in flight; report each failure on stderr, and exit non-zero."""
+    """Wait for every async save in flight, and replication; report each failure on stderr.
+
+    A save that failed here lost a checkpoint: the process then exits non-zero (unless it already
+    does, ended by an uncaught exception: that status stays). Replication that cannot catch up
+    lost nothing (the checkpoints are local, and the run's next manager sends them): reported
+    only, the exit status is the program's own.
+    """
     failures = []
+    lost = False
     managers = [m for m in list(_ASYNC_MANAGERS)
                 if m._future is not None or (m._replicator is not None and not m._closed)]
     for i, manager in enumerate(managers):
@@ -649,18 +753,22 @@ def _finish_saves() -> None:
                 manager._replicator.wait()
         except SaveFailed as exc:
             failures.append(f"{exc}; the checkpoint was not saved")
+            lost = True
         except ReplicationFailed as exc:
-            failures.append(str(exc))
+            failures.append(f"{exc}; the run's next manager on this repository sends them")
         except KeyboardInterrupt:
+            interrupted = [m for m in managers[i:] if m._future is not None]
             failures.extend(
                 f"interrupted at exit while the async save of step {m._pending_step} to {m.ref!r} "
-                "was in flight; it may not be saved"
-                for m in managers[i:] if m._future is not None
+                "was in flight; it may not be saved" for m in interrupted
             )
+            lost = lost or bool(interrupted)
             break
     for message in failures:
         print(f"cas_ckpt: {message}", file=sys.stderr, flush=True)
-    if failures:
+    # An uncaught exception ending the main thread was printed (which sets sys.last_value) and
+    # already makes the status 1; forcing 120 would only hide which failure came first.
+    if lost and getattr(sys, "last_value", None) is None:
         _exit_status_120()
 
 

@@ -6,13 +6,16 @@ each block, and copies only the missing ones, read in parallel and written throu
 destination's own writer (so they land in packs sized for that medium). The order is the
 repository's write order, on the destination:
 
-1. inside ``dst.transaction()`` (its save lock held shared: its GC cannot sweep a block the
-   transfer counted on), every missing block is copied, verified against its CID as it is read;
+1. inside ``dst.transaction(verify_incoming=True)`` (its save lock held shared: its GC cannot
+   sweep a block the transfer counted on), every missing block is copied; the destination's writer
+   hashes each before writing it, whatever the source's ``verify`` setting, and a block whose bytes
+   do not match is read again from the source, which tries each of its copies (a source with no
+   intact copy fails the transfer with :class:`CorruptBlock`, nothing moved);
 2. the batch commits: every block is durable there;
-3. only then does each destination ref move, by compare-and-swap from the value it held when the
-   transfer started. A ref that moved meanwhile is a :class:`RefConflict`; one that holds a commit
-   the source's history does not contain is a :class:`RefDiverged`, raised before anything is
-   sent, unless ``force``.
+3. only then are the transfer's pins set (a clone's, a pinned fetch's), and then each
+   destination ref moves, by compare-and-swap from the value it held when the transfer started. A ref that moved meanwhile
+   is a :class:`RefConflict`; one that holds a commit the source's history does not contain is a
+   :class:`RefDiverged`, raised before anything is sent, unless ``force``.
 
 Packs the writer published before a crash stay on the destination, unreferenced: a re-run finds
 their blocks in the index and sends only what is still missing. Nothing half-sent is referenced.
@@ -44,7 +47,7 @@ from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
 from cas_ckpt.codec import HistoryLink, Link
 from cas_ckpt.commit import is_commit
-from cas_ckpt.errors import BlockNotFound, RefDiverged
+from cas_ckpt.errors import BlockNotFound, CorruptBlock, RefDiverged
 from cas_ckpt.history import History
 from cas_ckpt.maintenance.walk import child_links, float_chunks
 from cas_ckpt.refs import RefStore, check_ref_name
@@ -71,7 +74,9 @@ class Side(Source, Protocol):
 
     refs_store: RefStore
 
-    def transaction(self, *, verify_existing: bool = False) -> contextlib.AbstractContextManager[Any]: ...
+    def transaction(
+        self, *, verify_existing: bool = False, verify_incoming: bool = False
+    ) -> contextlib.AbstractContextManager[Any]: ...
 
 
 @dataclass
@@ -132,19 +137,22 @@ def transfer(
     progress: Progress | None = None,
     verify_existing: bool = False,
     roots: list[bytes] | tuple[bytes, ...] = (),
+    pin: bool = False,
 ) -> TransferReport:
     """Copy what ``updates`` need from ``src`` to ``dst`` and move the destination refs.
 
     ``verify_existing``: re-hash each block the destination already has; a damaged copy counts as
     missing and is replaced (a pull that repairs). ``roots``: further checkpoints whose data is
-    sent without a ref (pins, which the caller then pins). See the module docstring for the order.
+    sent without a ref; ``pin``: pin them at the destination once every block is durable, before
+    any ref moves (a clone's pins, a pinned fetch).
+    See the module docstring for the order.
     """
     started = time.perf_counter()
     report = TransferReport(src.location or repr(src), dst.location or repr(dst))
     for update in updates:
         check_ref_name(update.ref)
     src.blocks.refresh()
-    with dst.transaction(verify_existing=verify_existing) as txn:
+    with dst.transaction(verify_existing=verify_existing, verify_incoming=True) as txn:
         writer: BlockWriter = txn.blocks
         olds = {u.ref: dst.refs_store.get(u.ref) for u in updates}
         nodes = _NodeCache(src)
@@ -162,6 +170,9 @@ def transfer(
             for node in nodes.decoded.values():
                 floats.update(float_chunks(node))
         _send(src, plan.send, writer, report, progress, floats)
+        if pin:
+            for root in roots:
+                txn.pin(root)
         for update in updates:
             if update.force:
                 old = update.expect[0] if update.expect else dst.refs_store.get(update.ref)
@@ -186,12 +197,15 @@ class _NodeCache:
 
     def __init__(self, side: Source) -> None:
         self.blocks = side.blocks
-        self.read = side.history.lookup().node if side.history is not None else side.blocks.get
+        self.lookup = side.history.lookup() if side.history is not None else None
         self.decoded: dict[bytes, Any] = {}
 
     def get(self, cid: bytes) -> Any:
-        if cid not in self.decoded:
-            self.decoded[cid] = codec.decode(self.read(cid), cid=cid)
+        if cid not in self.decoded:  # verified whatever the source's setting: the plan follows it
+            data = self.lookup(cid) if self.lookup is not None else None
+            if data is None or not cidlib.matches(cid, data):
+                data = self.blocks.get(cid, verify=True)
+            self.decoded[cid] = codec.decode(data, cid=cid)
         return self.decoded[cid]
 
     def parents(self, cid: bytes) -> list[bytes]:
@@ -317,9 +331,12 @@ def _send(
     src: Source, blocks: list[tuple[bytes, int]], writer: BlockWriter, report: TransferReport,
     progress: Progress | None, floats: dict[bytes, int],
 ) -> None:
-    """Copy ``blocks`` into ``writer``: each batch read in parallel (hash-checked, and encoded
-    for a compressing destination, ``floats`` giving float chunks' element sizes) while the
-    previous one is written."""
+    """Copy ``blocks`` into ``writer``: each batch read in parallel (and encoded for a compressing
+    destination, ``floats`` giving float chunks' element sizes) while the previous one is written.
+
+    The reads are not hashed: the writer (``verify_incoming``) hashes what it receives. A block it
+    refuses is read again with the source's every copy tried (:class:`CorruptBlock` if none is
+    intact)."""
     total_blocks, total_bytes = len(blocks), sum(size for _, size in blocks)
     if progress is not None:
         progress(0, 0, total_blocks, total_bytes)
@@ -327,7 +344,8 @@ def _send(
     def read(batch: list[tuple[bytes, int]]) -> tuple[memoryview, list[Stored | None]]:
         # A fresh buffer per batch: a writer may keep a view of what it was given until it seals.
         out = memoryview(bytearray(sum(size for _, size in batch)))
-        src.blocks.get_many_into([c for c, _ in batch], [s for _, s in batch], out, src.pool)
+        src.blocks.get_many_into([c for c, _ in batch], [s for _, s in batch], out, src.pool,
+                                 verify=False)
         if not writer.compresses:
             return out, [None] * len(batch)
         starts = list(itertools.accumulate((size for _, size in batch), initial=0))
@@ -348,12 +366,34 @@ def _send(
             data, encoded = pending.result()
             following = next(batches, None)
             pending = fetcher.submit(read, following) if following is not None else None
-            offset = 0
-            for (cid, size), stored in zip(current, encoded, strict=True):
-                writer.put(cid, data[offset : offset + size], stored=stored)
-                offset += size
-                report.blocks_sent += 1
-                report.bytes_sent += size
+            _write_batch(src, writer, current, data, encoded)
+            report.blocks_sent += len(current)
+            report.bytes_sent += sum(size for _, size in current)
             if progress is not None:
                 progress(report.blocks_sent, report.bytes_sent, total_blocks, total_bytes)
             current = following
+
+
+def _write_batch(
+    src: Source, writer: BlockWriter, batch: list[tuple[bytes, int]], data: memoryview,
+    encoded: list[Stored | None],
+) -> None:
+    """Put one batch read from ``src`` (``data``: its blocks back to back); a block the writer
+    refuses as damaged is replaced by a copy the source verifies, and the batch put again."""
+    starts = list(itertools.accumulate((size for _, size in batch), initial=0))
+    blocks: list[tuple[bytes, Any, Stored | None]] = [
+        (cid, data[starts[i] : starts[i + 1]], encoded[i]) for i, (cid, _) in enumerate(batch)]
+    position = {cid: i for i, (cid, _) in enumerate(batch)}
+    refetched: set[int] = set()
+    while True:
+        try:
+            writer.put_many(blocks)
+            return
+        except CorruptBlock as exc:
+            i = position.get(cidlib.to_bytes(exc.cid))
+            if i is None or i in refetched:  # not one of ours, or the source verified it: a bug
+                raise
+            refetched.add(i)
+            cid = blocks[i][0]
+            # Each copy tried, and hashed: CorruptBlock here when the source has none intact.
+            blocks[i] = (cid, memoryview(src.blocks.get(cid, verify=True)), None)

@@ -47,6 +47,8 @@ from cas_ckpt.errors import (
     MapLocationError,
     MediumError,
     RefConflict,
+    RefError,
+    ReflogEntryNotFound,
     RefNotFound,
     RepositoryError,
     StateTypeError,
@@ -75,6 +77,7 @@ DEFAULT_COMPRESSION = "none"
 Target = CID | str | bytes
 # A unique prefix of a node CID's base32 text, as git takes abbreviated hashes (8 characters at least).
 _CID_PREFIX = re.compile(r"b[a-z2-7]{7,}")
+_REFLOG_SELECTOR = re.compile(r"(.+)@\{(\d+)\}")  # REF@{N}: what REF held N updates ago
 
 # Texts that are meant as CIDs (raw chunks bafk..., nodes bag..., CIDv0 Qm...): say why they are not.
 _CID_START = ("baf", "bag", "Qm")
@@ -117,6 +120,7 @@ class Transaction:
         self.tree = TreeWriter(blocks, repo.hasher, repo.pool, chunk_size=repo.config.chunk_size)
         self.moves: list[tuple[str, bytes | None, bytes, str]] = []
         self.commits: dict[bytes, bytes] = {}  # the commit nodes written, for the commit graph
+        self.pins: list[bytes] = []
 
     @property
     def stats(self) -> WriteStats:
@@ -141,6 +145,10 @@ class Transaction:
     def move_ref(self, ref: str, old: bytes | None, new: bytes, message: str) -> None:
         """Move ``ref`` from ``old`` (None: it must not exist) to ``new`` once the blocks are durable."""
         self.moves.append((check_ref_name(ref), old, new, message))
+
+    def pin(self, cid: bytes) -> None:
+        """Pin ``cid`` once the blocks are durable, before any ref moves."""
+        self.pins.append(cid)
 
 
 @dataclass
@@ -261,27 +269,34 @@ class Repository:
 
     @contextlib.contextmanager
     def transaction(
-        self, *, verify_existing: bool = False, compression: str | None = None
+        self, *, verify_existing: bool = False, verify_incoming: bool = False,
+        compression: str | None = None,
     ) -> Iterator[Transaction]:
         """The one write path: blocks first, durable, then refs, all under the shared save lock.
 
         Yields a :class:`Transaction`; everything written into it becomes durable and visible
-        when the ``with`` block ends without an exception, and only then do the ref moves it
-        queued happen, each by compare-and-swap. An exception discards the batch and moves
-        nothing. GC (which takes the lock exclusively) cannot sweep a block the transaction
+        when the ``with`` block ends without an exception, and only then do the pins and then the
+        ref moves it queued happen, each ref move by compare-and-swap. An exception discards the
+        batch and moves nothing. GC (which takes the lock exclusively) cannot sweep a block the transaction
         deduplicated against. ``verify_existing`` re-reads and checks every stored block the
         transaction would reuse, storing a good copy over a damaged one (imports do: a re-import
-        repairs). ``compression`` overrides the repository's setting for this batch. A failure of
-        the medium raises :class:`MediumError` (an OSError too).
+        repairs). ``verify_incoming`` hashes every block put into it before writing it, and
+        refuses (:class:`CorruptBlock`) one that does not match its CID: for blocks received from
+        another repository (a push, pull or clone writes through it so, whatever the other side's
+        ``verify``). ``compression`` overrides the repository's setting for this batch. A failure
+        of the medium raises :class:`MediumError` (an OSError too).
         """
         codec = self.config.compression if compression is None else check_setting(compression)
         with self._writing(), self.refs_store.lock(exclusive=False):
             if codec != "none" and self.config.version < 2:
                 self._update_config(version=2)  # before any version 2 pack exists
             self.blocks.refresh()
-            with self.blocks.writer(verify_existing=verify_existing, compression=codec) as writer:
+            with self.blocks.writer(verify_existing=verify_existing, verify_incoming=verify_incoming,
+                                    compression=codec) as writer:
                 txn = Transaction(self, writer)
                 yield txn
+            for cid in txn.pins:
+                self.refs_store.pin(cid)
             for ref, old, new, message in txn.moves:
                 self._move_ref(ref, old, new, message)
         if txn.moves:  # the commits are durable and named: the commit graph may hold them now
@@ -358,6 +373,8 @@ class Repository:
         base, tilde, depth = target.rpartition("~")
         if tilde and base and depth.isdigit():
             return self._ancestor(target, self._resolve(base), int(depth))
+        if selector := _REFLOG_SELECTOR.fullmatch(target):
+            return self._reflog_entry(target, selector[1], int(selector[2]))
         try:
             return cidlib.to_bytes(target)
         except InvalidCID as exc:
@@ -384,6 +401,18 @@ class Repository:
         except CasCkptError:  # a damaged ref store: the error at hand is still this one
             existing = None
         return RefNotFound(name, existing)
+
+    def _reflog_entry(self, target: str, ref: str, back: int) -> bytes:
+        """What ``ref`` held ``back`` updates ago (``REF@{N}``, as git's; ``@{0}`` is now)."""
+        entries = self.refs_store.reflog(check_ref_name(ref))[::-1]
+        if back >= len(entries):
+            raise ReflogEntryNotFound(target, f"the reflog of {ref!r} has {len(entries)} entries")
+        held = entries[back].new
+        if held is None:
+            raise ReflogEntryNotFound(
+                target, f"that update deleted {ref!r}; it held {cidlib.to_str(entries[back].old)} "
+                        f"before ({ref}@{{{back + 1}}})" if entries[back].old else "a deletion")
+        return held
 
     def _ancestor(self, target: str, cid: bytes, depth: int) -> bytes:
         """The ``depth``-th first-parent ancestor of commit ``cid`` (``target`` names it)."""
@@ -527,12 +556,45 @@ class Repository:
         return {name: cidlib.to_cid(value) for name, value in self.refs_store.values(prefix).items()}
 
     def reflog(self, ref: str = "main") -> list[ReflogEntry]:
-        """Every update of ``ref``, oldest first (:class:`RefNotFound` if there is neither the
-        ref nor a reflog of it)."""
+        """Every update of ``ref``, oldest first, also after the ref was deleted (the last entry
+        then has ``new`` None and ``old`` what it held); :class:`RefNotFound` if there is neither
+        the ref nor a reflog of it. ``REF@{N}`` as a target is what ``ref`` held N updates ago."""
         entries = self.refs_store.reflog(check_ref_name(ref))
         if not entries and self.refs_store.get(ref) is None:
             raise self._no_ref(ref)
         return entries
+
+    def restore_ref(self, ref: str) -> CID:
+        """Create deleted ``ref`` again at what it held when it was deleted (its reflog says).
+
+        :class:`RefNotFound` if its reflog records no deletion, :class:`RefError` if the ref
+        exists, :class:`CheckpointExpired` if GC has freed that checkpoint's data since.
+        """
+        entries = self.refs_store.reflog(check_ref_name(ref))
+        held = next((e.old for e in reversed(entries) if e.new is None and e.old is not None), None)
+        if held is None:
+            raise RefNotFound(ref)
+        current = self.refs_store.get(ref)
+        if current is not None:
+            raise RefError(f"ref {ref!r} exists (it holds {cidlib.to_str(current)}): only a "
+                           "deleted ref is restored")
+        with self._writing(), self.refs_store.lock(exclusive=False):  # GC cannot sweep in between
+            self._check_complete(held)
+            self._move_ref(ref, None, held, f"restore {cidlib.to_str(held)}")
+        return cidlib.to_cid(held)
+
+    def drop_reflog(self, ref: str) -> None:
+        """Forget the reflog of deleted ``ref``: what only it kept from GC goes at the next
+        collection (GC drops such a reflog itself once every entry is past the expiry).
+
+        :class:`RefError` if the ref exists, :class:`RefNotFound` if it has no reflog.
+        """
+        with self._writing():
+            if self.refs_store.drop_reflog(check_ref_name(ref)):
+                return
+        if self.refs_store.get(ref) is not None:
+            raise RefError(f"ref {ref!r} exists: only the reflog of a deleted ref is dropped")
+        raise RefNotFound(ref)
 
     def set_ref(self, ref: str, target: Target, *, expected: Target | None = None) -> CID:
         """Point ``ref`` at ``target`` (compare-and-swap against ``expected`` when given)."""
@@ -553,6 +615,30 @@ class Repository:
         if not removed:
             actual = self.refs_store.get(ref)
             raise RefConflict(ref, cidlib.to_str(old), cidlib.to_str(actual) if actual else None)
+
+    def run_refs(self, ref: str) -> dict[str, CID]:
+        """``ref``, the refs below it (``ref/...``), and its companions: a checkpoint manager's
+        step refs (``ref.steps/...``) and Lightning's file refs (``ref.files/...``); each with the
+        CID it holds."""
+        companions = tuple(f"{check_ref_name(ref)}{suffix}" for suffix in ("/", ".steps/", ".files/"))
+        return {name: cid for name, cid in self.refs().items()
+                if name == ref or name.startswith(companions)}
+
+    def delete_run(self, ref: str, *, dry_run: bool = False) -> dict[str, CID]:
+        """Delete :meth:`run_refs` of ``ref``, ``ref`` itself last, each by compare-and-swap from
+        the CID listed; return them (what would be deleted, with ``dry_run``).
+
+        Their reflogs stay, so GC keeps their checkpoints for the reflog expiry and
+        :meth:`restore_ref` brings each back. :class:`RefNotFound` if there is none;
+        :class:`RefConflict` if one moved meanwhile (those before it are deleted: run it again).
+        """
+        found = self.run_refs(ref)
+        if not found:
+            raise RefNotFound(ref)
+        if not dry_run:
+            for name in sorted(found, key=lambda name: name == ref):
+                self.delete_ref(name, expected=found[name])
+        return found
 
     def rename_ref(self, old: str, new: str) -> CID:
         """Rename ``old`` to ``new`` (RefConflict if ``new`` exists); return the CID it holds.
@@ -747,10 +833,7 @@ class Repository:
         try:
             updates = [Update(ref, root, force)] if ref is not None else []
             report = replication.transfer(source, self, updates, progress=progress,
-                                          roots=[root] if pin or ref is None else [])
-            if pin:
-                with self._writing(), self.refs_store.lock(exclusive=False):
-                    self.refs_store.pin(root)
+                                          roots=[root] if pin or ref is None else [], pin=pin)
         finally:
             source.blocks.close()
         self._local.last_transfer = report
@@ -1119,6 +1202,19 @@ def gateway_source(
     return replication.Gateway(blocks, blocks.remote.url, blocks.remote.pool)
 
 
+RepoOrPath = Repository | str | os.PathLike[str]
+
+
+def ensure_open(repo_or_path: RepoOrPath) -> tuple[Repository, bool]:
+    """The repository, and whether this call opened it (a location, then its caller closes it)."""
+    if isinstance(repo_or_path, Repository):
+        return repo_or_path, False
+    if isinstance(repo_or_path, (str, os.PathLike)):
+        return open(repo_or_path), True
+    raise TypeError(f"expected a cas_ckpt.Repository or a location (a path, 'memory://', "
+                    f"'s3://...'), not {type(repo_or_path).__name__}")
+
+
 @contextlib.contextmanager
 def _other(
     remote: Repository | str | os.PathLike[str], like: Repository | None, *, create: bool,
@@ -1141,29 +1237,32 @@ def clone(
 ) -> Repository:
     """Copy every ref and pin of ``src`` (with the data each names, and history) into ``dst``.
 
-    ``dst`` is a location (created, with ``src``'s hash and chunk size) or an open repository;
-    it must hold no refs or pins yet. Returns ``dst`` open (its ``last_transfer`` has the
-    figures). Reflogs stay behind: they record what happened in ``src``. Like a push, a clone
-    that died is run again and sends only what is missing.
+    ``dst`` is a location (created, with ``src``'s hash and chunk size) or an open repository.
+    It must hold no ref or pin that ``src`` lacks: a clone that died (killed at any point) is run
+    again into what it left, and sends only what is missing. The pins are set once every block
+    is durable, before any ref moves; each ref then moves as a pull's does (created, or moved
+    forward if ``src``'s moved on since). Returns ``dst`` open (its ``last_transfer`` has the
+    figures). Reflogs stay behind: they record what happened in ``src``.
     """
     with _other(src, None, create=False, read_only=True) as source:
         target = dst if isinstance(dst, Repository) else open(
             dst, hash=source.config.hash, chunk_size=source.config.chunk_size
         )
         try:
-            clash = target.refs_store.names() or target.refs_store.pins()
-            if clash:
-                raise RepositoryError(
-                    f"cannot clone into {target.location or target}: it already holds refs or pins"
-                )
             refs = {name: cid for name in source.refs_store.names()
                     if (cid := source.refs_store.get(name)) is not None}
             pins = sorted(source.refs_store.pins())
+            foreign = sorted(set(target.refs_store.names()) - set(refs)) + sorted(
+                cidlib.to_str(pin) for pin in target.refs_store.pins() - set(pins))
+            if foreign:
+                raise RepositoryError(
+                    f"cannot clone into {target.location or target}: it holds refs or pins that "
+                    f"{source.location or source} does not ({', '.join(foreign[:3])}"
+                    f"{', ...' if len(foreign) > 3 else ''}); a clone goes into a new repository, "
+                    "or into what a clone of the same source left"
+                )
             updates = [Update(name, cid) for name, cid in refs.items()]
-            report = replication.transfer(source, target, updates, progress=progress, roots=pins)
-            with target.refs_store.lock(exclusive=False):
-                for pin in pins:
-                    target.refs_store.pin(pin)
+            report = replication.transfer(source, target, updates, progress=progress, roots=pins, pin=True)
             target._local.last_transfer = report
         except BaseException:
             if target is not dst:

@@ -255,6 +255,20 @@ class BlockStoreTests:
         assert writer.stats.bytes_written == sum(len(d) for _, d in blocks[1:])
         assert all(store.get(c) == d for c, d in blocks)
 
+    def test_a_writer_verifying_what_it_receives_refuses_a_mismatch(self, store: BlockStore) -> None:
+        blocks = [raw_block(i, 2000 + i) for i in range(40, 44)]
+        (cid, data), (other, _) = blocks[0], blocks[1]
+        with store.writer(verify_incoming=True) as writer:
+            with pytest.raises(CorruptBlock, match=cidlib.to_str(other)):
+                writer.put(other, data)  # bytes that are not the block named
+            items = [(c, memoryview(d), None) for c, d in blocks]
+            items[2] = (items[2][0], memoryview(bytes(len(blocks[2][1]))), None)
+            with pytest.raises(CorruptBlock, match=cidlib.to_str(blocks[2][0])):
+                writer.put_many(items)  # nothing of a batch with one damaged block goes in
+            assert writer.put(cid, data) is True
+        assert [store.has(c) for c, _ in blocks] == [True, False, False, False]
+        assert store.get(cid) == data
+
     def test_writer_accepts_memoryviews_and_copies_them(self, store: BlockStore) -> None:
         cid, data = raw_block(8, 5000)
         buffer = bytearray(data)

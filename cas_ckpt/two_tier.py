@@ -15,12 +15,13 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import CasCkptError, ReplicationFailed
+from cas_ckpt.refs import RefStore
 from cas_ckpt.replication import TransferReport, Update, descends, transfer
 from cas_ckpt.repository import Repository
 from cas_ckpt.repository import open as open_repository
@@ -72,17 +73,40 @@ class Retention:
         if self.keep_every:
             keep.update(s for s in steps if s % self.keep_every == 0)
         if self.keep_best:
-            keep.update(self._best(steps, metrics))
+            assert self.best_metric is not None  # parse() and the manager check it
+            ranked = ranking(steps, lambda step: metrics(steps[step]), self.best_metric, self.best_mode)
+            keep.update(step for step, _ in ranked[: self.keep_best])
         return keep
 
-    def _best(self, steps: dict[int, bytes], metrics: Callable[[bytes], Any]) -> list[int]:
-        scored = []
-        for step, cid in steps.items():
-            found = metrics(cid)
-            value = found.get(self.best_metric) if isinstance(found, dict) else None
-            if type(value) in (int, float) and not math.isnan(value):
-                scored.append((value if self.best_mode == "min" else -value, -step, step))
-        return [step for *_, step in sorted(scored)[: self.keep_best]]
+
+def ranking(
+    steps: Collection[int], metrics: Callable[[int], Any], metric: str, mode: str
+) -> list[tuple[int, int | float]]:
+    """(step, value) of the ``steps`` whose metrics (a dict, from ``metrics(step)``) hold
+    ``metric`` as a number other than NaN, best first by ``mode`` ("min": lowest), the later
+    step first in a tie."""
+    scored = []
+    for step in steps:
+        found = metrics(step)
+        value = found.get(metric) if isinstance(found, dict) else None
+        if type(value) in (int, float) and not math.isnan(value):
+            scored.append((value if mode == "min" else -value, -step, step, value))
+    return [(step, value) for *_, step, value in sorted(scored)]
+
+
+def best_of(
+    steps: Collection[int], metrics: Callable[[int], Any], metric: str, mode: str
+) -> tuple[int, int | float] | None:
+    """The first of :func:`ranking`, or None."""
+    ranked = ranking(steps, metrics, metric, mode)
+    return ranked[0] if ranked else None
+
+
+def steps_of(refs: RefStore, prefix: str) -> dict[int, bytes]:
+    """A run's step refs in ``refs`` (``prefix``: ``"<ref>.steps/"``): step -> commit, the refs
+    read at once."""
+    digits = len(prefix)
+    return {int(name[digits:]): cid for name, cid in refs.values(prefix).items() if name[digits:].isdigit()}
 
 
 @dataclass(frozen=True)
@@ -104,9 +128,11 @@ class Replicator:
     def __init__(
         self, repo: Repository, ref: str, remote: Repository | str | os.PathLike[str], *,
         step_ref: Callable[[int], str], every: int | None, retention: Retention,
+        on_replicated: Callable[[], None] | None = None,
     ) -> None:
         self.repo, self.ref, self.step_ref = repo, ref, step_ref
         self.every, self.retention = every, retention
+        self._on_replicated = on_replicated  # after each push that succeeded, on this thread
         self._remote = remote if isinstance(remote, Repository) else None
         self._spec = remote
         self.where = remote.location if isinstance(remote, Repository) else os.fspath(remote)
@@ -114,6 +140,7 @@ class Replicator:
         self._cond = threading.Condition()
         self._opening = threading.Lock()
         self._pending: dict[int, tuple[bytes, int]] = {}  # step -> (commit, bytes its save wrote)
+        self._unchecked: set[int] = set()  # queued at start without the remote's word: see _push
         self._saves = 0
         self._latest: tuple[int, bytes, int] | None = None
         self._remote_head: tuple[bytes | None] | None = None  # last known value (None: unknown)
@@ -179,6 +206,43 @@ class Replicator:
                                     verify_existing=repair)
         return cid
 
+    def queue_unsent(self) -> None:
+        """Queue the local steps the remote lacks, saved while it was away by a manager that is
+        gone: the queue is rebuilt from the two repositories, never kept only in memory, so local
+        retention keeps those steps until they are there. Call after :meth:`resume`, before any
+        retention. A remote out of reach then gets every local step queued, and the first push
+        that reaches it sends only those it lacks."""
+        steps = steps_of(self.repo.refs_store, self._prefix)
+        if self._remote_head is not None:
+            try:
+                self._queue(self._lacking(self.remote(), self._remote_head[0], steps))
+                return
+            except (CasCkptError, OSError) as exc:
+                _log.warning("cannot reach %s to compare the steps of %r (%s: %s)", self.where,
+                             self.ref, type(exc).__name__, exc)
+        self._queue(steps, checked=False)
+
+    def _lacking(self, remote: Repository, head: bytes | None, steps: dict[int, bytes]) -> dict[int, bytes]:
+        """Of ``steps`` (step -> commit), those the remote still needs: newer than its run's
+        latest step (older ones it lacks were never due, or its retention expired them), and
+        without an equal step ref there."""
+        after = None if head is None else remote.commit(head).step
+        return {step: cid for step, cid in steps.items()
+                if (after is None or step > after) and remote.refs_store.get(self.step_ref(step)) != cid}
+
+    def _queue(self, steps: dict[int, bytes], *, checked: bool = True) -> None:
+        """Queue checkpoints saved before this manager started (their bytes unknown: 0)."""
+        if not steps:
+            return
+        _log.info("queueing steps %s of %r for %s, saved locally before this manager started",
+                  sorted(steps), self.ref, self.where)
+        with self._cond:
+            if not checked:
+                self._unchecked.update(steps)
+            for step, cid in steps.items():
+                self._pending.setdefault(step, (cid, 0))
+            self._cond.notify_all()
+
     # -- the queue -----------------------------------------------------------------------------
     def saved(self, step: int, cid: bytes, nbytes: int, *, now: bool = False) -> None:
         """A save finished locally: queue it if it is due (every ``every``-th save, or ``now``)."""
@@ -227,18 +291,23 @@ class Replicator:
                 self._cond.wait(0.5)
 
     def close(self) -> None:
-        """:meth:`finish` and :meth:`wait`, then stop the thread (also when waiting failed)."""
+        """:meth:`finish` and :meth:`wait`, then :meth:`stop` (also when waiting failed)."""
         try:
             self.finish()
             self.wait()
         finally:
-            with self._cond:
-                self._stop = True
-                self._cond.notify_all()
-            self._thread.join(timeout=60)
-            if self._remote is not None and not isinstance(self._spec, Repository):
-                self._remote.close()
-                self._remote = None
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the thread (a push in progress completes first) and close the remote if it was
+        opened here; what is still queued stays unsent."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+        if self._remote is not None and not isinstance(self._spec, Repository):
+            self._remote.close()
+            self._remote = None
 
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -255,24 +324,37 @@ class Replicator:
                 self._push(batch)
             except Exception as exc:  # reported, counted and retried: never dropped
                 self._failed(batch, exc)
-            else:
+                continue
+            with self._cond:
+                for step, item in batch.items():
+                    if self._pending.get(step) == item:
+                        del self._pending[step]
+                self._failures, self._error = 0, None
+            try:  # still busy: wait() returns once what follows a push (local retention) is done
+                if self._on_replicated is not None:
+                    self._on_replicated()
+            except Exception as exc:  # the push succeeded: retention runs again later
+                _log.warning("after replicating %r to %s: %s: %s", self.ref, self.where,
+                             type(exc).__name__, exc)
+            finally:
                 with self._cond:
-                    for step, item in batch.items():
-                        if self._pending.get(step) == item:
-                            del self._pending[step]
-                    self._failures, self._error, self._busy = 0, None, False
+                    self._busy = False
                     self._cond.notify_all()
 
     def _failed(self, batch: dict[int, tuple[bytes, int]], exc: Exception) -> None:
         with self._cond:
-            self._failures += 1
+            attempt = self._failures + 1
+            delay = min(0.25 * 2 ** (attempt - self._base - 1), MAX_DELAY)
+            # Logged before the attempt is counted: wait() raises once it sees the count, and the
+            # warning must already be there for whoever reads the log then.
+            _log.warning("replicating steps %s of %r to %s failed (attempt %d, retrying in %.1f s): "
+                         "%s: %s", sorted(batch), self.ref, self.where, attempt, delay,
+                         type(exc).__name__, exc)
+            self._failures = attempt
             self._error = exc
-            delay = min(0.25 * 2 ** (self._failures - self._base - 1), MAX_DELAY)
             self._next = time.monotonic() + delay
             self._busy = False
             self._cond.notify_all()
-        _log.warning("replicating steps %s of %r to %s failed (attempt %d, retrying in %.1f s): %s: %s",
-                     sorted(batch), self.ref, self.where, self._failures, delay, type(exc).__name__, exc)
 
     def _push(self, batch: dict[int, tuple[bytes, int]]) -> None:
         """Send the batch's checkpoints still held locally (their step refs and the run's ref at
@@ -288,6 +370,14 @@ class Replicator:
         if not present:
             return
         remote = self.remote()
+        unchecked = self._unchecked & set(present)
+        if unchecked:  # queued while the remote was out of reach: send only what it lacks
+            lacking = self._lacking(remote, remote.refs_store.get(self.ref),
+                                    {s: present[s] for s in unchecked})
+            present = {s: cid for s, cid in present.items() if s not in unchecked or s in lacking}
+        if not present:
+            self._unchecked -= unchecked
+            return
         newest = max(present)
         updates = [Update(self.step_ref(s), cid, force=True) for s, cid in sorted(present.items())]
         if self._remote_head is None:  # first push of this manager: only a fast-forward
@@ -297,14 +387,13 @@ class Replicator:
         self.last_report = transfer(self.repo, remote, updates)
         self._remote_head = (present[newest],)
         self._replicated = newest
+        self._unchecked -= unchecked
         self._retain_remote(remote)
 
     def _retain_remote(self, remote: Repository) -> None:
         if self.retention.keeps_all and not self._gc_due:
             return
-        digits = len(self._prefix)
-        steps = {int(name[digits:]): cid for name, cid in remote.refs_store.values(self._prefix).items()
-                 if name[digits:].isdigit()}  # the step refs read at once
+        steps = steps_of(remote.refs_store, self._prefix)
         head = remote.refs_store.get(self.ref)
         commits = remote.history.commits(steps.values()) if self.retention.keep_best else {}
 

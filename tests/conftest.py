@@ -42,6 +42,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
+@pytest.fixture(autouse=True)
+def _close_leftover_managers() -> Iterator[None]:
+    """Close the async or replicating managers a test left open, as its own teardown.
+
+    Left for interpreter exit, a failure there (a save that cannot finish) would be reported after
+    the run and change pytest's exit status; here it is an error of the test that left it.
+    """
+    from cas_ckpt import manager
+
+    yield
+    errors = []
+    for leftover in list(manager._ASYNC_MANAGERS):
+        if not leftover._closed:
+            try:
+                leftover.close()
+            except cas_ckpt.CasCkptError as exc:
+                errors.append(f"{leftover!r}: {exc}")
+    if errors:
+        pytest.fail("checkpoint managers left open failed to close: " + "; ".join(errors))
+
+
 @pytest.fixture(params=["local", "memory"])
 def repo(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[cas_ckpt.Repository]:
     """A fresh repository: on disk under tmp_path, or in memory."""

@@ -64,9 +64,10 @@ def test_ref_set_delete_rename_list_and_reflog(repo: Path) -> None:
     assert [e["message"] for e in log] == [f"set to {log[0]['new']}", "rename from best"]
     assert log[0]["old"] == log[1]["new"] and log[1]["old"] is None
     assert cas(repo, "reflog", "best2").stdout.splitlines()[1].endswith("rename from best  (was absent)")
-    gone = cas(repo, "reflog", "best", "--json")  # as git: it went with its ref; no ref, no reflog
-    assert gone.returncode == cli.EXIT_NOT_FOUND and gone.stdout == "" and "not found" in gone.stderr
-    assert cas(repo, "ref", "delete", "best2").stdout == "deleted best2\n"
+    kept = json.loads(cas(repo, "reflog", "best", "--json").stdout)  # kept with its ref's deletion
+    assert kept[0]["new"] is None and kept[0]["message"] == "rename to best2"
+    assert cas(repo, "reflog", "best").stdout.startswith("best@{0}  (deleted)  ")
+    assert cas(repo, "ref", "delete", "best2").stdout.startswith("deleted best2 (its reflog is kept")
     missing = cas(repo, "ref", "delete", "best2")
     assert missing.returncode == cli.EXIT_NOT_FOUND and "not found" in missing.stderr
 
@@ -214,3 +215,82 @@ def test_ctrl_c_during_start_up_prints_no_traceback(repo: Path, tmp_path: Path) 
     done = cas(repo, "log", env=env)
     assert done.returncode == cli.EXIT_INTERRUPTED
     assert done.stderr == "cas-ckpt: error: interrupted\n" and done.stdout == ""
+
+
+def test_a_deleted_ref_is_listed_in_its_reflog_kept_by_gc_and_restored(repo: Path) -> None:
+    held = json.loads(cas(repo, "log", "exp", "-n", "1", "--json").stdout)[0]["cid"]
+    assert cas(repo, "ref", "delete", "exp").returncode == 0
+    log = cas(repo, "reflog", "exp")
+    assert log.returncode == 0 and log.stdout.startswith("exp@{0}  (deleted)  ")
+    assert f"(was {held})" in log.stdout.splitlines()[0]
+    assert cas(repo, "gc").returncode == 0  # the default GC keeps it: the deletion is a root
+    assert cas(repo, "ref", "restore", "exp").stdout == f"restored exp -> {held}\n"
+    assert cas(repo, "fsck").returncode == 0
+    assert cas(repo, "ref", "delete", "exp").returncode == 0
+    assert cas(repo, "ref", "set", "exp", "exp@{1}").stdout == f"exp -> {held}\n"
+    again = cas(repo, "ref", "restore", "exp")
+    assert again.returncode == cli.EXIT_ERROR and "exists" in again.stderr
+    assert cas(repo, "reflog", "--drop", "exp").returncode == cli.EXIT_ERROR  # exists: kept
+    assert cas(repo, "ref", "delete", "exp").returncode == 0
+    assert cas(repo, "reflog", "--drop", "exp").stdout == "dropped the reflog of exp\n"
+    assert cas(repo, "reflog", "exp", "--json").stdout.strip() == "[]"
+    assert cas(repo, "ref", "restore", "exp").returncode == cli.EXIT_NOT_FOUND
+
+
+@pytest.fixture
+def run_repo(tmp_path: Path) -> Path:
+    """runs/a (a manager's head and steps 1-3), runs/b, and runs/ab (a name that starts alike)."""
+    path = tmp_path / "runs-repo"
+    with cas_ckpt.open(path) as r:
+        with cas_ckpt.CheckpointManager(r, "runs/a") as manager:
+            for step in (1, 2, 3):
+                manager.save(step, {"w": np.full(100, step)})
+        r.save({"b": 1}, ref="runs/b")
+        r.save({"ab": 1}, ref="runs/ab")
+    return path
+
+
+RUN_A = ["runs/a", "runs/a.steps/000000000001", "runs/a.steps/000000000002",
+         "runs/a.steps/000000000003"]
+
+
+def _refs(repo: Path) -> list[str]:
+    return sorted(json.loads(cas(repo, "refs", "--json").stdout))
+
+
+def test_ref_delete_recursive_needs_a_confirmation_and_keeps_the_reflogs(run_repo: Path) -> None:
+    everything = _refs(run_repo)
+    listed = cas(run_repo, "ref", "delete", "--recursive", "runs/a", "--dry-run")
+    assert listed.returncode == 0 and [line.split()[-1] for line in listed.stdout.splitlines()[:-1]] == RUN_A
+    assert "nothing deleted" in listed.stdout
+    refused = cas(run_repo, "ref", "delete", "--recursive", "runs/a", stdin=subprocess.DEVNULL)
+    assert refused.returncode == cli.EXIT_USAGE and "--yes" in refused.stderr  # no terminal to ask
+    assert _refs(run_repo) == everything
+    done = cas(run_repo, "ref", "delete", "-r", "runs/a", "--yes")
+    assert done.returncode == 0 and "deleted 4 ref(s)" in done.stdout
+    assert _refs(run_repo) == ["runs/ab", "runs/b"]
+    for name in RUN_A:  # every reflog kept, ending in its deletion
+        assert cas(run_repo, "reflog", name).stdout.startswith(f"{name}@{{0}}  (deleted)")
+    assert cas(run_repo, "gc", "--json").returncode == 0
+    assert cas(run_repo, "ref", "restore", "runs/a").returncode == 0
+    assert cas(run_repo, "log", "runs/a", "-n", "1").returncode == 0
+    missing = cas(run_repo, "ref", "delete", "-r", "runs/zzz", "--yes")
+    assert missing.returncode == cli.EXIT_NOT_FOUND
+
+
+@pytest.mark.parametrize(("answer", "deleted"), [(b"y\n", True), (b"n\n", False)])
+def test_ref_delete_recursive_asks_on_a_terminal(run_repo: Path, answer: bytes, deleted: bool) -> None:
+    leader, follower = pty.openpty()
+    try:
+        os.write(leader, answer)  # typed ahead: read once the question is asked
+        done = subprocess.run([str(SCRIPT), "--repo", str(run_repo), "ref", "delete", "-r", "runs/a"],
+                              stdin=follower, capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert "delete these 4 ref(s)? [y/N]" in done.stderr
+    if deleted:
+        assert done.returncode == 0 and _refs(run_repo) == ["runs/ab", "runs/b"]
+    else:
+        assert done.returncode == cli.EXIT_USAGE and "nothing deleted" in done.stderr
+        assert len(_refs(run_repo)) == 6

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import cas_ckpt
-from cas_ckpt import CheckpointManager
+from cas_ckpt import CheckpointManager, _fs
 from cas_ckpt.errors import LeaseHeld
 
 HOLDER = """
@@ -142,3 +143,79 @@ def test_s3_lease_names_the_holder_and_goes_stale_when_it_dies(s3_url: str) -> N
     finally:
         proc.kill()
         proc.communicate(timeout=30)
+
+
+FORKING_TRAINER = """
+import multiprocessing, os, sys, threading
+import cas_ckpt
+
+repo = cas_ckpt.open(sys.argv[1])
+manager = cas_ckpt.CheckpointManager(repo, "runs/a", async_save=True)  # the run's lease
+manager.save(1, {"v": 1})
+manager.wait()
+saving = repo.refs_store.lock(exclusive=False)  # locks/gc.lock shared, as a save holds it
+saving.__enter__()
+updating = repo.refs_store._ref_lock("runs/a")  # locks/refs.lock, as a ref update holds it
+updating.__enter__()
+
+
+started, say_started = os.pipe()
+
+
+def worker() -> None:  # a DataLoader worker: lives on, whatever happens to its parent
+    os.write(say_started, b"!")  # running its own code: the after-fork hooks are done
+    threading.Event().wait()
+
+
+if sys.argv[2] == "multiprocessing":
+    child = multiprocessing.get_context("fork").Process(target=worker)
+    child.start()
+    pid = child.pid
+else:
+    pid = os.fork()
+    if pid == 0:
+        worker()
+os.read(started, 1)
+print(pid, flush=True)
+sys.stdin.readline()  # hold everything until killed
+"""
+
+
+def _lock_is_free(path: Path) -> bool:
+    with _fs.flocked(path, exclusive=True, blocking=False) as held:
+        return held
+
+
+@pytest.mark.parametrize("fork", ["multiprocessing", "os.fork"])
+def test_locks_are_not_held_by_forked_children_that_outlive_a_killed_trainer(
+    tmp_path: Path, fork: str
+) -> None:
+    """A trainer with forked workers is SIGKILLed; the workers live on. Its lease, the GC lock
+    and the ref lock must be free at once: the workers' copies of the descriptors were closed."""
+    location = tmp_path / "repo"
+    trainer = subprocess.Popen([sys.executable, "-c", FORKING_TRAINER, str(location), fork],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        assert trainer.stdout is not None
+        worker = int(trainer.stdout.readline())
+        with cas_ckpt.open(location) as repo:
+            assert not _lock_is_free(location / "locks" / "gc.lock")  # the trainer holds them
+            assert not _lock_is_free(location / "locks" / "refs.lock")
+            with pytest.raises(LeaseHeld, match=f"pid {trainer.pid} "):
+                CheckpointManager(repo, "runs/a")
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait(timeout=30)
+            os.kill(worker, 0)  # the worker outlived it
+            assert _lock_is_free(location / "locks" / "gc.lock")
+            assert _lock_is_free(location / "locks" / "refs.lock")
+            with CheckpointManager(repo, "runs/a") as resumed:  # no LeaseHeld naming a dead pid
+                assert resumed.restore() == {"v": 1}
+                resumed.save(2, {"v": 2})
+            assert repo.gc().dry_run is False
+    finally:
+        if worker is not None:  # first: it holds the trainer's stdout open too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+        trainer.kill()
+        trainer.communicate(timeout=30)

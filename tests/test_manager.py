@@ -32,6 +32,40 @@ def stored_bytes(repo: cas_ckpt.Repository) -> int:
     return sum(repo.blocks.size(c) for c in repo.blocks.keys())  # noqa: SIM118 - a store
 
 
+def open_descriptors() -> int:
+    return len(list(Path("/proc/self/fd").iterdir()))
+
+
+# -- opening ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", [str, Path])
+def test_a_location_is_opened_by_the_manager_and_closed_by_close(tmp_path: Path, kind: type) -> None:
+    location = kind(tmp_path / "checkpoints")
+    before = open_descriptors()
+    with CheckpointManager(location, "run", keep_last=1) as mgr:  # created if missing
+        mgr.save(1, state_for(1))
+        mgr.save(2, state_for(2))
+        assert mgr.restore()["tag"] == "s2" and mgr.steps() == [2]
+        assert mgr.repo.location == str(tmp_path / "checkpoints")
+    assert open_descriptors() == before  # its packs closed with it
+    with cas_ckpt.open(tmp_path / "checkpoints") as repo:
+        assert repo.commit("run").step == 2
+        mgr = CheckpointManager(repo, "run")  # an open Repository stays its caller's
+        mgr.close()
+        assert repo.load("run")["tag"] == "s2"
+
+
+def test_a_manager_that_fails_to_start_closes_the_repository_it_opened(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "checkpoints") as repo, CheckpointManager(repo, "run") as holder:
+        holder.save(1, state_for(1))
+        repo.load("run")
+        before = open_descriptors()
+        with pytest.raises(cas_ckpt.errors.LeaseHeld):
+            CheckpointManager(tmp_path / "checkpoints", "run")
+        assert open_descriptors() == before
+    with pytest.raises(TypeError, match="a location"):
+        CheckpointManager(42, "run")  # type: ignore[arg-type]
+
+
 # -- save, skip, duplicates --------------------------------------------------------------------
 def test_save_every_skips_unless_forced(repo: cas_ckpt.Repository) -> None:
     mgr = CheckpointManager(repo, "run", save_every=5)
@@ -493,3 +527,67 @@ def test_rewind_drops_later_steps_and_the_next_save_is_its_child(repo: cas_ckpt.
     with pytest.raises(cas_ckpt.errors.StepNotFound):
         mgr.rewind(25)
     mgr.close()
+
+
+# -- deleting a run ------------------------------------------------------------------------------
+def test_delete_drops_the_run_keeps_its_reflogs_and_closes(repo: cas_ckpt.Repository) -> None:
+    mgr = CheckpointManager(repo, "runs/a", keep_last=2, async_save=True)
+    for step in (1, 2, 3):
+        mgr.save(step, state_for(step, 4096))
+    repo.save({"other": 1}, ref="runs/ab")  # a name that starts alike is another run
+    planned = mgr.delete(dry_run=True)  # waits for the save in flight; deletes nothing
+    assert sorted(planned) == ["runs/a", mgr.step_ref(2), mgr.step_ref(3)]
+    assert sorted(repo.refs()) == ["runs/a", "runs/a.steps/000000000002",
+                                   "runs/a.steps/000000000003", "runs/ab"]
+    head = repo.resolve("runs/a")
+    assert mgr.delete() == planned and planned["runs/a"] == head
+    assert sorted(repo.refs()) == ["runs/ab"]
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="closed"):
+        mgr.save(4, state_for(4, 4096))
+    assert repo.gc().blocks_freed == 0  # the reflogs keep the run for their expiry
+    assert repo.restore_ref(mgr.step_ref(2)) == planned[mgr.step_ref(2)]
+    assert repo.load(mgr.step_ref(2))["tag"] == "s2"
+    with CheckpointManager(repo, "runs/a") as fresh:  # the lease was given back; a new run starts
+        assert fresh.latest_step() is None
+        fresh.save(1, state_for(9, 4096))
+
+
+# -- the best step -------------------------------------------------------------------------------
+def test_best_step_and_best_metric_rank_the_retained_steps(repo: cas_ckpt.Repository) -> None:
+    losses = {1: 0.9, 2: 0.4, 3: float("nan"), 4: 0.4, 5: 0.7, 6: 0.8}
+    mgr = CheckpointManager(repo, "run", best_metric="loss", keep_best=2, keep_last=1)
+    assert mgr.best_step() is None and mgr.best_metric() is None  # nothing saved yet
+    for step, loss in losses.items():
+        mgr.save(step, {"step": step}, metrics={"loss": loss, "acc": step / 10})
+    mgr.save(7, {"step": 7}, metrics={"acc": 0.05})  # no loss reported: never ranks
+    assert mgr.steps() == [2, 4, 7]  # keep_best kept the best two (a tie: both), keep_last 7
+    assert (mgr.best_step(), mgr.best_metric()) == (4, 0.4)  # a tie: the later step
+    assert (mgr.best_step("acc", mode="max"), mgr.best_metric("acc", mode="max")) == (4, 0.4)
+    assert mgr.best_step("acc") == 7  # the manager's mode, min
+    assert mgr.best_step("unknown") is None
+    assert mgr.restore(mgr.best_step()) == {"step": 4}
+    mgr.close()
+    again = CheckpointManager(repo, "run", best_metric="loss")  # it lives in the repository
+    assert again.best_step() == 4
+    again.close()
+    plain = CheckpointManager(repo, "run")
+    with pytest.raises(ValueError, match="best_metric="):
+        plain.best_step()
+    with pytest.raises(ValueError, match="'min' or 'max'"):
+        plain.best_step("loss", mode="lowest")
+    assert plain.best_step("loss") == 4
+    plain.close()
+
+
+def test_best_step_of_a_two_tier_run_counts_the_steps_only_the_remote_keeps(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "local") as local, cas_ckpt.open(tmp_path / "remote") as remote:
+        mgr = CheckpointManager(local, "run", best_metric="loss", keep_last=1, replicate_to=remote,
+                                remote_retention={"keep_best": 1})
+        for step, loss in ((1, 0.5), (2, 0.1), (3, 0.3), (4, 0.6)):
+            mgr.save(step, {"step": step}, metrics={"loss": loss})
+        mgr.wait()
+        assert mgr.steps() == [4] and sorted(remote.refs("run.steps/")) == [
+            "run.steps/000000000002", "run.steps/000000000004"]
+        assert (mgr.best_step(), mgr.best_metric()) == (2, 0.1)
+        assert mgr.restore(mgr.best_step()) == {"step": 2}  # fetched from the remote
+        mgr.close()

@@ -122,3 +122,44 @@ def test_ctrl_c_during_wait_stays_a_keyboard_interrupt_and_the_save_completes(
     assert proc.returncode == 0, err
     assert out.splitlines() == ["KeyboardInterrupt False", "True [1]"], err
     assert_saved(tmp_path)
+
+
+def test_a_save_that_fails_at_exit_keeps_the_status_of_an_uncaught_exception(tmp_path: Path) -> None:
+    body = """
+        other = cas_ckpt.open("memory://")
+        foreign = other.save({"x": 1}, ref="x")
+        hold.__exit__(None, None, None)
+        manager.wait()
+        manager.save(2, {"link": foreign})  # fails in the background
+        raise RuntimeError("the training loop broke")
+    """
+    result = run_child(tmp_path, body)
+    assert result.returncode == 1, result.stderr  # the program's own failure, not 120
+    assert "RuntimeError: the training loop broke" in result.stderr
+    assert "async save of step 2 to 'run' failed" in result.stderr
+    assert_saved(tmp_path)
+
+
+def test_replication_behind_at_exit_is_reported_and_leaves_the_exit_status_alone(
+    tmp_path: Path,
+) -> None:
+    """A manager left open with its remote unreachable: nothing is lost (the checkpoints are
+    local), so the status is the script's own (0 here; pytest's 1 stayed 120 before)."""
+    (tmp_path / "remote").write_text("not a repository")  # every push fails
+    code = textwrap.dedent("""
+        import sys
+        import cas_ckpt
+        repo = cas_ckpt.open(sys.argv[1])
+        repo.save({"v": 0}, ref="run", step=0)
+        manager = cas_ckpt.CheckpointManager(repo, "run", replicate_to=sys.argv[2])
+        manager.save(1, {"v": 1})
+        print("main done")
+    """)
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "repo"), str(tmp_path / "remote")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "main done\n"
+    assert "cas_ckpt: replication of 'run'" in result.stderr and "steps [0, 1]" in result.stderr
+    assert "Traceback" not in result.stderr
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        assert repo.load("run") == {"v": 1}

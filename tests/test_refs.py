@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -208,9 +210,24 @@ def test_remove_if_equals(refs: cas_ckpt.refs.RefStore) -> None:
     refs.add_if_new("main", B)
     assert refs.remove_if_equals("main", None, message="delete any") is True
     assert refs.get("main") is None
-    # As in git, deleting a ref deletes its reflog: step refs come and go without leaving files.
-    assert _log(refs, "main") == []
-    assert "main" not in refs.reflog_names()
+    # Unlike git, the reflog stays, ending in the deletion; a ref made again continues it.
+    assert _log(refs, "main") == [(None, A, ""), (A, None, "delete"), (None, B, ""),
+                                  (B, None, "delete any")]
+    assert refs.reflog_names() == ["main"] and refs.names() == []
+
+
+def test_a_deleted_refs_reflog_is_dropped_only_when_the_ref_is_absent_and_old_enough(
+    refs: cas_ckpt.refs.RefStore,
+) -> None:
+    refs.add_if_new("runs/a", A, message="create")
+    assert refs.drop_reflog("runs/a") is False  # the ref exists
+    assert refs.drop_reflog("runs/none") is False  # nothing to drop
+    refs.remove_if_equals("runs/a", A, message="delete")
+    assert refs.drop_reflog("runs/a", older_than=time.time() - 3600) is False  # younger than that
+    assert _log(refs, "runs/a") == [(None, A, "create"), (A, None, "delete")]
+    assert refs.drop_reflog("runs/a", older_than=time.time() + 1) is True
+    assert refs.reflog("runs/a") == [] and refs.reflog_names() == []
+    assert refs.add_if_new("runs/a", B) and _log(refs, "runs/a") == [(None, B, "")]
 
 
 def test_names_are_sorted_and_hierarchical(refs: cas_ckpt.refs.RefStore) -> None:
@@ -219,7 +236,7 @@ def test_names_are_sorted_and_hierarchical(refs: cas_ckpt.refs.RefStore) -> None
     assert refs.names() == ["main", "runs/exp-7", "runs/exp-8", "zeta/a/b"]
     refs.remove_if_equals("runs/exp-7", A)
     assert refs.names() == ["main", "runs/exp-8", "zeta/a/b"]
-    assert refs.reflog_names() == ["main", "runs/exp-8", "zeta/a/b"]
+    assert refs.reflog_names() == ["main", "runs/exp-7", "runs/exp-8", "zeta/a/b"]
 
 
 @pytest.mark.parametrize("prefix", ["", "r", "run", "run.steps/", "run.steps/0000", "run.steps/x",
@@ -257,11 +274,45 @@ def test_a_ref_and_a_ref_below_it_conflict_cleanly(refs: cas_ckpt.refs.RefStore)
     with pytest.raises(cas_ckpt.errors.RefError):
         refs.add_if_new("runs/exp/sub", B)
     assert refs.names() == ["runs/exp"]
-    # Once the deeper ref is gone (reflog with it), the shorter name is free again.
     assert refs.remove_if_equals("runs/exp", A)
-    assert refs.reflog("runs/exp") == []
+    assert [e.new for e in refs.reflog("runs/exp")] == [A, None]  # kept
+    if isinstance(refs, cas_ckpt.refs.LocalRefStore):
+        # On disk the kept reflog lies in logs/runs/, where the reflog file of "runs" would go:
+        # refused, naming the deleted ref and what frees the name, until that reflog is dropped.
+        with pytest.raises(cas_ckpt.errors.InvalidRefName, match="kept reflog of the deleted ref 'runs/exp'"):
+            refs.add_if_new("runs", B)
+        assert refs.drop_reflog("runs/exp")
     assert refs.add_if_new("runs", B)
     assert refs.get("runs") == B
+
+
+def test_s3_a_ref_made_again_while_gc_drops_its_old_reflog_reads_cleanly(s3_url: str) -> None:
+    """A re-created ref's first entry links to the deletion before it; a GC dropping that old
+    history meanwhile must not make the new chain look damaged."""
+    from cas_ckpt.refs.s3 import S3RefStore
+
+    refs = S3RefStore(s3_url)
+    refs.add_if_new("runs/a", A, message="create")
+    refs.remove_if_equals("runs/a", A, message="delete")
+    old = [m.key for m in refs._entries("runs/a")]  # what a racing drop_reflog deletes
+    refs.add_if_new("runs/a", B, message="again")
+    assert _log(refs, "runs/a") == [(None, A, "create"), (A, None, "delete"), (None, B, "again")]
+    refs.bucket.delete_many(old)
+    assert _log(refs, "runs/a") == [(None, B, "again")]
+    refs.set_if_equals("runs/a", B, C, message="move")
+    assert _log(refs, "runs/a") == [(None, B, "again"), (B, C, "move")]
+
+
+def test_on_disk_a_kept_reflog_above_a_new_name_is_refused_naming_it(tmp_path: Path) -> None:
+    refs = cas_ckpt.refs.LocalRefStore(tmp_path / "repo")
+    refs.ensure_dirs()
+    refs.add_if_new("runs", A)
+    refs.remove_if_equals("runs", A)
+    with pytest.raises(cas_ckpt.errors.InvalidRefName, match=r"deleted ref 'runs'.*ref restore runs"):
+        refs.add_if_new("runs/exp", B)
+    assert refs.names() == [] and [e.new for e in refs.reflog("runs")] == [A, None]
+    assert refs.add_if_new("runs", B)  # the name itself is free: its reflog goes on
+    assert [e.new for e in refs.reflog("runs")] == [A, None, B]
 
 
 def test_a_huge_reflog_message_is_cut_to_fit_a_line(tmp_path: Path) -> None:
@@ -331,13 +382,78 @@ def test_every_update_is_in_the_reflog(repo: cas_ckpt.Repository) -> None:
     assert [e.message for e in log[:5]] == [f"save step={i}" for i in range(5)]
     assert all(a.time <= b.time for a, b in itertools.pairwise(log))
     assert all(abs(e.time - time.time()) < 60 for e in log)
-    with pytest.raises(cas_ckpt.errors.RefNotFound):  # its reflog went with it: no ref, no reflog
-        repo.reflog("runs/exp-7")
+    kept = [(None, cidlib.to_bytes(other)), (cidlib.to_bytes(other), None)]
+    assert [(e.old, e.new) for e in repo.reflog("runs/exp-7")] == kept  # kept, with its deletion
     again = repo.save({"x": 2}, ref="runs/exp-7")
-    assert [(e.old, e.new) for e in repo.reflog("runs/exp-7")] == [
-        (None, cidlib.to_bytes(again))
-    ]
+    assert [(e.old, e.new) for e in repo.reflog("runs/exp-7")] == [*kept, (None, cidlib.to_bytes(again))]
     assert other != again
+
+
+# -- a deleted ref's safety net ------------------------------------------------------------------
+def test_a_deleted_ref_keeps_its_checkpoint_through_gc_and_comes_back(repo: cas_ckpt.Repository) -> None:
+    """`ref delete runs/important` then any default GC (a plain one, or another run's retention)
+    freed the data at once: the reflog went with the ref. Now the deletion is a reflog entry,
+    a GC root for the expiry, and the ref can be restored from it."""
+    first = repo.save({"w": np.arange(5000.0)}, ref="runs/important", step=1)
+    held = repo.save({"w": np.arange(5000.0) + 1}, ref="runs/important", step=2)
+    repo.delete_ref("runs/important")
+    log = repo.reflog("runs/important")
+    assert [(e.old, e.new, e.message) for e in log][-1] == (cidlib.to_bytes(held), None, "delete")
+    assert repo.gc().blocks_freed == 0  # a plain GC keeps what the reflog names
+    other = cas_ckpt.CheckpointManager(repo, "runs/other", keep_last=1)
+    for step in range(3):  # another run's retention GC (its own reflogs expired only)
+        other.save(step, {"v": np.full(5000, step)})
+    other.close()
+    assert repo.load(held)["w"][0] == 1 and repo.load(first)["w"][0] == 0
+    assert repo.restore_ref("runs/important") == held
+    assert repo.load("runs/important")["w"][0] == 1
+    assert repo.reflog("runs/important")[-1].message.startswith("restore ")
+    with pytest.raises(cas_ckpt.errors.RefError, match="exists"):
+        repo.restore_ref("runs/important")
+    repo.delete_ref("runs/important")
+    assert repo.set_ref("runs/important", "runs/important@{1}") == held  # as git's REF@{N}
+    with pytest.raises(cas_ckpt.errors.ReflogEntryNotFound, match="deleted 'runs/important'"):
+        repo.resolve("runs/important@{1}")  # that entry is the deletion
+    with pytest.raises(cas_ckpt.errors.ReflogEntryNotFound, match="has 6 entries"):
+        repo.resolve("runs/important@{6}")
+    assert repo.resolve("runs/important@{5}") == first
+    repo.delete_ref("runs/important")
+    report = repo.gc(reflog_expiry=0)  # only now: what refs and pins reach, deleted reflogs dropped
+    assert report.blocks_freed > 0 and report.reflogs_dropped == 1
+    assert repo.reflog("runs/important") == [] and not repo.blocks.has(cidlib.to_bytes(held))
+    with pytest.raises(cas_ckpt.errors.RefNotFound):
+        repo.restore_ref("runs/important")
+
+
+def test_a_deletion_keeps_what_the_ref_held_however_long_ago_it_was_set(tmp_path: Path) -> None:
+    """GC roots both sides of a young reflog entry: the value a ref was set to 40 days ago and
+    deleted today is kept for the expiry from today."""
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        held = repo.save({"w": np.arange(5000.0)}, ref="old")
+        log = tmp_path / "repo" / "logs" / "old"
+        entry = json.loads(log.read_text())
+        log.write_text(json.dumps({**entry, "time": time.time() - 40 * 86400}) + "\n")
+        assert repo.gc().blocks_freed == 0  # the ref itself holds it
+        repo.delete_ref("old")
+        assert repo.gc().blocks_freed == 0
+        assert repo.load(held)["w"][0] == 0
+        assert repo.gc(reflog_expiry=0).blocks_freed > 0
+
+
+def test_gc_drops_a_deleted_refs_reflog_once_it_roots_nothing(repo: cas_ckpt.Repository) -> None:
+    repo.save({"v": 1}, ref="gone")
+    repo.save({"v": 2}, ref="kept")
+    repo.delete_ref("gone")
+    assert repo.gc().reflogs_dropped == 0  # young: still a root
+    assert repo.gc(dry_run=True, reflog_expiry=0).reflogs_dropped == 0  # a dry run drops nothing
+    assert "gone" in repo.refs_store.reflog_names()
+    assert repo.gc(reflog_expiry=0).reflogs_dropped == 1
+    assert repo.refs_store.reflog_names() == ["kept"]  # a live ref's reflog is never dropped
+    mgr = cas_ckpt.CheckpointManager(repo, "run", keep_last=1)
+    for step in range(5):  # retention deletes step refs: its own GC drops their reflogs at once
+        mgr.save(step, {"v": step})
+    mgr.close()
+    assert repo.refs_store.reflog_names() == ["kept", "run", "run.steps/000000000004"]
 
 
 def test_stale_expected_value_is_a_conflict(repo: cas_ckpt.Repository) -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,7 +102,10 @@ def test_push_pull_clone_round_trip(local: cas_ckpt.Repository, remote: cas_ckpt
         assert clone.last_transfer is not None and clone.last_transfer.blocks_sent > 0
         assert clone.load("main~0")["step"] == 2 and clone.load(local.pins()[0]) == {"pinned": 1}
         assert clone.fsck().problems == []
-    with pytest.raises(RepositoryError, match="already holds refs"):
+    with cas_ckpt.clone(local, tmp_path / "clone") as again:  # run again: nothing left to do
+        assert again.last_transfer is not None and again.last_transfer.up_to_date
+        again.save({"mine": 1}, ref="elsewhere")
+    with pytest.raises(RepositoryError, match=r"holds refs or pins that .* does not \(elsewhere\)"):
         cas_ckpt.clone(local, tmp_path / "clone")
 
 
@@ -286,6 +289,129 @@ def test_two_tier_manager_replicates_in_the_background_with_its_own_retention(
     assert remote.fsck().problems == []
 
 
+def test_local_retention_applies_once_steps_reach_the_remote_and_at_close(
+    local: cas_ckpt.Repository, remote: cas_ckpt.Repository
+) -> None:
+    """keep_last=1 and 8 quick saves: retention ran only inside save(), while the steps were
+    still on their way, so 2 (a folder) to 7 (S3) steps stayed after close(), lag 0."""
+    mgr = cas_ckpt.CheckpointManager(local, "run", keep_last=1, replicate_to=remote)
+    for step in range(1, 9):
+        mgr.save(step, {"step": step, "w": np.full(4096, step)})
+    mgr.wait()  # returns once what follows the last push (local retention) is done too
+    assert mgr.replication_lag.steps == 0 and mgr.steps() == [8]  # type: ignore[union-attr]
+    mgr.close()
+    assert sorted(local.refs()) == ["run", "run.steps/000000000008"]
+    assert len(local.blocks) == len(cas_ckpt.maintenance.walk.walk(
+        local.blocks, {cidlib.to_bytes(local.resolve("run")): "run"}).data) + 7  # commits of 1-7 only
+    assert sorted(remote.refs()) == ["run", "run.steps/000000000008"]
+
+
+def test_retention_at_close_catches_up_with_a_remote_that_came_back(
+    local: cas_ckpt.Repository, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "remote"
+    blocker.write_text("not yet")  # the remote is away while the run saves
+    local.save({"step": 0}, ref="run", step=0)
+    mgr = cas_ckpt.CheckpointManager(local, "run", keep_last=1, replicate_to=blocker)
+    for step in (1, 2, 3):
+        mgr.save(step, {"step": step})
+    assert mgr.steps() == [0, 1, 2, 3]  # all kept: none has reached the remote
+    blocker.unlink()
+    mgr.close()
+    assert sorted(local.refs()) == ["run", "run.steps/000000000003"]
+
+
+RESTARTED_TRAINER = """
+import sys
+import cas_ckpt
+repo = cas_ckpt.open(sys.argv[1])
+manager = cas_ckpt.CheckpointManager(repo, "run", keep_last=2, replicate_to=sys.argv[2],
+                                     remote_retention={})
+for step in range(2, 7):
+    manager.save(step, {"step": step})
+print(manager.replication_lag.steps, manager.steps(), flush=True)
+sys.stdin.readline()  # killed here, with steps 2-6 not replicated
+"""
+
+
+@pytest.mark.parametrize("medium", ["local", "s3"])
+def test_steps_saved_while_the_remote_was_away_are_sent_after_a_restart(
+    tmp_path: Path, medium: str, request: pytest.FixtureRequest
+) -> None:
+    """A trainer saves steps 2-6 while its remote is away and is killed (kill -9); restarted on
+    the same disk with the remote back, its first save expired steps 2-5 locally before any push:
+    the queue lived in memory only, and those steps were nowhere."""
+    where = request.getfixturevalue("s3_url") if medium == "s3" else str(tmp_path / "remote")
+    local_dir = tmp_path / "local"
+    options = {"keep_last": 2, "remote_retention": {}}
+    with cas_ckpt.CheckpointManager(local_dir, "run", replicate_to=where, **options) as first:
+        first.save(1, {"step": 1})  # replicated
+    env = dict(os.environ)
+    if medium == "s3":
+        env["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"  # the proxy is down: nothing answers there
+    else:
+        (tmp_path / "remote").rename(tmp_path / "remote.away")  # away, its data intact
+        (tmp_path / "remote").write_text("down")
+    trainer = subprocess.Popen([sys.executable, "-c", RESTARTED_TRAINER, str(local_dir), where],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, env=env)
+    try:
+        assert trainer.stdout is not None
+        # The lag shows them (and step 1, which a remote out of reach cannot confirm it holds).
+        assert trainer.stdout.readline() == "6 [1, 2, 3, 4, 5, 6]\n"
+    finally:
+        trainer.kill()
+        trainer.communicate(timeout=60)
+    if medium == "local":
+        (tmp_path / "remote").unlink()
+        (tmp_path / "remote.away").rename(tmp_path / "remote")  # back
+    with cas_ckpt.CheckpointManager(local_dir, "run", replicate_to=where, **options) as restarted:
+        assert restarted.replication_lag.steps == 5  # type: ignore[union-attr]
+        restarted.save(7, {"step": 7})
+        restarted.wait()
+        assert restarted.steps() == [6, 7]
+    with cas_ckpt.open(where) as remote:
+        steps = sorted(int(n.rpartition("/")[2]) for n in remote.refs("run.steps/"))
+        assert steps == [1, 2, 3, 4, 5, 6, 7]
+        assert [remote.load(f"run.steps/{s:012d}")["step"] for s in steps] == steps
+        assert remote.load("run") == {"step": 7}
+
+
+def test_a_restart_with_the_remote_still_away_keeps_every_local_step_until_it_is_back(
+    tmp_path: Path,
+) -> None:
+    remote = tmp_path / "remote"
+    options = {"keep_last": 1, "remote_retention": {}}
+    with cas_ckpt.CheckpointManager(tmp_path / "local", "run", replicate_to=remote, **options) as first:
+        first.save(1, {"step": 1})
+    remote.rename(tmp_path / "away")
+    remote.write_text("down")
+    with cas_ckpt.open(tmp_path / "local") as local:
+        local.save({"step": 2}, ref="run", step=2)  # saved by a run that died before pushing it
+        local.set_ref("run.steps/000000000002", "run")
+        mgr = cas_ckpt.CheckpointManager(local, "run", replicate_to=remote, **options)
+        mgr.save(3, {"step": 3})
+        assert mgr.steps() == [1, 2, 3]  # unknown to be there: kept
+        remote.unlink()
+        (tmp_path / "away").rename(remote)
+        mgr.close()
+        assert sorted(local.refs()) == ["run", "run.steps/000000000003"]
+    with cas_ckpt.open(remote) as back:
+        assert sorted(back.refs("run.steps/")) == [f"run.steps/{s:012d}" for s in (1, 2, 3)]
+
+
+def test_deleting_a_two_tier_run_stops_replication_without_waiting_for_the_remote(
+    local: cas_ckpt.Repository, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "remote"
+    blocker.write_text("away")
+    local.save({"step": 0}, ref="run", step=0)
+    mgr = cas_ckpt.CheckpointManager(local, "run", replicate_to=blocker)
+    mgr.save(1, {"step": 1})
+    assert sorted(mgr.delete()) == ["run", "run.steps/000000000000", "run.steps/000000000001"]
+    assert local.refs() == {} and blocker.read_text() == "away"  # nothing sent, nothing raised
+
+
 def test_replicate_every_nth_save_and_always_the_last_at_close(local: cas_ckpt.Repository,
                                                                remote: cas_ckpt.Repository) -> None:
     with cas_ckpt.CheckpointManager(local, "run", replicate_to=remote, replicate_every=3) as mgr:
@@ -353,6 +479,68 @@ def test_a_local_checkpoint_that_fails_verification_is_fetched_again(
         assert_state_equal(_state(1, arrays=2), reopened.load("run"))
 
 
+def _damage(repo: cas_ckpt.Repository, cid: bytes) -> None:
+    """Flip one byte of ``cid``'s first stored copy, in place (bit rot)."""
+    pack, offset, _ = repo.blocks.locate(cid)
+    flip_byte(repo.blocks.pack_dir / pack, offset + 10, 0xFF)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_transfer_from_an_unverified_source_never_stores_damaged_blocks(
+    tmp_path: Path, remote: cas_ckpt.Repository, compression: str
+) -> None:
+    """The source reads without hashing (verify=False); the destination hashes what it receives,
+    so a damaged block is refused there, the ref does not move, and the destination stays clean."""
+    if compression == "zstd":
+        remote.set_compression("zstd")
+    with cas_ckpt.open(tmp_path / "src") as src:
+        src.save(_state(1, arrays=3), ref="main", step=1)
+        chunk = _first_chunk(src)
+        _damage(src, chunk)
+    with cas_ckpt.open(tmp_path / "src", verify=False) as unverified:
+        assert not cidlib.matches(chunk, unverified.blocks.get(chunk))  # it does hand out rot
+        with pytest.raises(cas_ckpt.errors.CorruptBlock, match=cidlib.to_str(chunk)):
+            remote.pull(unverified, "main")
+        with pytest.raises(cas_ckpt.errors.CorruptBlock):
+            unverified.push(remote, "main")
+    assert remote.refs() == {}
+    remote.blocks.refresh()
+    assert remote.fsck().ok and not remote.blocks.has(chunk)
+
+
+def test_a_damaged_copy_in_the_source_is_replaced_by_its_intact_one(
+    tmp_path: Path, remote: cas_ckpt.Repository
+) -> None:
+    state = _state(2, arrays=3)
+    with cas_ckpt.open(tmp_path / "src") as src:
+        src.save(state, ref="main", step=1)
+        chunk = _first_chunk(src)
+        with src.blocks.writer() as writer:  # a second copy, in a pack of its own
+            writer.add_copy(chunk, src.blocks.get(chunk))
+    with cas_ckpt.open(tmp_path / "src", verify=False) as unverified:
+        _damage(unverified, chunk)  # the copy this process reads first
+        assert not cidlib.matches(chunk, unverified.blocks.get(chunk))
+        report = remote.pull(unverified, "main")
+    assert report.refs == {"main": remote.resolve("main")}
+    assert_state_equal(state, remote.load("main"))
+    assert remote.fsck().ok
+
+
+def test_a_two_tier_push_never_sends_local_bit_rot_to_the_backup(tmp_path: Path) -> None:
+    shared = _state(3, arrays=2)
+    with cas_ckpt.open(tmp_path / "local", verify=False) as local, \
+            cas_ckpt.open(tmp_path / "remote") as backup:
+        mgr = cas_ckpt.CheckpointManager(local, "run", replicate_to=backup, replicate_every=2)
+        mgr.save(1, shared)  # not due: stays local
+        chunk = _first_chunk(local)
+        _damage(local, chunk)  # rots on the local disk
+        mgr.save(2, {**shared, "step": 2})  # reuses the rotten chunk; due: pushed
+        with pytest.raises(ReplicationFailed, match="CorruptBlock") as failed:
+            mgr.close()
+        assert failed.value.steps == [2]
+        assert backup.refs() == {} and backup.fsck().ok and not backup.blocks.has(chunk)
+
+
 def _first_chunk(repo: cas_ckpt.Repository) -> bytes:
     return next(key for key in repo.blocks.keys() if not cidlib.is_node(key))  # noqa: SIM118 - a store
 
@@ -366,20 +554,52 @@ def test_a_replication_failure_is_reported_and_retried(local: cas_ckpt.Repositor
         mgr = cas_ckpt.CheckpointManager(local, "run", replicate_to=blocker)
         mgr.save(1, {"w": np.arange(5)})
         mgr.save(2, {"w": np.arange(6)})
-        with pytest.raises(ReplicationFailed, match="behind by 2") as caught:
+        # Step 0 too: with the remote out of reach at start, nothing says it holds step 0.
+        with pytest.raises(ReplicationFailed, match="behind by 3") as caught:
             mgr.wait()
-        assert caught.value.steps == [1, 2] and "exists and is not" in str(caught.value)
+        assert caught.value.steps == [0, 1, 2] and "exists and is not" in str(caught.value)
         lag = mgr.replication_lag
-        assert lag is not None and lag.steps == 2 and lag.failures >= 3 and lag.error
-        assert "replicating steps [1" in caplog.text and "failed (attempt 3" in caplog.text
+        assert lag is not None and lag.steps == 3 and lag.failures >= 3 and lag.error
+        assert "replicating steps [0, 1" in caplog.text and "failed (attempt 3" in caplog.text
         blocker.unlink()  # the remote comes back: the next retry catches up
-        deadline = time.monotonic() + 60
-        while mgr.replication_lag.steps and time.monotonic() < deadline:  # type: ignore[union-attr]
-            time.sleep(0.05)
+        mgr.wait()  # retries at once, without sitting out the backoff
+        assert mgr.replication_lag.steps == 0  # type: ignore[union-attr]
         mgr.close()
     with cas_ckpt.open(blocker) as remote:
         assert remote.load("run")["w"].tolist() == list(range(6))
-        assert sorted(remote.refs("run.steps/")) == ["run.steps/000000000001", "run.steps/000000000002"]
+        assert sorted(remote.refs("run.steps/")) == [f"run.steps/00000000000{s}" for s in (0, 1, 2)]
+
+
+def test_each_failed_attempt_is_logged_before_anyone_sees_it_counted(
+    local: cas_ckpt.Repository, tmp_path: Path
+) -> None:
+    """wait() raises once it sees 3 failures; the third warning must be in the log by then (it
+    was logged after the count was published, and a test reading the log at once failed)."""
+    blocker = tmp_path / "remote"
+    blocker.write_text("not a repository")
+    local.save({"w": np.arange(4)}, ref="run", step=0)
+    seen: list[tuple[int, int]] = []  # (attempt logged, failures visible then)
+    managers: list[cas_ckpt.CheckpointManager] = []
+
+    class Witness(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "failed (attempt" in record.getMessage():
+                lag = managers[0].replication_lag
+                assert lag is not None
+                seen.append((int(record.getMessage().split("attempt ")[1].split(",")[0]), lag.failures))
+
+    witness = Witness()
+    logging.getLogger("cas_ckpt").addHandler(witness)
+    try:
+        managers.append(cas_ckpt.CheckpointManager(local, "run", replicate_to=blocker))
+        managers[0].save(1, {"w": np.arange(5)})
+        with pytest.raises(ReplicationFailed):
+            managers[0].wait()
+    finally:
+        logging.getLogger("cas_ckpt").removeHandler(witness)
+        blocker.unlink()
+        managers[0].close()
+    assert len(seen) >= 3 and all(failures == attempt - 1 for attempt, failures in seen), seen
 
 
 def test_close_raises_when_replication_cannot_catch_up(local: cas_ckpt.Repository, tmp_path: Path) -> None:

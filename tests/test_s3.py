@@ -305,7 +305,12 @@ def test_save_load_log_reflog_gc_fsck(s3_url: str) -> None:
         assert_state_equal(state(2), repo.load())
         assert repo.fsck().ok
         repo.delete_ref("runs/exp-1")
-        with pytest.raises(cas_ckpt.errors.RefNotFound):  # its reflog went with it
+        assert [e.message for e in repo.reflog("runs/exp-1")] == ["save", "delete"]  # kept
+        assert repo.gc().reflogs_dropped == 0  # a GC root for 30 days
+        assert repo.restore_ref("runs/exp-1") == repo.resolve("runs/exp-1@{2}")
+        repo.delete_ref("runs/exp-1")
+        assert repo.gc(reflog_expiry=0).reflogs_dropped == 1
+        with pytest.raises(cas_ckpt.errors.RefNotFound):  # neither the ref nor its reflog now
             repo.reflog("runs/exp-1")
         assert _keys(s3_url, "logs/runs/") == []
     with cas_ckpt.open(s3_url, create=False, read_only=True) as again:

@@ -68,7 +68,8 @@ class LocalSink(Sink):
     def __init__(self, backend: LocalBackend) -> None:
         self._backend = backend
         self.path: Path | None = _fs.temp_name(backend.tmp_dir, TEMP_SUFFIX)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _fs.O_NOFOLLOW, 0o644)
+        # Private: a forked child must not keep the temp file locked (and uncleanable) once we die.
+        fd = _fs.open_private(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until published: see clean_temp
         self._fd: int | None = fd
         self._run: list[bytes | memoryview] = []  # small writes gathered, in file order
@@ -113,7 +114,7 @@ class LocalSink(Sink):
         assert self._fd is not None and self.path is not None, "sink is closed"
         with _fs.naming(self.path):
             os.fsync(self._fd)
-        os.close(self._fd)  # drops the flock: the file is whole, cleaning may take it from here
+        _fs.close_private(self._fd)  # drops the flock: the file is whole, cleaning may take it now
         self._fd = None
         return self.path
 
@@ -144,7 +145,7 @@ class LocalSink(Sink):
 
     def abort(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            _fs.close_private(self._fd)
             self._fd = None
         self._done()
 

@@ -86,14 +86,18 @@ class BlockWriter(ABC):
     ``put`` skips blocks the store already has or this batch already holds, and counts them as
     reused. Thread-safe: several threads may ``put`` into one writer. A writer that compresses
     encodes each new block in ``put``, or ahead of it on any thread with ``encode``.
+    ``verify_incoming``: the blocks come from elsewhere (another repository), named by CIDs this
+    process did not compute: each is hashed before it is written, and one whose bytes do not match
+    its CID raises :class:`CorruptBlock` (nothing of that ``put`` or ``put_many`` is written).
     """
 
-    def __init__(self, store: BlockStore) -> None:
+    def __init__(self, store: BlockStore, *, verify_incoming: bool = False) -> None:
         self._store = store
         self._lock = threading.Lock()
         self._pending: set[bytes] = set()
         self.stats = WriteStats()
         self.closed = False
+        self.verify_incoming = verify_incoming
 
     compresses = False
 
@@ -116,6 +120,8 @@ class BlockWriter(ABC):
         size = memoryview(data).nbytes
         if size > MAX_CHUNK:
             check_size(cid, size)
+        if self.verify_incoming:
+            _check_received([cid], [data])
         if stored is None and self.compresses:
             stored = self.encode(cid, data)
         with self._lock:
@@ -140,6 +146,8 @@ class BlockWriter(ABC):
         ``view`` makes a block's bytes of its ``data`` (which has ``nbytes``), for blocks not
         already stored only: an unchanged re-save of 10,000 small arrays made a view of each.
         """
+        if self.verify_incoming:  # all at once, on the hashing threads
+            _check_received([cid for cid, _, _ in blocks], [view(data) for _, data, _ in blocks])
         if self.compresses:
             blocks = [(c, d, s if s is not None else self.encode(c, view(d))) for c, d, s in blocks]
         new = 0
@@ -209,6 +217,14 @@ class BlockWriter(ABC):
             self.commit()
         else:
             self.abort()
+
+
+def _check_received(cids: list[bytes], buffers: list[Any]) -> None:
+    """:class:`CorruptBlock` naming the first of ``cids`` whose buffer does not hash to it."""
+    wrong = cidlib.start_checks(cids, buffers)()
+    if wrong:
+        raise CorruptBlock(cidlib.to_str(cids[wrong[0]]),
+                           "the bytes received for it do not match its hash; they were not stored")
 
 
 class BlockStore(ABC):
@@ -340,11 +356,14 @@ class BlockStore(ABC):
 
     # -- writes --------------------------------------------------------------------------------
     @abstractmethod
-    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> BlockWriter:
+    def writer(
+        self, *, verify_existing: bool = False, verify_incoming: bool = False, compression: str = "none"
+    ) -> BlockWriter:
         """Start a batch of writes.
 
         ``verify_existing``: before reusing a stored copy of a block, read it back and check its
         hash; a damaged copy is then replaced by the one being written (an import that repairs).
+        ``verify_incoming``: hash every block put before writing it (see :class:`BlockWriter`).
         ``compression``: ``"none"`` or ``"zstd"`` (``blocks.compression``); what a block is
         named by never depends on it.
         """

@@ -67,10 +67,10 @@ class PackWriter(BlockWriter):
     """
 
     def __init__(
-        self, store: PackedBlockStore, *, verify_existing: bool = False, compression: str = "none",
-        version: int = 1,
+        self, store: PackedBlockStore, *, verify_existing: bool = False, verify_incoming: bool = False,
+        compression: str = "none", version: int = 1,
     ) -> None:
-        super().__init__(store)
+        super().__init__(store, verify_incoming=verify_incoming)
         self._packed = store
         self.verify_existing = verify_existing
         self._compressor = Compressor(compression)
@@ -637,9 +637,12 @@ class PackedBlockStore(BlockStore):
         return damaged
 
     # -- writes --------------------------------------------------------------------------------
-    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> PackWriter:
+    def writer(
+        self, *, verify_existing: bool = False, verify_incoming: bool = False, compression: str = "none"
+    ) -> PackWriter:
         self._check_writable()
-        return PackWriter(self, verify_existing=verify_existing, compression=compression)
+        return PackWriter(self, verify_existing=verify_existing, verify_incoming=verify_incoming,
+                          compression=compression)
 
     @property
     def _publisher(self) -> ThreadPoolExecutor:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -18,22 +17,11 @@ import numpy as np
 from multiformats import CID
 
 from cas_ckpt.errors import StateTypeError
-from cas_ckpt.repository import Repository
-from cas_ckpt.repository import open as open_repository
+from cas_ckpt.repository import RepoOrPath
+from cas_ckpt.repository import ensure_open as open_repo
 from cas_ckpt.tree import MAX_DEPTH, is_tensor, join_path
 
-__all__ = ["open_repo", "plain"]
-
-RepoOrPath = Repository | str | os.PathLike[str]
-
-
-def open_repo(repo_or_path: RepoOrPath) -> tuple[Repository, bool]:
-    """The repository, and whether this call opened it (then its user closes it)."""
-    if isinstance(repo_or_path, Repository):
-        return repo_or_path, False
-    if isinstance(repo_or_path, (str, os.PathLike)):
-        return open_repository(repo_or_path), True
-    raise TypeError(f"expected a cas_ckpt.Repository or a path, not {type(repo_or_path).__name__}")
+__all__ = ["RepoOrPath", "open_repo", "plain"]
 
 
 _SCALARS = (type(None), bool, int, float, str, bytes)

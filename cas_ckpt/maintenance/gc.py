@@ -2,9 +2,12 @@
 
 Refs and pins are strong roots: a block missing below one is damage, and GC refuses to sweep.
 Reflog entries younger than the expiry (default 30 days, as git keeps unreachable entries) are weak
-roots: GC keeps what they still reach, and a part an earlier GC removed is an expired record. A
+roots, both what an entry set and what it replaced (a deletion entry names what the deleted ref
+held): GC keeps what they still reach, and a part an earlier GC removed is an expired record. A
 ``CheckpointManager`` collecting after its retention expires its own refs' reflogs only
 (``expire_reflogs``): its policy decides what its run keeps, never what another ref's history names.
+The reflog of a deleted ref is dropped once it roots nothing: every entry past the expiry, or its
+ref governed by ``expire_reflogs``.
 
 Safety with concurrent saves rests on two things (``docs/gc.md``):
 
@@ -17,6 +20,7 @@ Safety with concurrent saves rests on two things (``docs/gc.md``):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -53,6 +57,7 @@ class GCReport:
     held_blocks: int = 0
     held_bytes: int = 0
     min_grace: float = 0.0
+    reflogs_dropped: int = 0  # of deleted refs, rooting nothing any more
 
 
 DEFAULT_REFLOG_EXPIRY = 30 * 86400.0
@@ -96,8 +101,10 @@ def root_entries(
             if governs(expire_reflogs, name):
                 continue
             for entry in refs.reflog(name):
-                if entry.time >= cutoff and entry.new is not None:
-                    yield Root(entry.new, name, "reflog")
+                if entry.time >= cutoff:  # the ref held both sides of it within the expiry
+                    for cid in (entry.old, entry.new):
+                        if cid is not None:
+                            yield Root(cid, name, "reflog")
 
 
 def roots(
@@ -117,6 +124,20 @@ def roots(
         if root.kind == "reflog" and root.cid not in strong:
             weak.setdefault(root.cid, f"reflog:{root.name}")
     return Roots(strong, weak)
+
+
+def drop_dead_reflogs(
+    refs: RefStore, *, reflog_expiry: float, expire_reflogs: Collection[str] = ()
+) -> int:
+    """Drop the reflogs of deleted refs that root nothing: every entry older than the expiry, or
+    the ref governed by ``expire_reflogs``. Returns how many were dropped."""
+    live = set(refs.names())
+    cutoff = time.time() - reflog_expiry if reflog_expiry > 0 else math.inf
+    dropped = 0
+    for name in refs.reflog_names():
+        if name not in live:
+            dropped += refs.drop_reflog(name, older_than=None if governs(expire_reflogs, name) else cutoff)
+    return dropped
 
 
 def governs(names: Collection[str], ref: str) -> bool:
@@ -195,6 +216,8 @@ def collect(
             dead, min_age=grace, before_unlink=refs.check_lease
         )
         report.temp_files_removed = blocks.clean_temp()
+        report.reflogs_dropped = drop_dead_reflogs(refs, reflog_expiry=reflog_expiry,
+                                                   expire_reflogs=expire)
         return report
 
 

@@ -177,7 +177,12 @@ class RefStore(ABC):
         return self._swap(name, lambda cur: cur is None, new, message)
 
     def remove_if_equals(self, name: str, old: bytes | None, *, message: str = "") -> bool:
-        """Delete ``name`` if it holds ``old`` (``None``: whatever it holds); False otherwise."""
+        """Delete ``name`` if it holds ``old`` (``None``: whatever it holds); False otherwise.
+
+        The reflog stays, ending in a deletion entry (``new`` None, ``old`` what the ref held):
+        GC keeps what it names for the reflog expiry, and the ref can be restored from it. A ref
+        created again under the name continues the same reflog.
+        """
         check_ref_name(name)
 
         def check(cur: bytes | None) -> bool:
@@ -201,6 +206,12 @@ class RefStore(ABC):
     @abstractmethod
     def reflog_names(self) -> list[str]:
         """Names that have a reflog (including deleted refs)."""
+
+    @abstractmethod
+    def drop_reflog(self, name: str, *, older_than: float | None = None) -> bool:
+        """Remove the reflog of ``name`` if no ref of that name exists, and (``older_than``, a
+        Unix time) only if every entry is older; True if it was removed. Atomic with respect to
+        updates of the ref: a ref created meanwhile keeps its reflog."""
 
     @abstractmethod
     def pins(self) -> set[bytes]: ...

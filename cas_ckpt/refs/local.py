@@ -93,11 +93,12 @@ class LocalRefStore(RefStore):
             current = self._read(path)
             if not check(current):
                 return False
+            entry = ReflogEntry(current, new, time.time(), message)
             if new is None:
-                self._delete(path, log)
+                self._delete(path, log, entry)
             else:
                 self._make_parents(name, path, log)
-                self._append_log(log, ReflogEntry(current, new, time.time(), message))
+                self._append_log(log, entry)
                 _fs.atomic_write(path, (cidlib.to_str(new) + "\n").encode("ascii"))
         return True
 
@@ -111,24 +112,32 @@ class LocalRefStore(RefStore):
                 raise RefLocked(name, str(lock), holder)
             yield
 
-    def _delete(self, path: Path, log: Path) -> None:
-        # As git does: a deleted ref takes its reflog along (step refs come and go often). The
-        # reflog goes first, durably: a ref left without a reflog is fine, a reflog naming a
-        # checkpoint for a ref that is gone is what fsck reports as a lost ref.
-        try:
-            log.unlink()
-            _fs.fsync_dir(log.parent)
-        except FileNotFoundError:
-            pass
-        except IsADirectoryError:
-            raise CorruptStore(log, "is a directory, not the reflog of the ref") from None
+    def _delete(self, path: Path, log: Path, entry: ReflogEntry) -> None:
+        # Unlike git, the reflog stays, its deletion entry first and durable: it is the deleted
+        # ref's safety net (a GC root for the expiry, what a restore reads). A crash in between
+        # leaves the ref at the value the entry calls old, which fsck accepts.
+        self._append_log(log, entry)
         path.unlink()
         _fs.fsync_dir(path.parent)
         self._prune(path.parent, self.refs_dir)
-        self._prune(log.parent, self.logs_dir)
+
+    def drop_reflog(self, name: str, *, older_than: float | None = None) -> bool:
+        path = self._path(self.refs_dir, name)
+        log = self._path(self.logs_dir, name)
+        with self._ref_lock(name):
+            if self._read(path) is not None:
+                return False
+            entries = self.reflog(name)
+            if not entries or (older_than is not None and max(e.time for e in entries) >= older_than):
+                return False
+            log.unlink()
+            _fs.fsync_dir(log.parent)
+            self._prune(log.parent, self.logs_dir)
+        return True
 
     def _make_parents(self, name: str, path: Path, log: Path) -> None:
-        """Create the ref's and its reflog's directories; a ref cannot sit above or below another."""
+        """Create the ref's and its reflog's directories; a ref cannot sit above or below another,
+        nor above or below a deleted ref whose reflog is kept (a file where a directory must go)."""
         _check_dir(self.refs_dir)
         _check_dir(self.logs_dir)
         if path.is_dir():
@@ -138,6 +147,14 @@ class LocalRefStore(RefStore):
         for parent in path.relative_to(self.refs_dir).parents:
             if parent != Path(".") and (self.refs_dir / parent).is_file():
                 raise InvalidRefName(name, f"clashes with the existing ref {parent.as_posix()!r}")
+        if log.is_dir():
+            kept = self._walk(log)
+            if kept:
+                raise InvalidRefName(name, _kept_reflog(f"{name}/{kept[0]}"))
+            self._vacate(log, "the reflog")
+        for parent in log.relative_to(self.logs_dir).parents:
+            if parent != Path(".") and (self.logs_dir / parent).is_file():
+                raise InvalidRefName(name, _kept_reflog(parent.as_posix()))
         try:
             _fs.makedirs(path.parent)
             _fs.makedirs(log.parent)
@@ -398,6 +415,12 @@ def _replace_lease(path: Path) -> int:
             temp.unlink()
         raise
     return fd
+
+
+def _kept_reflog(deleted: str) -> str:
+    return (f"clashes with the kept reflog of the deleted ref {deleted!r} (a file where this name "
+            f"needs a directory): restore that ref (cas-ckpt ref restore {deleted}) or drop its "
+            f"reflog (cas-ckpt reflog --drop {deleted}); GC drops it once it is past the expiry")
 
 
 def _parse_reflog(fd: int, path: Path) -> list[ReflogEntry]:

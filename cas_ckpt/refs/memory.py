@@ -40,14 +40,13 @@ class MemoryRefStore(RefStore):
             current = self._refs.get(name)
             if not check(current):
                 return False
-            if new is None:
-                self._refs.pop(name, None)
-                self._logs.pop(name, None)
-                return True
-            if current is None:
+            if current is None and new is not None:
                 check_clash(name, self._refs)
             self._logs.setdefault(name, []).append(ReflogEntry(current, new, time.time(), message))
-            self._refs[name] = new
+            if new is None:
+                del self._refs[name]
+            else:
+                self._refs[name] = new
             return True
 
     def names(self, prefix: str = "") -> list[str]:
@@ -61,6 +60,16 @@ class MemoryRefStore(RefStore):
 
     def reflog_names(self) -> list[str]:
         return sorted(self._logs)
+
+    def drop_reflog(self, name: str, *, older_than: float | None = None) -> bool:
+        with self._mutex:
+            entries = self._logs.get(check_ref_name(name))
+            if name in self._refs or not entries:
+                return False
+            if older_than is not None and max(e.time for e in entries) >= older_than:
+                return False
+            del self._logs[name]
+            return True
 
     def pins(self) -> set[bytes]:
         return set(self._pins)

@@ -187,21 +187,34 @@ class S3RefStore(RefStore):
             head = self._head(name)
             if not check(head.cid if head else None):
                 return False
-            moved = self._delete(name, head) if new is None else self._update(name, head, new, message)
+            if new is None:
+                moved = self._delete(name, head, message)
+            else:
+                moved = self._update(name, head, new, message)
             if moved:
                 return True
             time.sleep(backoff(attempt) / 10)  # lost a race: read again, the check decides
         raise RepositoryError(f"ref {name!r} changed under each of {MAX_TRIES} attempts to update it")
 
+    def _write_entry(self, name: str, prev: str | None, entry: ReflogEntry) -> str:
+        """Write a reflog entry after ``prev``; return its id."""
+        seq = max(_seq(prev) + 1, time.time_ns() // 1000)
+        entry_id = f"{seq:020d}-{uuid.uuid4().hex}"
+        record = json.loads(entry.to_json())
+        record["prev"] = prev
+        self.bucket.put(f"logs/{name}/{entry_id}.json", json.dumps(record).encode("ascii"), create=True)
+        return entry_id
+
     def _update(self, name: str, head: _Head | None, new: bytes, message: str) -> bool:
         if head is None:
             self._check_clash(name)
-        seq = max(_seq(head.entry if head else None) + 1, time.time_ns() // 1000)
-        entry_id = f"{seq:020d}-{uuid.uuid4().hex}"
-        record = json.loads(ReflogEntry(head.cid if head else None, new, time.time(), message).to_json())
-        record["prev"] = head.entry if head else None
+            deleted = self._deletion(name)  # a ref created again continues its reflog
+            prev = deleted[1] if deleted else None
+        else:
+            prev = head.entry
+        entry = ReflogEntry(head.cid if head else None, new, time.time(), message)
+        entry_id = self._write_entry(name, prev, entry)
         log_key = f"logs/{name}/{entry_id}.json"
-        self.bucket.put(log_key, json.dumps(record).encode("ascii"), create=True)
         value = f"{cidlib.to_str(new)}\n{entry_id}\n".encode("ascii")
         key = f"refs/{name}"
         if head is None:
@@ -235,15 +248,43 @@ class S3RefStore(RefStore):
             current = found[1]
         return False
 
-    def _delete(self, name: str, head: _Head | None) -> bool:
+    def _delete(self, name: str, head: _Head | None, message: str) -> bool:
+        """The deletion entry first, then a DELETE with If-Match: the reflog stays, ending in it
+        (the chain of a deleted ref starts at its newest deletion entry)."""
         assert head is not None  # check() refuses an absent ref
-        if not self.bucket.delete(f"refs/{name}", match=head.etag):
+        entry_id = self._write_entry(name, head.entry, ReflogEntry(head.cid, None, time.time(), message))
+        if self.bucket.delete(f"refs/{name}", match=head.etag):
+            return True
+        self.bucket.delete(f"logs/{name}/{entry_id}.json")  # lost the race: it records nothing
+        return False
+
+    def _deletion(self, name: str) -> tuple[ReflogEntry, str] | None:
+        """The newest deletion entry of ``name`` (what a deleted ref's reflog chain starts at)
+        and its id; None if it has none."""
+        keys = sorted((m.key for m in self._entries(name)), key=lambda k: _seq(_entry_id(k)), reverse=True)
+        for key in keys:
+            found = self._record(key)
+            if isinstance(found, CorruptStore):
+                raise found
+            if found is not None and found[0].new is None:
+                return found[0], _entry_id(key)
+        return None
+
+    def drop_reflog(self, name: str, *, older_than: float | None = None) -> bool:
+        """Delete every entry of an absent ref (entries of a ref created meanwhile, newer than the
+        deletion, are left: a creation's link into a dropped history is not followed)."""
+        self._name(name)
+        if self._head(name) is not None:
             return False
-        # As git does, the reflog goes with the ref: the entries up to the one deleted (newer ones
-        # belong to a ref re-created meanwhile). A crash here leaves entries no chain reaches.
-        last = _seq(head.entry) if head.entry else None
-        doomed = [m.key for m in self._entries(name) if last is None or _seq(_entry_id(m.key)) <= last]
-        self.bucket.delete_many(doomed)
+        deleted = self._deletion(name)
+        last = _seq(deleted[1]) if deleted else None
+        keys = [m.key for m in self._entries(name) if last is None or _seq(_entry_id(m.key)) <= last]
+        # The chain; without a deletion, entries no chain reaches (updates a crash cut short).
+        entries = self.reflog(name) if deleted else [
+            found[0] for found in self.bucket.pool.map(self._record, keys) if isinstance(found, tuple)]
+        if not keys or (older_than is not None and max((e.time for e in entries), default=0) >= older_than):
+            return False
+        self.bucket.delete_many(keys)
         return True
 
     def _check_clash(self, name: str) -> None:
@@ -271,35 +312,47 @@ class S3RefStore(RefStore):
         return [m for m in self.bucket.list(f"logs/{name}/", delimiter="/") if m.key.endswith(".json")]
 
     def reflog(self, name: str) -> list[ReflogEntry]:
-        """The chain of entries from the one the ref names back, oldest first.
+        """The chain of entries from the one the ref names back (for a deleted ref: from its
+        newest deletion entry), oldest first.
 
         Entries are listed, then read: meanwhile a writer that lost a race may delete its entry
-        (never part of the chain), and a delete of the ref removes the chain itself. So an entry
-        that vanished is damage only if the chain needs it and the ref did not move meanwhile.
+        (never part of the chain), and GC may drop a deleted ref's reflog. So an entry that
+        vanished is damage only if the chain needs it and the ref did not change meanwhile.
         """
-        head = self._head(self._name(name))
+        self._name(name)
         for _ in range(REFLOG_TRIES):
-            if head is None or head.entry is None:
+            head, start = self._start(name)
+            if start is None:
                 return []
-            chain, missing = self._chain(name, head)
+            chain, missing = self._chain(name, start)
             if missing is None:
                 return chain
-            again = self._head(name)
-            if again == head:
+            if self._start(name) == (head, start):
                 why = f"reflog entry missing from the chain of refs/{name}"
                 raise CorruptStore(self._where(missing), why)
-            head = again  # the ref moved while we read: read the chain of its new value
+            # the ref changed while we read: read the chain of its new value
         raise RepositoryError(f"ref {name!r} changed under each of {REFLOG_TRIES} reads of its reflog")
 
-    def _chain(self, name: str, head: _Head) -> tuple[list[ReflogEntry], str | None]:
-        """The chain from ``head`` back (oldest first), or the key of the first entry it lacks."""
-        keys = [m.key for m in self._entries(name) if _seq(_entry_id(m.key)) <= _seq(head.entry)]
+    def _start(self, name: str) -> tuple[_Head | None, str | None]:
+        """The ref as read, and the entry its reflog chain starts at."""
+        head = self._head(name)
+        if head is not None:
+            return head, head.entry
+        deleted = self._deletion(name)
+        return None, deleted[1] if deleted else None
+
+    def _chain(self, name: str, start: str) -> tuple[list[ReflogEntry], str | None]:
+        """The chain from entry ``start`` back (oldest first), or the key of the first entry it
+        lacks."""
+        keys = [m.key for m in self._entries(name) if _seq(_entry_id(m.key)) <= _seq(start)]
         records = dict(zip(map(_entry_id, keys), self.bucket.pool.map(self._record, keys), strict=True))
         chain: list[ReflogEntry] = []
-        current = head.entry
+        current = start
         while current is not None:
             record = records.get(current)
             if record is None:
+                if chain and chain[-1].old is None:
+                    break  # a creation's link into the history of a deleted ref, since dropped
                 return [], f"logs/{name}/{current}.json"
             if isinstance(record, CorruptStore):
                 raise record  # a damaged entry is reported only when the chain needs it

@@ -3,8 +3,9 @@
 ``_ref_child.py saver REPO GO NAME COUNT``: COUNT saves to ``main`` through ``cas_ckpt.open``
 (each a compare-and-swap from the head it read; RefConflict retried); prints ``saved CID`` for each.
 
-``_ref_child.py churn ROOT GO REF ROUNDS``: creates and deletes REF with a ``LocalRefStore``, ROUNDS
-times; after each create, the ref and its one-line reflog must read back. Prints the rounds done.
+``_ref_child.py churn ROOT GO REF ROUNDS``: creates and deletes REF with a ``LocalRefStore``, then
+drops its reflog, ROUNDS times; after each create, the ref and its one-line reflog must read back,
+and after each delete the reflog must end in the deletion. Prints the rounds done.
 
 ``_ref_child.py s3writer URL GO K COUNT``: COUNT unconditional sets of ``main`` in an S3 ref store,
 each to a CID of its own (compare-and-swap retried inside the store, losers removing their reflog
@@ -54,6 +55,9 @@ def churn(root: str, go: str, ref: str, count: int) -> None:
         log = store.reflog(ref)
         assert [(e.old, e.new) for e in log] == [(None, value)], f"{ref}: reflog is {log}"
         assert store.remove_if_equals(ref, value, message="delete"), f"{ref} vanished"
+        log = store.reflog(ref)
+        assert [(e.old, e.new) for e in log] == [(None, value), (value, None)], f"{ref}: reflog is {log}"
+        assert store.drop_reflog(ref), f"{ref}: its reflog was not dropped"
         rounds += 1
     print(rounds)
 

@@ -115,3 +115,51 @@ def test_a_killed_push_resumes_sending_only_what_is_missing(
         _check_remote(where, {digest(second)})
     assert kills >= 2
     record("push_kill", **{f"{medium}_kills": kills})
+
+
+def _clone_source(path: Path) -> tuple[dict[str, object], list[object]]:
+    """A repository of many refs (a managed run's steps, plain refs) and two pins."""
+    with cas_ckpt.open(path) as repo:
+        with cas_ckpt.CheckpointManager(repo, "runs/a") as manager:
+            for step in range(1, 16):
+                manager.save(step, {"w": np.full(2048, step, np.float32)})
+        for i in range(12):
+            repo.save({"i": i, "w": np.full(1024, i, np.float64)}, ref=f"plain/r{i:02d}")
+        pins = [repo.pin(repo.save({"pinned": i, "w": np.full(4096, -i)}, ref="scratch")) for i in (1, 2)]
+        repo.delete_ref("scratch")
+        return dict(repo.refs()), pins
+
+
+@pytest.mark.parametrize(("medium", "refs_done"), [("local", 0), ("local", 1), ("local", 17), ("s3", 9)])
+def test_a_clone_killed_in_its_ref_phase_is_run_again(
+    medium: str, refs_done: int, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """kill -9 of a clone whose refs are partly moved: the pins are all there (a GC there keeps
+    the pinned checkpoints), no ref names a missing block, and running the clone again completes
+    it (it refused: "already holds refs or pins")."""
+    where = request.getfixturevalue("s3_url") if medium == "s3" else str(tmp_path / "dst")
+    src = tmp_path / "src"
+    refs, pins = _clone_source(src)
+    proc = subprocess.Popen([PYTHON, str(HERE / "_clone_child.py"), str(src), where, str(refs_done)],
+                            env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == f"refs {refs_done}\n"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    # On S3 the killed clone's save lease stays until it is judged stale: quickly, here.
+    options = {"storage_options": {"min_grace": 0.0, "lease_timeout": 2.0}} if medium == "s3" else {}
+    with cas_ckpt.open(where, **options) as left:
+        assert len(left.refs()) == refs_done and set(left.pins()) == set(pins)
+        assert left.fsck().problems == []
+        left.gc()  # a GC on what the kill left keeps the pinned checkpoints
+        assert sorted(left.load(pin)["pinned"] for pin in pins) == [1, 2]
+    with cas_ckpt.clone(src, where) as again:
+        assert again.refs() == refs and set(again.pins()) == set(pins)
+        assert again.last_transfer is not None and again.last_transfer.blocks_skipped > 0
+        assert again.fsck().problems == []
+    with cas_ckpt.clone(src, where) as done:  # a finished clone run again: nothing to do
+        assert done.last_transfer is not None and done.last_transfer.up_to_date
+    record("clone_kill", **{f"{medium}_ref_phase_kills_after_{refs_done}_refs": 1})

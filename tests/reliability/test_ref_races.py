@@ -107,8 +107,8 @@ def test_savers_in_separate_pid_namespaces_lose_no_commit(tmp_path: Path) -> Non
 
 def test_create_and_delete_in_one_directory_race_cleanly(tmp_path: Path) -> None:
     """``runs/a``, ``runs/b`` and ``runs/deep/c`` created and deleted by three processes, each
-    delete pruning ``runs/`` (and the same under ``logs/``) when it empties: no error, no ref
-    without its reflog, nothing left."""
+    delete pruning ``runs/`` when it empties (and each drop of the deleted ref's reflog the same
+    under ``logs/``): no error, no ref without its reflog, nothing left."""
     root, go = tmp_path / "repo", tmp_path / "go"
     store = cas_ckpt.refs.LocalRefStore(root)
     store.ensure_dirs()
