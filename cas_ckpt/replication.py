@@ -14,8 +14,9 @@ repository's write order, on the destination:
 2. the batch commits: every block is durable there;
 3. only then are the transfer's pins set (a clone's, a pinned fetch's), and then each
    destination ref moves, by compare-and-swap from the value it held when the transfer started.
-   A ref that moved meanwhile is a :class:`RefConflict`; one that holds a commit the source's history does not contain is a
-   :class:`RefDiverged`, raised before anything is sent, unless ``force``.
+   A ref that moved meanwhile is a :class:`RefConflict`; one that holds a commit the source's
+   history does not contain is a :class:`RefDiverged`, raised before anything is sent, unless
+   ``force``.
 
 Packs the writer published before a crash stay on the destination, unreferenced: a re-run finds
 their blocks in the index and sends only what is still missing. Nothing half-sent is referenced.

@@ -184,8 +184,11 @@ def test_du(run: Any, repo_dir: Path) -> None:
     assert [line.split()[0] for line in lines[1:]] == ["main", "other", "total:"]
     with api(repo_dir) as repo:
         repo.delete_ref("other")
-        freeable = repo.gc(dry_run=True).unreachable_bytes
-    assert freeable > 0 and run("du", "--json").json()["gc_would_free_bytes"] == freeable
+        assert repo.gc(dry_run=True).unreachable_bytes == 0  # its reflog keeps it for 30 days
+        freeable = repo.gc(dry_run=True, reflog_expiry=0).unreachable_bytes
+    assert run("du", "--json").json()["gc_would_free_bytes"] == 0
+    expired = run("du", "--json", "--reflog-expiry", "0").json()
+    assert freeable > 0 and expired["gc_would_free_bytes"] == freeable
 
 
 def test_diff(run: Any, repo_dir: Path) -> None:

@@ -420,7 +420,9 @@ def test_a_deleted_ref_keeps_its_checkpoint_through_gc_and_comes_back(repo: cas_
     repo.delete_ref("runs/important")
     report = repo.gc(reflog_expiry=0)  # only now: what refs and pins reach, deleted reflogs dropped
     assert report.blocks_freed > 0 and report.reflogs_dropped == 1
-    assert repo.reflog("runs/important") == [] and not repo.blocks.has(cidlib.to_bytes(held))
+    assert repo.refs_store.reflog("runs/important") == [] and not repo.blocks.has(cidlib.to_bytes(held))
+    with pytest.raises(cas_ckpt.errors.RefNotFound):  # neither the ref nor a reflog of it now
+        repo.reflog("runs/important")
     with pytest.raises(cas_ckpt.errors.RefNotFound):
         repo.restore_ref("runs/important")
 

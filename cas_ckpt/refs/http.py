@@ -90,6 +90,9 @@ class HttpRefStore(RefStore):
     def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
         self._refuse()
 
+    def drop_reflog(self, name: str, *, older_than: float | None = None) -> bool:
+        self._refuse()
+
     def pin(self, cid: bytes) -> None:
         self._refuse()
 
