@@ -113,12 +113,13 @@ class BlockWriter(ABC):
             if self.closed:
                 raise RepositoryError("block writer is already closed")
             stats, pending = self.stats, self._pending
-            if self._all_stored([cid for cid, _, _ in blocks]):  # an unchanged re-save
+            cids = [cid for cid, _, _ in blocks]
+            if self._all_stored(cids):  # an unchanged re-save
                 stats.blocks_reused += len(blocks)
                 stats.bytes_reused += sum(data.nbytes for _, data, _ in blocks)
                 return 0
-            for cid, data, stored in blocks:
-                if cid in pending or self._stored(cid):
+            for (cid, data, stored), known in zip(blocks, self._stored_many(cids), strict=True):
+                if cid in pending or known:
                     stats.blocks_reused += 1
                     stats.bytes_reused += data.nbytes
                     continue
@@ -147,6 +148,10 @@ class BlockWriter(ABC):
         """Whether :meth:`_stored` holds for every one of ``cids`` (False may be a guess: the
         caller then asks block by block)."""
         return all(map(self._stored, cids))
+
+    def _stored_many(self, cids: list[bytes]) -> list[bool]:
+        """:meth:`_stored` of each of ``cids``."""
+        return [self._stored(cid) for cid in cids]
 
     @abstractmethod
     def _append(self, cid: bytes, stored: Stored, size: int, keep: bool = False) -> None:

@@ -19,10 +19,12 @@ import errno
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt._memory import cyclic_gc_paused
@@ -32,6 +34,7 @@ from cas_ckpt.backends.memory import MemoryBackend
 from cas_ckpt.backends.s3 import DEFAULT_GRACE, PART_SIZE, READ_SIZE, S3Backend, S3Bucket
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
 from cas_ckpt.blocks.compression import CODEC_NONE, Compressor, decode, decode_into
+from cas_ckpt.blocks.index import LOCATION_DTYPE, BlockIndex
 from cas_ckpt.blocks.pack import (
     FOOTER,
     INDEX_READ,
@@ -54,7 +57,6 @@ from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, Repositor
 REPACK_READ = 16 * 1024 * 1024  # the most GC reads at once when copying live blocks
 SPACE_MARGIN = 1024 * 1024  # GC merges only with this much room left over (indexes, metadata)
 _MAX_MOVES = 16  # a block whose pack GC compacts again and again under a read is followed this often
-_Loc = tuple[str, int, int, int, int]  # a Location's fields
 
 
 class PackWriter(BlockWriter):
@@ -76,7 +78,7 @@ class PackWriter(BlockWriter):
         self._compressor = Compressor(compression)
         self.version = 2 if self._compressor.enabled else version
         self._sink: Sink | None = None
-        self._entries: list[EntryFields] = []  # plain tuples: see PackedBlockStore._index
+        self._entries: list[EntryFields] = []  # plain tuples, as the pack index takes them
         self._offset = 0
         self._sealed: list[Future[tuple[ObjectInfo, list[EntryFields]]]] = []
         self.published: list[str] = []
@@ -88,6 +90,11 @@ class PackWriter(BlockWriter):
 
     def _all_stored(self, cids: list[bytes]) -> bool:
         return not self.verify_existing and self._packed._has_all(cids)
+
+    def _stored_many(self, cids: list[bytes]) -> list[bool]:
+        if self.verify_existing:
+            return [self._stored(cid) for cid in cids]
+        return self._packed._has_many(cids)
 
     @property
     def compresses(self) -> bool:
@@ -195,14 +202,8 @@ class PackedBlockStore(BlockStore):
         self.pack_size = pack_size or backend.pack_size
         self._lock = threading.RLock()
         self._refresh_lock = threading.Lock()
-        # Every known block is in these (a repository may hold millions), as plain tuples of a
-        # Location's and an Entry's fields: the cyclic GC stops tracking a tuple of atomic values,
-        # never a NamedTuple, and every full collection of the process walked those.
-        self._index: dict[bytes, _Loc] = {}  # the copy reads try first
-        self._extra: dict[bytes, list[_Loc]] = {}  # further copies (blocks stored twice)
-        self._packs: dict[str, list[EntryFields]] = {}
+        self._blocks = BlockIndex()  # every copy of every block: fixed-width rows, no object each
         self._info: dict[str, ObjectInfo] = {}
-        self._bad: set[Location] = set()  # copies that failed their hash in this process
         self.corrupt_packs: dict[str, str] = {}  # packs whose index cannot be read, and why
         self._publisher_pool: ThreadPoolExecutor | None = None
         self.refresh()
@@ -216,7 +217,7 @@ class PackedBlockStore(BlockStore):
         looks up every pack's size and age again (GC, which spares young packs, asks for it)."""
         with self._refresh_lock:
             with self._lock:
-                known = self._packs.keys() | self.corrupt_packs.keys()
+                known = self._blocks.ids.keys() | self.corrupt_packs.keys()
             if full:
                 listing = {info.name: info for info in self.backend.list() if info.name.endswith(SUFFIX)}
                 names = set(listing)
@@ -224,19 +225,19 @@ class PackedBlockStore(BlockStore):
             else:
                 names, changes = self.backend.list_changes(known)
                 infos = sorted((i for i in changes if i.name.endswith(SUFFIX)), key=lambda i: i.name)
+            self._drop_packs(known - names)
             with self._lock:
-                for gone in known - names:
-                    self._drop_pack(gone)
-                    self.corrupt_packs.pop(gone, None)
                 if full:
-                    self._info.update((name, info) for name, info in listing.items() if name in self._packs)
+                    self._info.update((name, info) for name, info in listing.items() if name in self._blocks)
+            found = []
             with cyclic_gc_paused():  # a few objects per block: see _memory
                 for info, result in zip(infos, self._read_indexes(infos), strict=True):
                     if isinstance(result, str):
                         with self._lock:
                             self.corrupt_packs[info.name] = result
                     elif result is not None:
-                        self._add_pack(info, result)
+                        found.append((info, result))
+                self._add_packs(found)
 
     def _read_indexes(self, infos: list[ObjectInfo]) -> list[list[Entry] | str | None]:
         """Each pack's entries, read from its end; a reason if damaged; None if it is gone."""
@@ -275,56 +276,26 @@ class PackedBlockStore(BlockStore):
             return parse_index(longer, info.size, where, version)
         return parse_index(bytes(tail), info.size, where, version)
 
-    def _add_pack(self, info: ObjectInfo, entries: Sequence[EntryFields]) -> None:
+    def _add_packs(self, packs: Sequence[tuple[ObjectInfo, Sequence[EntryFields]]]) -> None:
         with self._lock:
-            if info.name in self._packs:
-                return
-            name = info.name
-            self._packs[name] = list(entries)
-            self._info[name] = info
-            if not entries:
-                return
-            cids, *fields = zip(*entries, strict=True)
-            locs = list(zip(itertools.repeat(name), *fields, strict=False))
-            if self._index.keys().isdisjoint(cids) and len(set(cids)) == len(cids):
-                self._index.update(zip(cids, locs, strict=True))  # new blocks only: no loop
-                return
-            for cid, loc in zip(cids, locs, strict=True):
-                if self._index.setdefault(cid, loc) is not loc:
-                    self._extra.setdefault(cid, []).append(loc)
+            self._blocks.add_packs((info.name, entries) for info, entries in packs)
+            self._info.update((info.name, info) for info, _ in packs)
 
-    def _add_packs(self, packs: list[tuple[ObjectInfo, list[EntryFields]]]) -> None:
-        for info, entries in packs:
-            self._add_pack(info, entries)
-
-    def _drop_pack(self, name: str) -> None:
-        """Forget a pack that left the medium; its blocks stay readable from their other copies."""
+    def _drop_packs(self, names: Collection[str]) -> None:
+        """Forget packs that left the medium; their blocks stay readable from their other copies."""
+        if not names:
+            return
         with self._lock:
-            entries = self._packs.pop(name, None) or []
-            self._info.pop(name, None)
-            for cid, offset, length, codec, size in entries:
-                loc = (name, offset, length, codec, size)
-                self._bad.discard(loc)  # type: ignore[arg-type]  # a tuple equals its Location
-                others = self._extra.get(cid)
-                if self._index.get(cid) == loc:
-                    if others:
-                        self._index[cid] = others.pop(0)
-                    else:
-                        del self._index[cid]
-                elif others and loc in others:
-                    others.remove(loc)
-                if others is not None and not others:
-                    del self._extra[cid]
-        self.backend.forget(name)
+            self._blocks.drop(names)
+            for name in names:
+                self._info.pop(name, None)
+                self.corrupt_packs.pop(name, None)
+        for name in names:
+            self.backend.forget(name)
 
     def _copies(self, cid: bytes) -> list[Location]:
         """Every known copy of ``cid``, the ones not known to be damaged first."""
-        with self._lock:
-            first = self._index.get(cid)
-            if first is None:
-                return []
-            copies = [Location._make(first), *map(Location._make, self._extra.get(cid, ()))]
-        return sorted(copies, key=lambda loc: loc in self._bad) if self._bad else copies
+        return self._blocks.copies(cid)
 
     def _locate(self, cid: bytes) -> list[Location]:
         copies = self._copies(cid)
@@ -335,19 +306,16 @@ class PackedBlockStore(BlockStore):
 
     def _mark_bad(self, cid: bytes, loc: Location) -> None:
         with self._lock:
-            self._bad.add(loc)
+            self._blocks.bad.add(loc)
 
     def _prefer(self, cid: bytes, loc: Location) -> None:
         """Make ``loc`` the copy reads try first (a good copy found behind a damaged one)."""
-        if cid not in self._extra:
-            return  # one copy: the usual case, no lock taken
+        if not self._blocks.bad and not self._blocks._first:
+            return  # no copy was ever found damaged: the usual case, no lock taken
         with self._lock:
-            first = self._index.get(cid)
-            others = self._extra.get(cid)
-            if first is None or first == loc or not others or loc not in others:
-                return
-            others[others.index(loc)] = first
-            self._index[cid] = tuple(loc)  # type: ignore[assignment]
+            copies = self._blocks.copies(cid)
+            if copies and copies[0] != loc and loc in copies:
+                self._blocks.prefer(cid, loc)
 
     def damaged(self) -> dict[str, str]:
         with self._lock:
@@ -360,10 +328,10 @@ class PackedBlockStore(BlockStore):
         return f" (the repository has {len(self.corrupt_packs)} damaged pack(s) that may hold it: {names})"
 
     def packs(self) -> dict[str, list[Entry]]:
-        """Each pack's entries (binary CID, offset, stored length, codec, raw length)."""
+        """Each pack's entries (binary CID, offset, stored length, codec, raw length), by offset."""
         self.refresh()
         with self._lock:
-            return {name: list(map(Entry._make, entries)) for name, entries in self._packs.items()}
+            return self._blocks.entries()
 
     def locate(self, cid: bytes) -> tuple[str, int, int]:
         """Where the copy reads use lies: the pack (its path or URL), offset and stored length."""
@@ -399,8 +367,9 @@ class PackedBlockStore(BlockStore):
                     damage.append(str(exc))
                     continue
                 if data is None:
+                    self._drop_packs([loc.pack])  # gone (GC or upkeep rewrote it): look again
                     damage = []
-                    break  # the pack went away (GC rewrote it): look again
+                    break
                 self._prefer(cid, loc)
                 return data
             if damage:
@@ -559,40 +528,39 @@ class PackedBlockStore(BlockStore):
         cannot map."""
         if not self.backend.can_mmap or not cids:
             return None
-        # The copy reads try first; with none known damaged, that is the index's, looked up
-        # without the lock (a batch of small arrays maps thousands of blocks per load).
-        found = None if self._bad else list(map(self._index.get, cids))
-        if found is None or None in found:
+        # The copy reads try first; with none known damaged, found for all in a few array
+        # operations (a batch of small arrays maps thousands of blocks per load).
+        located = self._blocks.locate_many(cids)
+        if located is None:
             copies = [self._locate(c) for c in cids]
             if not all(copies):
                 return None
-            found = [c[0] for c in copies]
-        if sizes is not None and [loc[2] for loc in found] != sizes:
+            names = sorted({c[0].pack for c in copies})
+            number = {name: i for i, name in enumerate(names)}
+            rows = np.array([(number[c[0].pack], *c[0][1:]) for c in copies], LOCATION_DTYPE)
+        else:
+            rows, names = located
+        if rows["codec"].any():
+            return None  # mapped loads apply to raw blocks only
+        lengths = rows["length"].astype(np.int64)
+        if sizes is not None and not np.array_equal(lengths, sizes):
             return None
-        runs = []
-        pack, start, end, count = found[0][0], found[0][1], found[0][1], 0
-        for loc_pack, offset, length, codec, _size in found:
-            if codec != CODEC_NONE:
-                return None  # mapped loads apply to raw blocks only
-            if loc_pack != pack or offset != end:
-                runs.append((pack, start, end, count))
-                pack, start, end, count = loc_pack, offset, offset, 0
-            end += length
-            count += 1
-        runs.append((pack, start, end, count))
-        return runs
+        packs, offsets = rows["pack"], rows["offset"].astype(np.int64)
+        cuts = np.flatnonzero((packs[1:] != packs[:-1]) | (offsets[1:] != offsets[:-1] + lengths[:-1])) + 1
+        starts = [0, *cuts.tolist()]
+        ends = [*cuts.tolist(), len(cids)]
+        return [(names[int(packs[a])], int(offsets[a]), int(offsets[b - 1] + lengths[b - 1]), b - a)
+                for a, b in zip(starts, ends, strict=True)]
 
     def _has(self, cid: bytes) -> bool:
-        loc = self._index.get(cid)
-        if loc is None:
-            return False
-        return not self._bad or any(c not in self._bad for c in self._copies(cid))
+        return self._blocks.has(cid)
 
     def _has_all(self, cids: list[bytes]) -> bool:
-        """:meth:`_has` of each, with no call per CID while no copy is known to be damaged."""
-        if self._bad:
-            return all(map(self._has, cids))
-        return all(map(self._index.__contains__, cids))
+        """:meth:`_has` of each, in a few array operations."""
+        return all(self._blocks.has_many(cids))
+
+    def _has_many(self, cids: list[bytes]) -> list[bool]:
+        return self._blocks.has_many(cids)
 
     def _intact(self, cid: bytes) -> bool:
         """Read every copy of ``cid``: True if one passes its hash (the others are marked)."""
@@ -614,7 +582,7 @@ class PackedBlockStore(BlockStore):
     def keys(self) -> Iterator[bytes]:
         self.refresh()
         with self._lock:
-            return iter(list(self._index))
+            return iter(self._blocks.cids())
 
     def check_copies(
         self, cids: list[bytes], *, progress: Callable[[int, int], None] | None = None
@@ -661,9 +629,7 @@ class PackedBlockStore(BlockStore):
                     sink.abort()
                 else:
                     sink.replace(name)  # the existing copy was damaged: ours takes its place
-                    with self._lock:
-                        self._drop_pack(name)
-                        self.corrupt_packs.pop(name, None)
+                    self._drop_packs([name])
         except BaseException:
             sink.abort()
             raise
@@ -716,8 +682,8 @@ class PackedBlockStore(BlockStore):
         self._check_writable()
         self.refresh(full=True)
         with self._lock:
-            packs = {name: (list(map(Entry._make, entries)), self._info[name].size, self._info[name].age)
-                     for name, entries in self._packs.items() if name in self._info}
+            packs = {name: (entries, self._info[name].size, self._info[name].age)
+                     for name, entries in self._blocks.entries().items() if name in self._info}
         plan = plan_sweep(packs, cids, max(min_age, self.backend.min_grace),
                           small_size=min(SMALL_PACK, self.pack_size // 2))
         dead = [name for name, live in plan.items() if not live]
@@ -727,7 +693,7 @@ class PackedBlockStore(BlockStore):
         removed = freed = 0
         for name in dead:
             self.backend.delete(name)
-            self._drop_pack(name)
+            self._drop_packs([name])
             removed, freed = removed + len(packs[name][0]), freed + packs[name][1]
         for batch in self._batches(merge):
             written, kept = self._repack(batch)
@@ -739,7 +705,7 @@ class PackedBlockStore(BlockStore):
                 if name in written or name in kept:
                     continue  # rewritten byte for byte (an identical pack), or holding the only copy
                 self.backend.delete(name)
-                self._drop_pack(name)
+                self._drop_packs([name])
                 removed += len(packs[name][0]) - len(batch[name])
                 freed += packs[name][1]
             with self._lock:  # what the new packs take (an identical rewrite was never deleted)
