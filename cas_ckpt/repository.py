@@ -63,7 +63,8 @@ from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter, cast_floats
 _log = logging.getLogger("cas_ckpt")
 
 FORMAT = "cas_ckpt"
-FORMAT_VERSION = 2  # 2: packs may hold compressed blocks (pack format version 2)
+FORMAT_VERSION = 3  # 2: packs may hold compressed blocks (pack format version 2); 3: index files
+# tell which packs exist (object storage: docs/format.md, "Index files")
 DEFAULT_COMPRESSION = "none"
 
 Target = CID | str | bytes
@@ -262,14 +263,20 @@ class Repository:
         """
         codec = self.config.compression if compression is None else check_setting(compression)
         with self._writing(), self.refs_store.lock(exclusive=False):
-            if codec != "none" and self.config.version < 2:
-                self._update_config(version=2)  # before any version 2 pack exists
+            self._ensure_format(codec)
             self.blocks.refresh()
             with self.blocks.writer(verify_existing=verify_existing, compression=codec) as writer:
                 txn = Transaction(self, writer)
                 yield txn
             for ref, old, new, message in txn.moves:
                 self._move_ref(ref, old, new, message)
+
+    def _ensure_format(self, codec: str = "none") -> None:
+        """Raise the config's format version to what the writes about to happen need, before
+        they happen (a version 2 pack, a first index file on object storage)."""
+        need = max(self.blocks.format_version, 2 if codec != "none" else 1)
+        if self.config.version < need:
+            self._update_config(version=need)
 
     def set_compression(self, compression: str) -> None:
         """Make ``compression`` the repository's setting (recorded in its config) for later saves.
@@ -604,6 +611,8 @@ class Repository:
         runs. See ``docs/gc.md``.
         """
         with contextlib.nullcontext() if dry_run else self._writing():
+            if not dry_run:
+                self._ensure_format()
             return gc_collect(
                 self.blocks, self.refs_store, grace=grace, reflog_expiry=reflog_expiry,
                 expire_reflogs=expire_reflogs, dry_run=dry_run, progress=progress,
@@ -868,7 +877,7 @@ def _check_config(config: dict[str, Any], location: str) -> _Config:
 
 MEMORY = "memory://"
 S3 = "s3://"
-_SKELETON = ("refs", "logs", "pins", "locks", "packs", "tmp")
+_SKELETON = ("refs", "logs", "pins", "locks", "packs", "index", "tmp")
 
 
 def _local_occupied(root: Path) -> str | None:

@@ -58,7 +58,7 @@ def test_a_table_finds_every_key_it_holds_and_no_other(digests: list[bytes]) -> 
         assert len(found) == keys.count(key)
     for probe in (b"\x00" * 32 + b"\x01", b"\xff" * 32 + b"\x01", hashlib.sha256(b"x").digest() + b"\x02"):
         assert (table.find(probe) >= 0) == (probe in held)
-    many = table.find_many(np.array(keys + [b"\xfe" * 33], dtype=index_module.KEY_DTYPE))
+    many = table.find_many(np.array([*keys, b"\xfe" * 33], dtype=index_module.KEY_DTYPE))
     assert (many[:-1] >= 0).all() and (many[-1] == -1 or b"\xfe" * 33 in held)
 
 

@@ -150,14 +150,19 @@ class LocalSink(Sink):
 
 
 class LocalBackend(Backend):
-    """Objects as files in ``<root>/packs``, sinks in ``<root>/tmp``."""
+    """Objects as files ``<root>/<folder>/*<suffix>`` (``packs/*.pack`` unless a sibling's),
+    sinks in ``<root>/tmp``."""
 
     can_mmap = True
 
-    def __init__(self, root: str | os.PathLike[str], *, read_only: bool = False) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, read_only: bool = False, folder: str = "packs",
+        suffix: str = SUFFIX,
+    ) -> None:
         super().__init__(read_only=read_only)
         self.root = Path(root)
-        self.pack_dir = self.root / "packs"
+        self.pack_dir = self.root / folder  # the folder of this backend's objects
+        self.suffix = suffix
         self.tmp_dir = self.root / "tmp"
         if not read_only:
             _fs.makedirs(_fs.refuse_links(self.root, self.pack_dir))
@@ -174,6 +179,9 @@ class LocalBackend(Backend):
     def describe(self) -> str:
         return str(self.root)
 
+    def sibling(self, folder: str, suffix: str) -> LocalBackend:
+        return LocalBackend(self.root, read_only=self.read_only, folder=folder, suffix=suffix)
+
     def where(self, name: str) -> str:
         return str(self.pack_dir / name)
 
@@ -188,7 +196,7 @@ class LocalBackend(Backend):
             return []
         known, self._listed = self._listed, {}
         for entry in entries:
-            if not entry.name.endswith(SUFFIX):
+            if not entry.name.endswith(self.suffix):
                 continue
             # A published pack never changes, so its size and mtime are looked up once per
             # file (the inode comes with the directory entry): a save lists packs/ each time.
@@ -208,7 +216,8 @@ class LocalBackend(Backend):
         (a save looks for new packs each time: with thousands, describing every one took
         milliseconds)."""
         try:
-            names = {n for n in os.listdir(_fs.refuse_links(self.root, self.pack_dir)) if n.endswith(SUFFIX)}
+            listed = os.listdir(_fs.refuse_links(self.root, self.pack_dir))
+            names = {n for n in listed if n.endswith(self.suffix)}
         except FileNotFoundError:
             return set(), []
         now, new = time.time(), []

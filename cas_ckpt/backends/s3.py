@@ -327,12 +327,18 @@ class S3Bucket:
         age = _server_now(r) - r["LastModified"].timestamp()
         return Meta(key, r["ETag"], r["ContentLength"], age)
 
-    def list(self, prefix: str, *, delimiter: str | None = None, limit: int | None = None) -> list[Meta]:
-        """Objects below ``prefix`` (direct children only with ``delimiter="/"``; at most ``limit``)."""
+    def list(
+        self, prefix: str, *, delimiter: str | None = None, limit: int | None = None,
+        start_after: str | None = None,
+    ) -> list[Meta]:
+        """Objects below ``prefix`` (direct children only with ``delimiter="/"``; at most ``limit``;
+        only keys after ``start_after``, a key below the prefix too), in key order."""
         found = []
         extra: dict[str, Any] = {"Delimiter": delimiter} if delimiter else {}
         if limit is not None:
             extra["MaxKeys"] = limit
+        if start_after is not None:
+            extra["StartAfter"] = self.prefix + start_after
         token: dict[str, str] = {}
         while True:
             r = self._call("list_objects_v2", prefix, Prefix=self.prefix + prefix, **extra, **token)
@@ -507,6 +513,7 @@ PUBLISH_WORKERS = 4  # packs uploading at once: each is read into memory whole f
 READ_SIZE = 16 * 1024 * 1024  # the most one ranged GET of neighbouring blocks fetches
 DEFAULT_GRACE = 3600.0  # GC never removes a pack younger than this on S3
 PACKS = "packs/"
+SUFFIX = ".pack"
 HAVE_LIMIT = 64 << 20  # a cache's list of held offsets: one short line per cached block
 
 
@@ -612,14 +619,16 @@ class S3Sink(Sink):
 
     def publish(self, name: str) -> bool:
         path = self._sealed()
-        if not self._backend.bucket.put_file(PACKS + name, path, part_size=self._backend.part_size):
+        backend = self._backend
+        if not backend.bucket.put_file(backend.folder + name, path, part_size=backend.part_size):
             return False
         self.abort()
         return True
 
     def replace(self, name: str) -> None:
-        self._backend.bucket.put_file(PACKS + name, self._sealed(), part_size=self._backend.part_size,
-                                      create=False)
+        backend = self._backend
+        backend.bucket.put_file(backend.folder + name, self._sealed(), part_size=backend.part_size,
+                                create=False)
         self._backend.forget(name)
         self.abort()
 
@@ -643,6 +652,7 @@ class S3Backend(Backend):
     publish_in_background = True
     pack_size = PACK_SIZE
     publish_workers = PUBLISH_WORKERS
+    cheap_listing = False
 
     def __init__(
         self,
@@ -653,9 +663,14 @@ class S3Backend(Backend):
         read_size: int = READ_SIZE,
         cache_dir: str | os.PathLike[str] | None = None,
         min_grace: float = DEFAULT_GRACE,
+        folder: str = PACKS,
+        suffix: str = SUFFIX,
+        owner: S3Backend | None = None,
     ) -> None:
         super().__init__(read_only=read_only)
         self.bucket = bucket if isinstance(bucket, S3Bucket) else S3Bucket(bucket)
+        self.folder, self.suffix = folder, suffix
+        self._owner = owner  # a sibling shares its owner's bucket and spool, and closes neither
         if not read_only:
             self.bucket.check_conditional_writes()
         self.part_size = part_size
@@ -668,6 +683,8 @@ class S3Backend(Backend):
     @property
     def spool_dir(self) -> Path:
         """A private temp folder for packs on their way up (made on first use, like mkdtemp)."""
+        if self._owner is not None:
+            return self._owner.spool_dir
         with self._lock:
             if self._spool is None:
                 self._spool = Path(tempfile.mkdtemp(prefix="cas_ckpt-s3-"))
@@ -677,13 +694,24 @@ class S3Backend(Backend):
         return self.bucket.url
 
     def where(self, name: str) -> str:
-        return self.bucket.where(PACKS + name)
+        return self.bucket.where(self.folder + name)
+
+    def sibling(self, folder: str, suffix: str) -> S3Backend:
+        """The same bucket, client and spool folder; no block cache (only packs hold blocks)."""
+        return S3Backend(self.bucket, read_only=self.read_only, part_size=self.part_size,
+                         min_grace=self.min_grace, folder=f"{folder}/", suffix=suffix, owner=self)
 
     def list(self) -> list[ObjectInfo]:
+        return self._listed(self.bucket.list(self.folder))
+
+    def list_after(self, start: str) -> list[ObjectInfo]:
+        return self._listed(self.bucket.list(self.folder, start_after=self.folder + start))
+
+    def _listed(self, metas: list[Meta]) -> list[ObjectInfo]:
         found = []
-        for meta in self.bucket.list(PACKS):
-            name = meta.key[len(PACKS) :]
-            if "/" not in name:
+        for meta in metas:
+            name = meta.key[len(self.folder) :]
+            if "/" not in name and name.endswith(self.suffix):
                 found.append(ObjectInfo(name, meta.size, meta.age))
         return found
 
@@ -704,7 +732,7 @@ class S3Backend(Backend):
         cache = self.cache if starts else None  # only blocks are cached (not indexes, headers)
         if cache is not None and cache.read_into(name, offset, out, starts):
             return True
-        if not self.bucket.read_into(PACKS + name, offset, out):
+        if not self.bucket.read_into(self.folder + name, offset, out):
             return False
         if cache is not None:
             cache.write(name, offset, out, starts)
@@ -721,19 +749,21 @@ class S3Backend(Backend):
         return S3Sink(self)
 
     def delete(self, name: str) -> None:
-        self.bucket.delete_many([PACKS + name])
+        self.bucket.delete_many([self.folder + name])
         self.forget(name)
 
     def clean_temp(self, min_age: float) -> int:
         """Abort multipart uploads older than the grace period (left by writers that died)."""
         removed = 0
-        for key, upload, age in self.bucket.uploads(PACKS):
+        for key, upload, age in self.bucket.uploads(self.folder):
             if age >= max(min_age, self.min_grace):
                 self.bucket.abort_upload(key, upload)
                 removed += 1
         return removed
 
     def close(self) -> None:
+        if self._owner is not None:
+            return
         self.bucket.close()
         if self.cache is not None:
             self.cache.close()

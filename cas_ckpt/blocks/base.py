@@ -41,6 +41,20 @@ class WriteStats:
         self.bytes_stored += other.bytes_stored
 
 
+@dataclass
+class Layout:
+    """How a store's blocks lie on its medium: what upkeep decides from and ``stats`` shows."""
+
+    packs: int  # pack files (objects)
+    bytes: int  # what they take
+    small_packs: int  # packs under the size upkeep and GC merge
+    blocks: int  # block copies indexed
+    indexed: bool  # the medium keeps index files
+    snapshot: str | None  # the newest snapshot this process read or wrote
+    uncovered: int  # what an open reads besides the snapshot: packs' own indexes, or journals
+    damaged_indexes: int  # index files found damaged (rebuilt from the packs)
+
+
 class Stored(NamedTuple):
     """A block as it goes onto the medium: its codec (``blocks.compression``) and bytes."""
 
@@ -355,8 +369,21 @@ class BlockStore(ABC):
         """Remove leftovers of writers that died; return how many."""
         return 0
 
-    def refresh(self) -> None:  # noqa: B027 - optional hook, most stores see writes at once
-        """Pick up blocks other processes have committed since this store was opened."""
+    def refresh(self, *, full: bool = False) -> None:  # noqa: B027 - optional hook
+        """Pick up blocks other processes have committed since this store was opened (most
+        stores see writes at once). ``full``: look at everything the medium holds, not only
+        what an index says changed (GC and fsck ask for it)."""
+
+    format_version = 1  # the repository format version this store's writes need
+
+    def layout(self) -> Layout | None:
+        """How the blocks lie on the medium (packs, index files); None for stores without packs."""
+        return None
+
+    def consolidate(self) -> str | None:
+        """Write one index of everything the store holds where the medium keeps index files
+        (upkeep, and GC after a sweep); the file's name, or None."""
+        return None
 
     def _check_writable(self) -> None:
         if self.read_only:

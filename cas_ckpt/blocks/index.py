@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import array
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -162,6 +162,16 @@ def merge(a: Table, b: Table, keep: np.ndarray | None = None) -> Table:
     return Table.sorted(keys, locations)
 
 
+def table_of(packs: Sequence[tuple[str, Sequence[EntryFields]]]) -> Table:
+    """The rows of these packs' entries, their pack ids positions in ``packs``."""
+    keys = b"".join(key_of(e[0]) for _, entries in packs for e in entries)
+    columns = [(pack, e[1], e[2], e[3], e[4]) for pack, (_, entries) in enumerate(packs) for e in entries]
+    rows = np.array(columns, dtype=LOCATION_DTYPE)
+    if len(rows) and (int(rows["length"].max()) > MAX_LENGTH or int(rows["size"].max()) > MAX_LENGTH):
+        raise ValueError("a block of 4 GiB or more cannot be indexed")
+    return Table.sorted(np.frombuffer(keys, KEY_DTYPE), rows)
+
+
 class BlockIndex:
     """Where every known copy of every block lies: the store's index (see the module docstring).
 
@@ -184,35 +194,30 @@ class BlockIndex:
 
     def add_packs(self, packs: Iterable[tuple[str, Sequence[EntryFields]]]) -> None:
         """Index the entries of these packs (those already indexed are skipped)."""
-        keys: list[bytes] = []
-        columns: list[tuple[int, int, int, int, int]] = []
-        for name, entries in packs:
-            if name in self.ids:
-                continue
-            pack = self._new_id(name, len(entries))
-            keys.extend(key_of(e[0]) for e in entries)
-            columns.extend((pack, e[1], e[2], e[3], e[4]) for e in entries)
-        if keys:
-            rows = np.array(columns, dtype=LOCATION_DTYPE)
-            self._add(Table.sorted(np.frombuffer(b"".join(keys), KEY_DTYPE), rows))
+        fresh = [(name, entries) for name, entries in packs if name not in self.ids]
+        if fresh:
+            self.add_table(table_of(fresh), [name for name, _ in fresh])
 
-    def add_table(self, table: Table, names: Sequence[str]) -> list[str]:
-        """Index a table whose pack ids are positions in ``names`` (an index file's), except the
-        packs already indexed; returns the names taken in."""
-        mapping = np.zeros(len(names), np.uint32)
-        fresh = np.zeros(len(names), bool)
+    def add_table(self, table: Table, names: Sequence[str], only: Collection[str] | None = None) -> list[str]:
+        """Index a table whose pack ids are positions in ``names`` (an index file's): the packs
+        not indexed yet, and only those in ``only`` if given; returns the names taken in."""
+        mapping = np.zeros(max(len(names), 1), np.uint32)
+        fresh = np.zeros(max(len(names), 1), bool)
         locations = table.location_array
-        counts = np.bincount(locations["pack"], minlength=len(names)) if table.n else [0] * len(names)
+        counts = np.bincount(locations["pack"], minlength=len(names)).tolist() if table.n else []
         taken = []
         for local, name in enumerate(names):
-            if name not in self.ids:
-                mapping[local] = self._new_id(name, int(counts[local]))
+            if name not in self.ids and (only is None or name in only):
+                mapping[local] = self._new_id(name, counts[local] if counts else 0)
                 fresh[local] = True
                 taken.append(name)
-        if not table.n or not fresh.any():
+        if not table.n or not taken:
+            return taken
+        if len(taken) == len(names) and (mapping[: len(names)] == np.arange(len(names))).all():
+            self._add(table)  # every pack new and numbered as in the file: the rows as they are
             return taken
         keys = table.key_array
-        if not fresh.all():
+        if len(taken) < len(names):
             keep = fresh[locations["pack"]]
             keys, locations = keys[keep], locations[keep]
         locations = locations.copy()
@@ -403,10 +408,16 @@ class BlockIndex:
         keys, _, _ = self.live_rows()
         return [cid_of(key) for key in np.unique(keys).tolist()] if len(keys) else []
 
-    def snapshot(self) -> tuple[Table, list[str]]:
-        """Every live row in one table, and the packs its ids name in order (an index file's)."""
+    def snapshot(self, excluding: Collection[str] = ()) -> tuple[Table, list[str]]:
+        """Every live row in one table, and the packs its ids name in order (an index file's),
+        without the packs ``excluding`` names."""
         keys, locations, names = self.live_rows()
-        used = sorted(self.ids.values())
+        used = sorted(pack for name, pack in self.ids.items() if name not in excluding)
+        if len(used) < len(self.ids):
+            keep = np.zeros(len(names), bool)
+            keep[used] = True
+            wanted = keep[locations["pack"]]
+            keys, locations = keys[wanted], locations[wanted]
         renumber = np.zeros(len(names), np.uint32)
         renumber[used] = np.arange(len(used), dtype=np.uint32)
         locations = locations.copy()

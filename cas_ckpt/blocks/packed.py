@@ -19,7 +19,7 @@ import errno
 import itertools
 import os
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,9 +32,12 @@ from cas_ckpt.backends.base import Backend, ObjectInfo, Read, Sink
 from cas_ckpt.backends.local import LocalBackend
 from cas_ckpt.backends.memory import MemoryBackend
 from cas_ckpt.backends.s3 import DEFAULT_GRACE, PART_SIZE, READ_SIZE, S3Backend, S3Bucket
-from cas_ckpt.blocks.base import BlockStore, BlockWriter, Stored
+from cas_ckpt.blocks.base import BlockStore, BlockWriter, Layout, Stored
+from cas_ckpt.blocks.catalog import FOLDER, Catalog
+from cas_ckpt.blocks.catalog import SUFFIX as INDEX_SUFFIX
 from cas_ckpt.blocks.compression import CODEC_NONE, Compressor, decode, decode_into
-from cas_ckpt.blocks.index import LOCATION_DTYPE, BlockIndex
+from cas_ckpt.blocks.index import LOCATION_DTYPE, MAX_LENGTH, BlockIndex, table_of
+from cas_ckpt.blocks.index_file import JOURNAL, SEQUENCE_DIGITS, SNAPSHOT, IndexFile, parse_name
 from cas_ckpt.blocks.pack import (
     FOOTER,
     INDEX_READ,
@@ -57,6 +60,11 @@ from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, Repositor
 REPACK_READ = 16 * 1024 * 1024  # the most GC reads at once when copying live blocks
 SPACE_MARGIN = 1024 * 1024  # GC merges only with this much room left over (indexes, metadata)
 _MAX_MOVES = 16  # a block whose pack GC compacts again and again under a read is followed this often
+_RELISTS = 4  # an index folder listed again this often when a file listed is gone when read
+# A save lists the journals of the last hour (and every snapshot), not all: a journal whose name
+# is older when it lands is missed by a process that saw newer ones (dedup may miss; a read that
+# misses lists every pack).
+JOURNAL_WINDOW_US = 3600 * 1_000_000
 
 
 class PackWriter(BlockWriter):
@@ -82,6 +90,7 @@ class PackWriter(BlockWriter):
         self._offset = 0
         self._sealed: list[Future[tuple[ObjectInfo, list[EntryFields]]]] = []
         self.published: list[str] = []
+        self.journal = True  # record the packs in a journal file on commit (where the store keeps them)
 
     def _stored(self, cid: bytes) -> bool:
         if not self._packed._has(cid):
@@ -108,6 +117,8 @@ class PackWriter(BlockWriter):
 
     def _append(self, cid: bytes, stored: Stored, size: int, keep: bool = False) -> None:
         length = size if stored.codec == CODEC_NONE else memoryview(stored.data).nbytes
+        if size > MAX_LENGTH:
+            raise RepositoryError(f"block {cidlib.to_str(cid)} holds {size} bytes: 4 GiB or more")
         if self._sink is not None and self._offset + length > self._packed.pack_size and self._entries:
             self._seal()
         if self._sink is None:
@@ -157,6 +168,8 @@ class PackWriter(BlockWriter):
                 if self._sink is not None:
                     self._seal()
                 packs = self._wait()
+                if packs and self.journal and self._packed.writes_journals:
+                    self._packed._write_journal(packs)
             except BaseException:
                 self._discard()
                 raise
@@ -201,43 +214,264 @@ class PackedBlockStore(BlockStore):
         self.backend = backend
         self.pack_size = pack_size or backend.pack_size
         self._lock = threading.RLock()
-        self._refresh_lock = threading.Lock()
+        self._refresh_lock = threading.RLock()
         self._blocks = BlockIndex()  # every copy of every block: fixed-width rows, no object each
         self._info: dict[str, ObjectInfo] = {}
         self.corrupt_packs: dict[str, str] = {}  # packs whose index cannot be read, and why
+        sibling = backend.sibling(FOLDER, INDEX_SUFFIX)
+        self._catalog = Catalog(sibling) if sibling is not None else None
+        self.corrupt_indexes: dict[str, str] = {}  # index files found damaged, and why
+        self._snapshot: str | None = None  # the newest snapshot this view took in or wrote
+        self._covered: set[str] = set()  # the packs that snapshot describes
+        self._folded: set[str] = set()  # the journals it folded in
+        self._journals: dict[str, list[str]] = {}  # journals taken in since, and their packs
         self._publisher_pool: ThreadPoolExecutor | None = None
         self.refresh()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.backend.describe()}>"
 
+    @property
+    def writes_journals(self) -> bool:
+        """Whether each batch records its packs in a journal file: where other processes learn of
+        new packs from the index folder instead of listing every pack (``cheap_listing`` False)."""
+        return self._catalog is not None and not self.backend.cheap_listing
+
+    @property
+    def format_version(self) -> int:
+        """The repository format this store's writes need: 3 where journals and snapshots tell
+        other processes which packs exist (writers that do not keep them, 0.2's GC, must not
+        write there), else 1."""
+        return 3 if self.writes_journals else 1
+
     # -- the index -----------------------------------------------------------------------------
     def refresh(self, *, full: bool = False) -> None:
-        """Take in the packs published since the last look, forget those gone. ``full`` also
-        looks up every pack's size and age again (GC, which spares young packs, asks for it)."""
+        """Take in the packs published since the last look, forget those gone.
+
+        Where listing is cheap (a directory) the listing of ``packs/`` decides which packs
+        exist; an unknown pack is described by the newest snapshot if it covers it, else by its
+        own index. On object storage the index folder decides: new journals and a newer snapshot
+        are read, and no pack is listed, until no snapshot exists yet (a repository written by
+        0.2). ``full`` lists every pack, and looks up every pack's size and age again (GC, which
+        spares young packs, fsck, and a read that found nothing otherwise).
+        """
         with self._refresh_lock:
-            with self._lock:
-                known = self._blocks.ids.keys() | self.corrupt_packs.keys()
+            if full or self._catalog is None or self.backend.cheap_listing or not self._refresh_index():
+                self._refresh_listing(full=full)
+
+    def _refresh_listing(self, *, full: bool) -> None:
+        with self._lock:
+            known = self._blocks.ids.keys() | self.corrupt_packs.keys()
+        if full:
+            listing = {info.name: info for info in self.backend.list() if info.name.endswith(SUFFIX)}
+            names = set(listing)
+            infos = [info for name, info in sorted(listing.items()) if name not in known]
+        else:
+            names, changes = self.backend.list_changes(known)
+            infos = sorted((i for i in changes if i.name.endswith(SUFFIX)), key=lambda i: i.name)
+        self._drop_packs(known - names)
+        with self._lock:
             if full:
-                listing = {info.name: info for info in self.backend.list() if info.name.endswith(SUFFIX)}
-                names = set(listing)
-                infos = [info for name, info in sorted(listing.items()) if name not in known]
-            else:
-                names, changes = self.backend.list_changes(known)
-                infos = sorted((i for i in changes if i.name.endswith(SUFFIX)), key=lambda i: i.name)
-            self._drop_packs(known - names)
+                self._info.update((name, info) for name, info in listing.items() if name in self._blocks)
+        if infos and self._catalog is not None and self.backend.cheap_listing:
+            infos = self._describe_from_snapshot(infos)
+        self._describe_from_packs(infos)
+
+    def _describe_from_packs(self, infos: list[ObjectInfo]) -> None:
+        """Read these packs' own indexes (each from its end) and take them in."""
+        found = []
+        with cyclic_gc_paused():  # a few objects per block: see _memory
+            for info, result in zip(infos, self._read_indexes(infos), strict=True):
+                if isinstance(result, str):
+                    with self._lock:
+                        self.corrupt_packs[info.name] = result
+                elif result is not None:
+                    found.append((info, result))
+            self._add_packs(found)
+
+    def _describe_from_snapshot(self, infos: list[ObjectInfo]) -> list[ObjectInfo]:
+        """Take in the packs of ``infos`` that the newest snapshot describes (at the size
+        listed); return the others."""
+        for _ in range(_RELISTS):  # the newest listed may be gone when read: a newer one replaced it
+            snapshots = [(seq, info) for kind, seq, info in self._listing() if kind == SNAPSHOT]
+            if not snapshots:
+                return infos
+            _, newest = max(snapshots, key=lambda s: (s[0], s[1].name))
+            if newest.name == self._snapshot:
+                return infos  # read before: what it covers is known already
+            content = self._read_index_file(newest)
+            if content is None:
+                if newest.name in self.corrupt_indexes:
+                    return infos  # damaged: the packs' own indexes describe them
+                continue
+            wanted = {info.name: info for info in infos}
+            take = [name for name, size in content.packs if name in wanted and wanted[name].size == size]
+            self._take(content, take, {name: wanted[name] for name in take})
             with self._lock:
-                if full:
-                    self._info.update((name, info) for name, info in listing.items() if name in self._blocks)
-            found = []
-            with cyclic_gc_paused():  # a few objects per block: see _memory
-                for info, result in zip(infos, self._read_indexes(infos), strict=True):
-                    if isinstance(result, str):
-                        with self._lock:
-                            self.corrupt_packs[info.name] = result
-                    elif result is not None:
-                        found.append((info, result))
-                self._add_packs(found)
+                self._snapshot, self._covered = newest.name, set(content.pack_names)
+                self._folded = set(content.folded)
+            return [info for info in infos if info.name not in self._blocks]
+        return infos
+
+    def _listing(self, after: str | None = None) -> list[tuple[str, int, ObjectInfo]]:
+        assert self._catalog is not None
+        return self._catalog.listing(after)
+
+    def _read_index_file(self, info: ObjectInfo) -> IndexFile | None:
+        """An index file's content; None if it is gone or damaged (recorded for fsck)."""
+        assert self._catalog is not None
+        try:
+            return self._catalog.read(info)
+        except CorruptStore as exc:
+            with self._lock:
+                self.corrupt_indexes[info.name] = str(exc)
+            return None
+
+    def _take(self, content: IndexFile, names: Collection[str], infos: dict[str, ObjectInfo]) -> None:
+        """Take in the rows of these packs of an index file."""
+        with self._lock:
+            self._blocks.add_table(content.table, content.pack_names, only=set(names))
+            self._info.update((name, infos[name]) for name in names if name not in self._info)
+
+    def _refresh_index(self) -> bool:
+        """Catch up from the index folder (journals new since the last look, a newer snapshot);
+        False if there is no snapshot to start from, or it is damaged (the caller lists packs)."""
+        for _ in range(_RELISTS):  # a file listed may be gone when read: a newer snapshot replaced it
+            start = f"j-{max(0, self._newest_journal() - JOURNAL_WINDOW_US):0{SEQUENCE_DIGITS}d}"
+            listing = self._listing(after=start)
+            snapshots = [(seq, info) for kind, seq, info in listing if kind == SNAPSHOT]
+            if not snapshots:
+                return False
+            _, newest = max(snapshots, key=lambda s: (s[0], s[1].name))
+            base = None
+            if newest.name != self._snapshot:
+                base = self._read_index_file(newest)
+                if base is None:
+                    if newest.name in self.corrupt_indexes:
+                        return False
+                    continue
+            folded = set(base.folded) if base is not None else self._folded
+            journals = []
+            for kind, _, info in listing:
+                if kind == JOURNAL and info.name not in folded and info.name not in self._journals:
+                    content = self._read_index_file(info)
+                    if content is None and info.name not in self.corrupt_indexes:
+                        break  # gone: folded into a snapshot written since the listing
+                    if content is not None:
+                        journals.append((info, content))
+            else:
+                self._catch_up(newest, base, journals)
+                return True
+        return False
+
+    def _catch_up(
+        self, newest: ObjectInfo, base: IndexFile | None, journals: list[tuple[ObjectInfo, IndexFile]]
+    ) -> None:
+        """Take in a newer snapshot (forgetting the packs it and the journals since no longer
+        name: GC or upkeep removed them) and new journals."""
+        if base is not None:
+            with self._lock:
+                self._journals = {j: packs for j, packs in self._journals.items() if j not in base.folded}
+            keep = set(base.pack_names).union(*self._journals.values(), *(c.pack_names for _, c in journals))
+            with self._lock:
+                gone = [name for name in self._blocks.ids if name not in keep]
+            self._drop_packs(gone)
+            sizes = {name: ObjectInfo(name, size, 0.0) for name, size in base.packs}
+            self._take(base, [name for name in base.pack_names if name not in self._blocks], sizes)
+            with self._lock:
+                self._snapshot, self._folded = newest.name, set(base.folded)
+                self._covered = set(base.pack_names)
+        for info, content in journals:
+            sizes = {name: ObjectInfo(name, size, 0.0) for name, size in content.packs}
+            self._take(content, [name for name in content.pack_names if name not in self._blocks], sizes)
+            with self._lock:
+                self._journals[info.name] = content.pack_names
+
+    def _newest_journal(self) -> int:
+        sequences = [parsed[1] for name in self._journals if (parsed := parse_name(name))]
+        sequences += [parsed[1] for name in self._folded if (parsed := parse_name(name))]
+        return max(sequences, default=0)
+
+    def _write_journal(self, packs: list[tuple[ObjectInfo, list[EntryFields]]]) -> None:
+        """Record newly published packs in a journal file (before anyone is told of them)."""
+        assert self._catalog is not None
+        table = table_of([(info.name, entries) for info, entries in packs])
+        written = self._catalog.write(JOURNAL, [(info.name, info.size) for info, _ in packs], table)
+        with self._lock:
+            self._journals[written.name] = [info.name for info, _ in packs]
+
+    def consolidate(self, *, excluding: Collection[str] = ()) -> str | None:
+        """Write a snapshot: one index file of every pack this store knows, folding in the
+        journals it has read; then remove the index files it supersedes. Returns its name (None
+        where the medium keeps no index files).
+
+        Deletes no pack and no block, so it needs no lock against GC beyond a save's; on object
+        storage the first one lists every pack (a repository 0.2 wrote gets its index here).
+        ``excluding``: packs about to be deleted, left out.
+        """
+        self._check_writable()
+        if self._catalog is None:
+            return None
+        with self._refresh_lock:
+            self.refresh(full=self._snapshot is None and not self.backend.cheap_listing)
+            listing = self._listing()
+            journals = self._journal_packs(info for kind, _, info in listing if kind == JOURNAL)
+            with self._lock:
+                table, names = self._blocks.snapshot(excluding)
+                packs = [(name, self._info[name].size) for name in names]
+            # A journal is folded in (and deleted after) once the snapshot covers its packs or
+            # they are being deleted: a reader of the snapshot then never takes them in again.
+            covered = set(names).union(excluding)
+            folded = {name for name, held in journals.items() if held is None or covered.issuperset(held)}
+            written = self._catalog.write(SNAPSHOT, packs, table, folded)
+            with self._lock:
+                self._snapshot, self._covered, self._folded = written.name, set(names), folded
+                self._journals = {j: p for j, p in self._journals.items() if j not in folded}
+            mine = parse_name(written.name)
+            superseded = [info.name for kind, seq, info in listing
+                          if (kind == SNAPSHOT and (seq, info.name) < (mine[1] if mine else 0, written.name))
+                          or info.name in folded]
+            self._catalog.delete(superseded)
+            with self._lock:
+                for name in superseded:
+                    self.corrupt_indexes.pop(name, None)
+            return written.name
+
+    def _journal_packs(self, infos: Iterable[ObjectInfo]) -> dict[str, list[str] | None]:
+        """The packs each journal names (None: folded into the snapshot this view started from);
+        journals not taken in yet are read."""
+        found: dict[str, list[str] | None] = {}
+        for info in infos:
+            if info.name in self._journals:
+                found[info.name] = self._journals[info.name]
+            elif info.name in self._folded:
+                found[info.name] = None
+            else:
+                content = self._read_index_file(info)
+                if content is not None:
+                    found[info.name] = content.pack_names
+        return found
+
+    def layout(self, *, small: int | None = None) -> Layout:
+        """What upkeep decides from: packs, small packs, and what an open reads besides the
+        newest snapshot (packs' own indexes where listing is cheap, journals elsewhere)."""
+        small = self.small_pack if small is None else small
+        with self._lock:
+            sizes = {name: self._info[name].size for name in self._blocks.ids if name in self._info}
+            uncovered = (len(self._journals) if not self.backend.cheap_listing
+                         else sum(1 for name in sizes if name not in self._covered))
+            return Layout(
+                packs=len(sizes), bytes=sum(sizes.values()),
+                small_packs=sum(1 for size in sizes.values() if size < small),
+                blocks=len(self._blocks), indexed=self._catalog is not None,
+                snapshot=self._snapshot, uncovered=uncovered if self._snapshot else len(sizes),
+                damaged_indexes=len(self.corrupt_indexes),
+            )
+
+    @property
+    def small_pack(self) -> int:
+        """Packs under this size are small: upkeep and GC merge them."""
+        return min(SMALL_PACK, self.pack_size // 2)
 
     def _read_indexes(self, infos: list[ObjectInfo]) -> list[list[Entry] | str | None]:
         """Each pack's entries, read from its end; a reason if damaged; None if it is gone."""
@@ -302,6 +536,9 @@ class PackedBlockStore(BlockStore):
         if not copies:
             self.refresh()  # another process may have published it
             copies = self._copies(cid)
+        if not copies and not self.backend.cheap_listing:
+            self.refresh(full=True)  # in a pack no index file names (its writer died before its journal)
+            copies = self._copies(cid)
         return copies
 
     def _mark_bad(self, cid: bytes, loc: Location) -> None:
@@ -318,8 +555,11 @@ class PackedBlockStore(BlockStore):
                 self._blocks.prefer(cid, loc)
 
     def damaged(self) -> dict[str, str]:
+        """Damaged packs by name, and damaged index files as ``index/<name>`` (their packs'
+        own indexes were read instead: nothing is lost, and the next upkeep rewrites them)."""
         with self._lock:
-            return dict(self.corrupt_packs)
+            indexes = {f"{FOLDER}/{name}": why for name, why in self.corrupt_indexes.items()}
+            return {**self.corrupt_packs, **indexes}
 
     def _missing_hint(self) -> str:
         if not self.corrupt_packs:
@@ -684,34 +924,44 @@ class PackedBlockStore(BlockStore):
         with self._lock:
             packs = {name: (entries, self._info[name].size, self._info[name].age)
                      for name, entries in self._blocks.entries().items() if name in self._info}
-        plan = plan_sweep(packs, cids, max(min_age, self.backend.min_grace),
-                          small_size=min(SMALL_PACK, self.pack_size // 2))
+        plan = plan_sweep(packs, cids, max(min_age, self.backend.min_grace), small_size=self.small_pack)
         dead = [name for name, live in plan.items() if not live]
         merge = {name: live for name, live in plan.items() if live}
         if before_unlink is not None and plan:
             before_unlink()
         removed = freed = 0
-        for name in dead:
-            self.backend.delete(name)
-            self._drop_packs([name])
-            removed, freed = removed + len(packs[name][0]), freed + packs[name][1]
+        if dead:
+            self._retire(dead)
+            removed, freed = sum(len(packs[name][0]) for name in dead), sum(packs[name][1] for name in dead)
         for batch in self._batches(merge):
             written, kept = self._repack(batch)
             if not written and kept == set(batch):
                 break  # the medium is full: what is left waits for the next GC
             if before_unlink is not None:
                 before_unlink()
-            for name in batch:
-                if name in written or name in kept:
-                    continue  # rewritten byte for byte (an identical pack), or holding the only copy
-                self.backend.delete(name)
-                self._drop_packs([name])
+            # Not those rewritten byte for byte (an identical pack), nor those holding the only copy.
+            doomed = [name for name in batch if name not in written and name not in kept]
+            self._retire(doomed)
+            for name in doomed:
                 removed += len(packs[name][0]) - len(batch[name])
                 freed += packs[name][1]
             with self._lock:  # what the new packs take (an identical rewrite was never deleted)
                 freed -= sum(self._info[name].size for name in written
                              if name in self._info and name not in batch)
         return removed, freed
+
+    def _retire(self, names: list[str]) -> None:
+        """Delete packs whose live blocks are stored elsewhere (or dead). Where index files tell
+        other processes which packs exist, a snapshot without them is written first: a save that
+        reads it never counts on them, and a crash in between leaves packs no index names, which
+        the next GC finds by listing."""
+        if not names:
+            return
+        if self.writes_journals:
+            self.consolidate(excluding=set(names))
+        for name in names:
+            self.backend.delete(name)
+        self._drop_packs(names)
 
     def _batches(self, merge: dict[str, list[Entry]]) -> Iterator[dict[str, list[Entry]]]:
         """The packs to merge in groups whose live blocks fit in the room the medium has left.

@@ -149,6 +149,7 @@ def collect(
             dead, min_age=grace, before_unlink=refs.check_lease
         )
         report.temp_files_removed = blocks.clean_temp()
+        blocks.consolidate()  # one index file of what is left: the next open reads it, not each pack
         return report
 
 
