@@ -54,6 +54,11 @@ from cas_ckpt.maintenance.fsck import FsckReport
 from cas_ckpt.maintenance.fsck import check as fsck_check
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY, GCReport
 from cas_ckpt.maintenance.gc import collect as gc_collect
+from cas_ckpt.maintenance.upkeep import Policy as UpkeepPolicy
+from cas_ckpt.maintenance.upkeep import UpkeepReport, UpkeepStatus
+from cas_ckpt.maintenance.upkeep import due as upkeep_due
+from cas_ckpt.maintenance.upkeep import run as upkeep_run
+from cas_ckpt.maintenance.upkeep import status as upkeep_status
 from cas_ckpt.maintenance.usage import Usage, usage
 from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore, check_ref_name
@@ -158,10 +163,12 @@ class Repository:
         compression: str | None = None,
         create: bool = True,
         location: str = "",
+        upkeep: bool | Mapping[str, Any] = True,
     ) -> None:
         self.blocks = blocks
         self.refs_store = refs
         self.location = location
+        self.upkeep_policy = UpkeepPolicy.of(upkeep)
         self.config = _ensure_config(
             refs, location or "this store", create=create and not blocks.read_only, hash=hash,
             chunk_size=chunk_size, compression=compression, read_only=blocks.read_only,
@@ -248,7 +255,7 @@ class Repository:
 
     @contextlib.contextmanager
     def transaction(
-        self, *, verify_existing: bool = False, compression: str | None = None
+        self, *, verify_existing: bool = False, compression: str | None = None, upkeep: bool = True,
     ) -> Iterator[Transaction]:
         """The one write path: blocks first, durable, then refs, all under the shared save lock.
 
@@ -259,7 +266,9 @@ class Repository:
         deduplicated against. ``verify_existing`` re-reads and checks every stored block the
         transaction would reuse, storing a good copy over a damaged one (imports do: a re-import
         repairs). ``compression`` overrides the repository's setting for this batch. A failure of
-        the medium raises :class:`MediumError` (an OSError too).
+        the medium raises :class:`MediumError` (an OSError too). Once the refs have moved, upkeep
+        runs if it is due and the repository's policy is automatic (``upkeep=False``: not after
+        this batch; the ranks of a DCP save leave it to the coordinator).
         """
         codec = self.config.compression if compression is None else check_setting(compression)
         with self._writing(), self.refs_store.lock(exclusive=False):
@@ -270,6 +279,31 @@ class Repository:
                 yield txn
             for ref, old, new, message in txn.moves:
                 self._move_ref(ref, old, new, message)
+        if upkeep:
+            self._auto_upkeep()
+
+    def upkeep(self, *, force: bool = False) -> UpkeepReport:
+        """Merge small packs and write an index snapshot if due (every task with ``force``), as
+        saves do by themselves unless the repository was opened with ``upkeep=False``. Safe beside
+        saves, loads and GC in any process; one upkeep runs at a time (a second one returns a
+        report saying so). See ``docs/gc.md``, "Upkeep"."""
+        with self._writing():
+            self._ensure_format()
+            return upkeep_run(self.blocks, self.refs_store, self.upkeep_policy, force=force)
+
+    def upkeep_status(self) -> UpkeepStatus | None:
+        """Packs, small packs, what an open reads besides the index snapshot, and which upkeep
+        tasks are due (None for a store without packs)."""
+        return upkeep_status(self.blocks, self.refs_store, self.upkeep_policy)
+
+    def _auto_upkeep(self) -> None:
+        """Upkeep after a write, when due; its failure is logged, never raised (the write is done)."""
+        if not self.upkeep_policy.auto or not upkeep_due(self.blocks, self.refs_store, self.upkeep_policy):
+            return
+        try:
+            self.upkeep()
+        except (CasCkptError, OSError) as exc:
+            _log.warning("upkeep of %s failed, the save itself is complete: %s", self.location or self, exc)
 
     def _ensure_format(self, codec: str = "none") -> None:
         """Raise the config's format version to what the writes about to happen need, before
@@ -628,8 +662,11 @@ class Repository:
         return fsck_check(self.blocks, self.refs_store, sample=sample, progress=progress)
 
     def stats(self) -> Usage:
-        """Logical versus stored bytes, per ref and for the repository (shared bytes once)."""
-        return usage(self.blocks, self.refs_store)
+        """Logical versus stored bytes, per ref and for the repository (shared bytes once), and
+        where upkeep stands (``Usage.upkeep``)."""
+        found = usage(self.blocks, self.refs_store)
+        found.upkeep = self.upkeep_status()
+        return found
 
     def diff(self, a: Target, b: Target, *, path: str | None = None) -> DiffReport:
         """Values added, removed and changed from checkpoint ``a`` to ``b`` (below the dotted
@@ -913,6 +950,7 @@ def open(
     verify: bool = True,
     read_only: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    upkeep: bool | Mapping[str, Any] = True,
 ) -> Repository:
     """Open the repository at ``path``, creating it if missing (unless ``create=False``).
 
@@ -924,8 +962,11 @@ def open(
     ``docs/guide.md``) is how new blocks are stored: given, it is recorded in the config (an
     existing repository switches to it); omitted, the repository keeps its own (new ones:
     ``"none"``). ``verify=False`` skips re-hashing blocks on reads. ``read_only=True`` refuses
-    every write.
+    every write. ``upkeep``: saves merge small packs and write index snapshots by themselves
+    once thresholds pass (``False``: only :meth:`Repository.upkeep` does; a mapping sets
+    ``small_packs`` and ``uncovered``, 0 meaning never: ``docs/gc.md``, "Upkeep").
     """
+    policy = UpkeepPolicy.of(upkeep)
     if compression is not None:
         check_setting(compression)
     if hash not in cidlib.HASH_CODES:
@@ -936,7 +977,7 @@ def open(
     if not location.startswith(S3) and storage_options:
         raise ValueError("storage_options apply to s3:// repositories only")
     settings = {"create": create and not read_only, "hash": hash, "chunk_size": chunk_size,
-                "compression": compression, "read_only": read_only}
+                "compression": compression, "read_only": read_only, "upkeep": policy}
     if location.startswith(S3):
         blocks, refs = _s3_stores(location, verify=verify, read_only=read_only, **(storage_options or {}))
         return _assemble(blocks, refs, location, settings, lambda: _s3_occupied(refs))
@@ -945,7 +986,8 @@ def open(
     root = Path(location).expanduser()
     try:
         local_refs = LocalRefStore(root)
-        _ensure_config(local_refs, str(root), occupied=lambda: _local_occupied(root), **settings)
+        _ensure_config(local_refs, str(root), occupied=lambda: _local_occupied(root),
+                       **{k: v for k, v in settings.items() if k != "upkeep"})
         if not read_only:
             local_refs.ensure_dirs()
         store = LocalStore(root, verify=verify, read_only=read_only)
@@ -960,8 +1002,10 @@ def _assemble(
 ) -> Repository:
     """The repository over these stores (closing the block store if that fails)."""
     try:
+        settings = dict(settings)
+        policy = settings.pop("upkeep", True)
         _ensure_config(refs, location, occupied=occupied, **settings)
-        return Repository(blocks, refs, create=False, location=location)
+        return Repository(blocks, refs, create=False, location=location, upkeep=policy)
     except BaseException:
         blocks.close()
         raise

@@ -764,3 +764,26 @@ def test_a_pack_no_index_file_names_is_found_when_a_read_misses(s3_url: str) -> 
         with closing(S3Store(s3_url, **FAST)) as reader:
             assert not reader.has(cid)  # the index folder does not name it...
             assert reader.get(cid) == data  # ...but a read that misses lists every pack
+
+
+def test_saves_cost_the_same_requests_at_any_history_and_list_no_pack(proxy: Proxy, s3_url: str) -> None:
+    """Upkeep on S3 merges small packs at once (it deletes no block: no grace period to wait
+    for) and folds journals into snapshots, so a save's requests do not grow with history."""
+    per_save: list[list[tuple[str, str, str]]] = []
+    with cas_ckpt.open(s3_url, upkeep={"small_packs": 6, "uncovered": 4}) as repo:
+        cids = []
+        for i in range(36):
+            proxy.requests.clear()
+            cids.append(repo.save({"w": np.full(3000, i, np.float32), "step": i}, step=i))
+            per_save.append(list(proxy.requests))
+        status = repo.upkeep_status()
+    assert status is not None and status.snapshot is not None and status.packs <= 7
+    counts = [len(requests) for requests in per_save]
+    assert max(counts[18:]) <= max(counts[2:18]), counts
+    below = urllib.parse.quote("repo/packs/", safe="")
+    listed_packs = [i for i, requests in enumerate(per_save)
+                    if any("list-type=2" in path and f"prefix={below}" in path for _, path, _ in requests)]
+    assert listed_packs == [0], listed_packs  # the first save's upkeep wrote the first snapshot
+    assert len(_keys(s3_url, "index/")) <= 5
+    with cas_ckpt.open(s3_url, read_only=True) as again:
+        assert [int(again.load(cid)["step"]) for cid in cids] == list(range(36))

@@ -380,6 +380,10 @@ class BlockStore(ABC):
         """How the blocks lie on the medium (packs, index files); None for stores without packs."""
         return None
 
+    def merge_small(self) -> tuple[int, int, int]:
+        """Merge small storage units (packs), every block kept: (merged, written, bytes copied)."""
+        return 0, 0, 0
+
     def consolidate(self) -> str | None:
         """Write one index of everything the store holds where the medium keeps index files
         (upkeep, and GC after a sweep); the file's name, or None."""

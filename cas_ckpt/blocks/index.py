@@ -424,11 +424,17 @@ class BlockIndex:
         locations["pack"] = renumber[locations["pack"]]
         return Table.sorted(keys, locations), [names[pack] for pack in used]
 
-    def entries(self) -> dict[str, list[Entry]]:
-        """Each live pack's entries, in pack order (by offset)."""
+    def entries(self, packs: Collection[str] | None = None) -> dict[str, list[Entry]]:
+        """Each live pack's entries (or those of ``packs`` only), in pack order (by offset)."""
         keys, locations, names = self.live_rows()
+        wanted = self.ids.keys() if packs is None else [name for name in packs if name in self.ids]
+        if packs is not None:
+            chosen = np.zeros(len(names), bool)
+            chosen[[self.ids[name] for name in wanted]] = True
+            picked = chosen[locations["pack"]]
+            keys, locations = keys[picked], locations[picked]
         order = np.lexsort((locations["offset"], locations["pack"]))
-        found: dict[str, list[Entry]] = {name: [] for name in self.ids}
+        found: dict[str, list[Entry]] = {name: [] for name in wanted}
         rows = zip(keys[order].tolist(), locations[order].tolist(), strict=True)
         for key, (pack, offset, length, codec, size) in rows:
             found[names[pack]].append(Entry(cid_of(key), offset, length, codec, size))

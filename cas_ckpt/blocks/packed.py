@@ -950,6 +950,26 @@ class PackedBlockStore(BlockStore):
                              if name in self._info and name not in batch)
         return removed, freed
 
+    def merge_small(self) -> tuple[int, int, int]:
+        """Merge the small packs into as few packs as the pack size allows, every block kept
+        (each verified as it is copied), then delete them: fewer files for every later open,
+        listing and read. Needs no grace period: no block goes. Returns (packs merged, packs
+        written, bytes copied); a full medium merges nothing and says so by (0, 0, 0).
+        """
+        self._check_writable()
+        self.refresh()
+        with self._lock:
+            small = sorted((info.size, name) for name, info in self._info.items()
+                           if name in self._blocks and info.size < self.small_pack)
+            if len(small) < 2:
+                return 0, 0, 0
+            merge = self._blocks.entries([name for _, name in small])
+        written, kept = self._repack(merge)
+        doomed = [name for name in merge if name not in written and name not in kept]
+        self._retire(doomed)
+        copied = sum(e.length for name in doomed for e in merge[name])
+        return len(doomed), len([name for name in written if name not in merge]), copied
+
     def _retire(self, names: list[str]) -> None:
         """Delete packs whose live blocks are stored elsewhere (or dead). Where index files tell
         other processes which packs exist, a snapshot without them is written first: a save that

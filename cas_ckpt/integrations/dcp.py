@@ -187,7 +187,7 @@ class Writer(StorageWriter):
 
         Locations travel in the WriteResults only: ``plan.storage_data`` may be a stale cached one.
         """
-        with self.repo.transaction() as txn:  # dedups against what other ranks have stored
+        with self.repo.transaction(upkeep=False) as txn:  # the coordinator runs upkeep after the commit
             results = [self._write_item(txn.tree, item, planner, False) for item in plan.items]
         self.stats.add(txn.stats)
         results += self._replicas(plan, planner)

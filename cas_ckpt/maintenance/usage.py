@@ -10,6 +10,7 @@ from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import HistoryLink
+from cas_ckpt.maintenance.upkeep import UpkeepStatus
 from cas_ckpt.maintenance.walk import child_links, walk
 from cas_ckpt.refs import RefStore
 
@@ -37,6 +38,7 @@ class Usage:
     stored_bytes: int = 0
     total_blocks: int = 0
     total_bytes: int = 0
+    upkeep: UpkeepStatus | None = None  # packs, index files, and what upkeep would do next
 
     @property
     def unreachable_bytes(self) -> int:
