@@ -256,6 +256,7 @@ class Repository:
     @contextlib.contextmanager
     def transaction(
         self, *, verify_existing: bool = False, compression: str | None = None, upkeep: bool = True,
+        learn: bool = True,
     ) -> Iterator[Transaction]:
         """The one write path: blocks first, durable, then refs, all under the shared save lock.
 
@@ -268,12 +269,14 @@ class Repository:
         repairs). ``compression`` overrides the repository's setting for this batch. A failure of
         the medium raises :class:`MediumError` (an OSError too). Once the refs have moved, upkeep
         runs if it is due and the repository's policy is automatic (``upkeep=False``: not after
-        this batch; the ranks of a DCP save leave it to the coordinator).
+        this batch; the ranks of a DCP save leave it to the coordinator). ``learn=False``: the
+        block index takes in only removals before the batch, not the blocks other processes stored
+        since this one last looked (dedup may miss them; a DCP coordinator shares its ranks').
         """
         codec = self.config.compression if compression is None else check_setting(compression)
         with self._writing(), self.refs_store.lock(exclusive=False):
             self._ensure_format(codec)
-            self.blocks.refresh()
+            self.blocks.refresh(learn=learn)
             with self.blocks.writer(verify_existing=verify_existing, compression=codec) as writer:
                 txn = Transaction(self, writer)
                 yield txn

@@ -115,9 +115,11 @@ def test_a_row_count_that_does_not_fit_is_refused() -> None:
 
 def test_names_sort_journals_then_snapshots_by_sequence() -> None:
     names = [file_name(SNAPSHOT, 5), file_name(JOURNAL, 7), file_name(JOURNAL, 12), file_name(SNAPSHOT, 3)]
-    expected = [(JOURNAL, 7), (JOURNAL, 12), (SNAPSHOT, 3), (SNAPSHOT, 5)]
+    expected = [(JOURNAL, 7, 0), (JOURNAL, 12, 0), (SNAPSHOT, 3, 0), (SNAPSHOT, 5, 0)]
     assert [parse_name(n) for n in sorted(names)] == expected
+    assert parse_name(file_name(SNAPSHOT, 9, 4)) == (SNAPSHOT, 9, 4)
     assert parse_name("s-1-abc.idx") is None and parse_name("x.pack") is None
+    assert parse_name(file_name(JOURNAL, 3).replace("j-", "s-")) is None
 
 
 def test_an_empty_table_is_a_valid_snapshot() -> None:

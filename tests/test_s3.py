@@ -730,9 +730,11 @@ def test_a_store_learns_new_packs_from_journals_without_listing_packs(proxy: Pro
         assert _lists_of(proxy, "packs/") == []
 
 
-def test_gc_removals_reach_other_stores_before_the_packs_go(s3_url: str) -> None:
+@pytest.mark.parametrize("learn", [True, False])
+def test_gc_removals_reach_other_stores_before_the_packs_go(s3_url: str, learn: bool) -> None:
     """A save in another process must never count on a block GC removed: GC writes a snapshot
-    without the packs it is about to delete, and a store catching up drops them."""
+    without the packs it is about to delete (a new removal epoch), and a store catching up drops
+    them, even one that learns only of removals (a DCP rank)."""
     with closing(S3Store(s3_url, **FAST)) as gc_store, closing(S3Store(s3_url, **FAST)) as saver:
         dead = dict(raw_block(i, 3000) for i in range(4))
         with gc_store.writer() as writer:
@@ -743,7 +745,7 @@ def test_gc_removals_reach_other_stores_before_the_packs_go(s3_url: str) -> None
         assert all(saver.has(c) for c in dead)
         assert gc_store.delete(set(dead))[0] == 4
         assert _keys(s3_url, "packs/") == []
-        saver.refresh()
+        saver.refresh(learn=learn)
         assert not any(saver.has(c) for c in dead)  # a dedup check now writes them again
         with saver.writer() as writer:
             assert all(writer.put(c, d) for c, d in dead.items())
@@ -787,3 +789,21 @@ def test_saves_cost_the_same_requests_at_any_history_and_list_no_pack(proxy: Pro
     assert len(_keys(s3_url, "index/")) <= 5
     with cas_ckpt.open(s3_url, read_only=True) as again:
         assert [int(again.load(cid)["step"]) for cid in cids] == list(range(36))
+
+
+def test_a_store_learning_only_of_removals_skips_snapshots_that_removed_no_block(
+    proxy: Proxy, s3_url: str
+) -> None:
+    with closing(S3Store(s3_url, **FAST)) as keeper, closing(S3Store(s3_url, **FAST)) as rank:
+        blocks = {}
+        for i in range(4):  # four small packs
+            cid, data = raw_block(i, 3000)
+            keeper.put(cid, data)
+            blocks[cid] = data
+        keeper.consolidate()
+        rank.refresh()
+        assert keeper.merge_small()[0] == 4  # a snapshot without them, then they go: no block does
+        proxy.requests.clear()
+        rank.refresh(learn=False)
+        assert not any("/index/s-" in path for method, path, _ in proxy.requests if method == "GET")
+        assert all(rank.get(c) == d for c, d in blocks.items())  # a read finds them moved

@@ -149,6 +149,14 @@ class BlockWriter(ABC):
     def settle(self) -> None:  # noqa: B027 - a writer that holds no kept blocks has nothing to write
         """Write out the blocks put with ``keep=True`` still held: their buffers are free again."""
 
+    journal = True  # record the batch in the store's index files at commit (where it keeps them)
+
+    def receipt(self) -> Any:
+        """After commit: what :meth:`BlockStore.adopt` in another process needs to take this
+        batch's blocks in (picklable). A batch that leaves recording to that process sets
+        ``journal = False`` first (the ranks of a DCP save)."""
+        return None
+
     def has(self, cid: bytes) -> bool:
         """True if the block is stored or already in this batch."""
         with self._lock:
@@ -369,10 +377,14 @@ class BlockStore(ABC):
         """Remove leftovers of writers that died; return how many."""
         return 0
 
-    def refresh(self, *, full: bool = False) -> None:  # noqa: B027 - optional hook
+    def refresh(self, *, full: bool = False, learn: bool = True) -> None:  # noqa: B027 - optional hook
         """Pick up blocks other processes have committed since this store was opened (most
         stores see writes at once). ``full``: look at everything the medium holds, not only
-        what an index says changed (GC and fsck ask for it)."""
+        what an index says changed (GC and fsck ask for it). ``learn=False``: take in only what
+        was removed (a batch must never count on it), not what was added."""
+
+    def adopt(self, receipts: Sequence[Any]) -> None:  # noqa: B027 - stores that see writes at once
+        """Take in what other processes' writers stored (their :meth:`BlockWriter.receipt`)."""
 
     format_version = 1  # the repository format version this store's writes need
 

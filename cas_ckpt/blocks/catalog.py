@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from cas_ckpt.backends.base import Backend, ObjectInfo
 from cas_ckpt.blocks.index import Table
@@ -23,6 +24,16 @@ from cas_ckpt.blocks.index_file import (
     parse,
     parse_name,
 )
+
+
+class Listed(NamedTuple):
+    """An index file listed: what its name says, and its object's info."""
+
+    kind: str
+    sequence: int
+    epoch: int
+    info: ObjectInfo
+
 
 FOLDER = "index"
 SUFFIX = ".idx"
@@ -38,16 +49,16 @@ class Catalog:
     def where(self, name: str) -> str:
         return self.backend.where(name)
 
-    def listing(self, after: str | None = None) -> list[tuple[str, int, ObjectInfo]]:
-        """Index files (kind, sequence, info), in name order: journals, then snapshots, each by
-        sequence. ``after``: only names sorting after it (the snapshots always do)."""
+    def listing(self, after: str | None = None) -> list[Listed]:
+        """Index files, in name order: journals, then snapshots, each by sequence. ``after``:
+        only names sorting after it (the snapshots always do)."""
         infos = self.backend.list() if after is None else self.backend.list_after(after)
         found = []
         for info in sorted(infos, key=lambda i: i.name):
             parsed = parse_name(info.name)
             if parsed is not None:
-                found.append((parsed[0], parsed[1], info))
-                self.seen = max(self.seen, parsed[1])
+                found.append(Listed(*parsed, info))
+                self.seen = max(self.seen, parsed.sequence)
         return found
 
     def read(self, info: ObjectInfo) -> IndexFile | None:
@@ -56,13 +67,15 @@ class Catalog:
         return None if data is None else parse(data, self.where(info.name))
 
     def write(
-        self, kind: str, packs: list[tuple[str, int]], table: Table, folded: Iterable[str] = ()
+        self, kind: str, packs: list[tuple[str, int]], table: Table, folded: Iterable[str] = (),
+        epoch: int | None = None,
     ) -> ObjectInfo:
-        """Publish a new index file durably; its name sorts after every one seen."""
+        """Publish a new index file durably; its name sorts after every one seen. A snapshot's
+        ``epoch``: that of the snapshot it follows, or None when blocks were removed (its own)."""
         data = encode(IndexFile(kind, packs, table, sorted(folded)))
         while True:
             self.seen = max(self.seen + 1, time.time_ns() // 1000)
-            name = file_name(kind, self.seen)
+            name = file_name(kind, self.seen, self.seen if epoch is None else epoch)
             with self.backend.create() as sink:
                 sink.write(data)
                 if sink.publish(name):

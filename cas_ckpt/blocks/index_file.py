@@ -16,11 +16,13 @@ A location's pack is a position in ``packs``. The columns are the in-memory inde
 (:class:`~cas_ckpt.blocks.index.Table`): reading a file is a read, a checksum and a few array
 checks, with no work per row in Python.
 
-Names: ``<kind letter>-<sequence: 20 digits>-<16 hex digits>.idx``, ``s`` for a snapshot (every
-pack the store knew), ``j`` for a journal (the packs one batch published, on media where listing
-every pack costs requests). The sequence orders them: a writer takes the greater of the time in
-microseconds and one more than the largest it has seen, so a snapshot written after another was
-read sorts after it.
+Names: ``j-<sequence>-<16 hex digits>.idx`` for a journal (the packs one batch published, on
+media where listing every pack costs requests), ``s-<sequence>-<epoch>-<16 hex digits>.idx`` for a
+snapshot (every pack the store knew); sequence and epoch are 20 digits. The sequence orders them:
+a writer takes the greater of the time in microseconds and one more than the largest it has seen,
+so a snapshot written after another was read sorts after it. A snapshot's epoch is the sequence of
+the newest snapshot written when blocks were removed (GC): a process that needs to learn only of
+removals reads a snapshot only when the epoch grew.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import hashlib
 import os
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
@@ -66,20 +69,33 @@ class IndexFile:
         return [name for name, _ in self.packs]
 
 
-def file_name(kind: str, sequence: int) -> str:
-    """A new index file's name: its kind's letter, the sequence, a random tail."""
-    return f"{LETTERS[kind]}-{sequence:0{SEQUENCE_DIGITS}d}-{os.urandom(8).hex()}{SUFFIX}"
+class Name(NamedTuple):
+    """What an index file's name says: its kind, sequence and (snapshots) removal epoch."""
+
+    kind: str
+    sequence: int
+    epoch: int
 
 
-def parse_name(name: str) -> tuple[str, int] | None:
-    """(kind, sequence) of an index file's name; None for any other name."""
-    letter, _, rest = name.partition("-")
-    sequence, _, tail = rest.partition("-")
+def file_name(kind: str, sequence: int, epoch: int = 0) -> str:
+    """A new index file's name: its kind's letter, the sequence, (snapshots) the epoch, a random tail."""
+    digits = f"{sequence:0{SEQUENCE_DIGITS}d}"
+    if kind == SNAPSHOT:
+        digits += f"-{epoch:0{SEQUENCE_DIGITS}d}"
+    return f"{LETTERS[kind]}-{digits}-{os.urandom(8).hex()}{SUFFIX}"
+
+
+def parse_name(name: str) -> Name | None:
+    """What an index file's name says; None for any other name."""
+    letter, *parts = name.split("-")
     kind = {letter: kind for kind, letter in LETTERS.items()}.get(letter)
-    if kind is None or len(sequence) != SEQUENCE_DIGITS or not sequence.isdigit() \
-            or not tail.endswith(SUFFIX) or len(tail) != 16 + len(SUFFIX):
+    if kind is None or len(parts) != (3 if kind == SNAPSHOT else 2):
         return None
-    return kind, int(sequence)
+    *numbers, tail = parts
+    if not all(len(n) == SEQUENCE_DIGITS and n.isdigit() for n in numbers) \
+            or len(tail) != 16 + len(SUFFIX) or not tail.endswith(SUFFIX):
+        return None
+    return Name(kind, int(numbers[0]), int(numbers[1]) if kind == SNAPSHOT else 0)
 
 
 def encode(content: IndexFile) -> bytes:

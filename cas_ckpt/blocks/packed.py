@@ -33,7 +33,7 @@ from cas_ckpt.backends.local import LocalBackend
 from cas_ckpt.backends.memory import MemoryBackend
 from cas_ckpt.backends.s3 import DEFAULT_GRACE, PART_SIZE, READ_SIZE, S3Backend, S3Bucket
 from cas_ckpt.blocks.base import BlockStore, BlockWriter, Layout, Stored
-from cas_ckpt.blocks.catalog import FOLDER, Catalog
+from cas_ckpt.blocks.catalog import FOLDER, Catalog, Listed
 from cas_ckpt.blocks.catalog import SUFFIX as INDEX_SUFFIX
 from cas_ckpt.blocks.compression import CODEC_NONE, Compressor, decode, decode_into
 from cas_ckpt.blocks.index import LOCATION_DTYPE, MAX_LENGTH, BlockIndex, table_of
@@ -90,6 +90,7 @@ class PackWriter(BlockWriter):
         self._offset = 0
         self._sealed: list[Future[tuple[ObjectInfo, list[EntryFields]]]] = []
         self.published: list[str] = []
+        self.published_packs: list[tuple[ObjectInfo, list[EntryFields]]] = []
         self.journal = True  # record the packs in a journal file on commit (where the store keeps them)
 
     def _stored(self, cid: bytes) -> bool:
@@ -135,6 +136,11 @@ class PackWriter(BlockWriter):
             if self._sink is not None:
                 self._sink.settle()
 
+    def receipt(self) -> list[tuple[ObjectInfo, list[EntryFields]]]:
+        """The packs this batch published and their entries, for :meth:`PackedBlockStore.adopt`
+        in another process (picklable)."""
+        return list(self.published_packs)
+
     def add_copy(self, cid: bytes, data: bytes | memoryview, *, stored: Stored | None = None) -> None:
         """Write a block again even though the store has it (GC moving live blocks), as
         ``stored`` if given (a copy keeps its encoding)."""
@@ -177,6 +183,7 @@ class PackWriter(BlockWriter):
                 self.closed = True
             self._packed._add_packs(packs)
             self.published = [info.name for info, _ in packs]
+            self.published_packs = packs
 
     def abort(self) -> None:
         with self._lock:
@@ -224,6 +231,7 @@ class PackedBlockStore(BlockStore):
         self._snapshot: str | None = None  # the newest snapshot this view took in or wrote
         self._covered: set[str] = set()  # the packs that snapshot describes
         self._folded: set[str] = set()  # the journals it folded in
+        self._epoch = 0  # its removal epoch: the newest snapshot written when GC removed blocks
         self._journals: dict[str, list[str]] = {}  # journals taken in since, and their packs
         self._publisher_pool: ThreadPoolExecutor | None = None
         self.refresh()
@@ -245,7 +253,7 @@ class PackedBlockStore(BlockStore):
         return 3 if self.writes_journals else 1
 
     # -- the index -----------------------------------------------------------------------------
-    def refresh(self, *, full: bool = False) -> None:
+    def refresh(self, *, full: bool = False, learn: bool = True) -> None:
         """Take in the packs published since the last look, forget those gone.
 
         Where listing is cheap (a directory) the listing of ``packs/`` decides which packs
@@ -253,13 +261,15 @@ class PackedBlockStore(BlockStore):
         own index. On object storage the index folder decides: new journals and a newer snapshot
         are read, and no pack is listed, until no snapshot exists yet (a repository written by
         0.2). ``full`` lists every pack, and looks up every pack's size and age again (GC, which
-        spares young packs, fsck, and a read that found nothing otherwise).
+        spares young packs, fsck, and a read that found nothing otherwise). ``learn=False`` takes
+        in only what was removed (packs gone, a newer snapshot's removals), never a new pack: the
+        ranks of a DCP save, which the coordinator tells of each other's packs, ask for that.
         """
         with self._refresh_lock:
-            if full or self._catalog is None or self.backend.cheap_listing or not self._refresh_index():
-                self._refresh_listing(full=full)
+            if full or self._catalog is None or self.backend.cheap_listing or not self._refresh_index(learn):
+                self._refresh_listing(full=full, learn=learn or full)
 
-    def _refresh_listing(self, *, full: bool) -> None:
+    def _refresh_listing(self, *, full: bool, learn: bool = True) -> None:
         with self._lock:
             known = self._blocks.ids.keys() | self.corrupt_packs.keys()
         if full:
@@ -273,6 +283,8 @@ class PackedBlockStore(BlockStore):
         with self._lock:
             if full:
                 self._info.update((name, info) for name, info in listing.items() if name in self._blocks)
+        if not learn:
+            return
         if infos and self._catalog is not None and self.backend.cheap_listing:
             infos = self._describe_from_snapshot(infos)
         self._describe_from_packs(infos)
@@ -293,7 +305,7 @@ class PackedBlockStore(BlockStore):
         """Take in the packs of ``infos`` that the newest snapshot describes (at the size
         listed); return the others."""
         for _ in range(_RELISTS):  # the newest listed may be gone when read: a newer one replaced it
-            snapshots = [(seq, info) for kind, seq, info in self._listing() if kind == SNAPSHOT]
+            snapshots = [(f.sequence, f.info) for f in self._listing() if f.kind == SNAPSHOT]
             if not snapshots:
                 return infos
             _, newest = max(snapshots, key=lambda s: (s[0], s[1].name))
@@ -309,11 +321,11 @@ class PackedBlockStore(BlockStore):
             self._take(content, take, {name: wanted[name] for name in take})
             with self._lock:
                 self._snapshot, self._covered = newest.name, set(content.pack_names)
-                self._folded = set(content.folded)
+                self._folded, self._epoch = set(content.folded), _epoch(newest.name)
             return [info for info in infos if info.name not in self._blocks]
         return infos
 
-    def _listing(self, after: str | None = None) -> list[tuple[str, int, ObjectInfo]]:
+    def _listing(self, after: str | None = None) -> list[Listed]:
         assert self._catalog is not None
         return self._catalog.listing(after)
 
@@ -333,16 +345,19 @@ class PackedBlockStore(BlockStore):
             self._blocks.add_table(content.table, content.pack_names, only=set(names))
             self._info.update((name, infos[name]) for name in names if name not in self._info)
 
-    def _refresh_index(self) -> bool:
+    def _refresh_index(self, learn: bool = True) -> bool:
         """Catch up from the index folder (journals new since the last look, a newer snapshot);
         False if there is no snapshot to start from, or it is damaged (the caller lists packs)."""
         for _ in range(_RELISTS):  # a file listed may be gone when read: a newer snapshot replaced it
             start = f"j-{max(0, self._newest_journal() - JOURNAL_WINDOW_US):0{SEQUENCE_DIGITS}d}"
             listing = self._listing(after=start)
-            snapshots = [(seq, info) for kind, seq, info in listing if kind == SNAPSHOT]
+            snapshots = [f for f in listing if f.kind == SNAPSHOT]
             if not snapshots:
                 return False
-            _, newest = max(snapshots, key=lambda s: (s[0], s[1].name))
+            last = max(snapshots, key=lambda f: (f.sequence, f.info.name))
+            newest = last.info
+            if not learn and last.epoch <= self._epoch:
+                return True  # no block removed since this view was made: nothing to learn
             base = None
             if newest.name != self._snapshot:
                 base = self._read_index_file(newest)
@@ -352,7 +367,7 @@ class PackedBlockStore(BlockStore):
                     continue
             folded = set(base.folded) if base is not None else self._folded
             journals = []
-            for kind, _, info in listing:
+            for kind, _, _, info in listing if learn else ():
                 if kind == JOURNAL and info.name not in folded and info.name not in self._journals:
                     content = self._read_index_file(info)
                     if content is None and info.name not in self.corrupt_indexes:
@@ -381,6 +396,7 @@ class PackedBlockStore(BlockStore):
             with self._lock:
                 self._snapshot, self._folded = newest.name, set(base.folded)
                 self._covered = set(base.pack_names)
+                self._epoch = _epoch(newest.name)
         for info, content in journals:
             sizes = {name: ObjectInfo(name, size, 0.0) for name, size in content.packs}
             self._take(content, [name for name in content.pack_names if name not in self._blocks], sizes)
@@ -388,8 +404,8 @@ class PackedBlockStore(BlockStore):
                 self._journals[info.name] = content.pack_names
 
     def _newest_journal(self) -> int:
-        sequences = [parsed[1] for name in self._journals if (parsed := parse_name(name))]
-        sequences += [parsed[1] for name in self._folded if (parsed := parse_name(name))]
+        sequences = [parsed.sequence for name in self._journals if (parsed := parse_name(name))]
+        sequences += [parsed.sequence for name in self._folded if (parsed := parse_name(name))]
         return max(sequences, default=0)
 
     def _write_journal(self, packs: list[tuple[ObjectInfo, list[EntryFields]]]) -> None:
@@ -400,14 +416,28 @@ class PackedBlockStore(BlockStore):
         with self._lock:
             self._journals[written.name] = [info.name for info, _ in packs]
 
-    def consolidate(self, *, excluding: Collection[str] = ()) -> str | None:
+    def adopt(self, receipts: Sequence[Any]) -> None:
+        """Take in packs other processes published (their writers' :meth:`PackWriter.receipt`),
+        recorded in one journal where the medium keeps journals: the coordinator of a DCP save
+        tells every later reader of its ranks' packs at once."""
+        packs = [(info, list(entries)) for receipt in receipts for info, entries in receipt]
+        packs = [(info, entries) for info, entries in packs if info.name not in self._blocks]
+        if not packs:
+            return
+        self._check_writable()
+        if self.writes_journals:
+            self._write_journal(packs)
+        self._add_packs(packs)
+
+    def consolidate(self, *, excluding: Collection[str] = (), removing: bool = False) -> str | None:
         """Write a snapshot: one index file of every pack this store knows, folding in the
         journals it has read; then remove the index files it supersedes. Returns its name (None
         where the medium keeps no index files).
 
         Deletes no pack and no block, so it needs no lock against GC beyond a save's; on object
         storage the first one lists every pack (a repository 0.2 wrote gets its index here).
-        ``excluding``: packs about to be deleted, left out.
+        ``excluding``: packs about to be deleted, left out; ``removing``: blocks are removed with
+        them (GC), which every writer must learn of (the snapshot starts a new removal epoch).
         """
         self._check_writable()
         if self._catalog is None:
@@ -415,7 +445,7 @@ class PackedBlockStore(BlockStore):
         with self._refresh_lock:
             self.refresh(full=self._snapshot is None and not self.backend.cheap_listing)
             listing = self._listing()
-            journals = self._journal_packs(info for kind, _, info in listing if kind == JOURNAL)
+            journals = self._journal_packs(f.info for f in listing if f.kind == JOURNAL)
             with self._lock:
                 table, names = self._blocks.snapshot(excluding)
                 packs = [(name, self._info[name].size) for name in names]
@@ -423,14 +453,17 @@ class PackedBlockStore(BlockStore):
             # they are being deleted: a reader of the snapshot then never takes them in again.
             covered = set(names).union(excluding)
             folded = {name for name, held in journals.items() if held is None or covered.issuperset(held)}
-            written = self._catalog.write(SNAPSHOT, packs, table, folded)
+            epoch = max([self._epoch, *(f.epoch for f in listing if f.kind == SNAPSHOT)])
+            written = self._catalog.write(SNAPSHOT, packs, table, folded, epoch=None if removing else epoch)
             with self._lock:
                 self._snapshot, self._covered, self._folded = written.name, set(names), folded
+                self._epoch = _epoch(written.name)
                 self._journals = {j: p for j, p in self._journals.items() if j not in folded}
             mine = parse_name(written.name)
-            superseded = [info.name for kind, seq, info in listing
-                          if (kind == SNAPSHOT and (seq, info.name) < (mine[1] if mine else 0, written.name))
-                          or info.name in folded]
+            assert mine is not None
+            newer = (mine.sequence, written.name)
+            superseded = [f.info.name for f in listing if f.info.name in folded
+                          or (f.kind == SNAPSHOT and (f.sequence, f.info.name) < newer)]
             self._catalog.delete(superseded)
             with self._lock:
                 for name in superseded:
@@ -966,11 +999,11 @@ class PackedBlockStore(BlockStore):
             merge = self._blocks.entries([name for _, name in small])
         written, kept = self._repack(merge)
         doomed = [name for name in merge if name not in written and name not in kept]
-        self._retire(doomed)
+        self._retire(doomed, removing=False)  # every block of theirs is in the new packs
         copied = sum(e.length for name in doomed for e in merge[name])
         return len(doomed), len([name for name in written if name not in merge]), copied
 
-    def _retire(self, names: list[str]) -> None:
+    def _retire(self, names: list[str], *, removing: bool = True) -> None:
         """Delete packs whose live blocks are stored elsewhere (or dead). Where index files tell
         other processes which packs exist, a snapshot without them is written first: a save that
         reads it never counts on them, and a crash in between leaves packs no index names, which
@@ -978,7 +1011,7 @@ class PackedBlockStore(BlockStore):
         if not names:
             return
         if self.writes_journals:
-            self.consolidate(excluding=set(names))
+            self.consolidate(excluding=set(names), removing=removing)
         for name in names:
             self.backend.delete(name)
         self._drop_packs(names)
@@ -1058,6 +1091,11 @@ class PackedBlockStore(BlockStore):
         if pool is not None:
             pool.shutdown(wait=True)
         self.backend.close()
+
+
+def _epoch(name: str) -> int:
+    parsed = parse_name(name)
+    return parsed.epoch if parsed is not None else 0
 
 
 def _runs(locs: list[Location], limit: int) -> Iterator[list[int]]:
