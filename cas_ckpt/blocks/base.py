@@ -149,6 +149,10 @@ class BlockWriter(ABC):
     def settle(self) -> None:  # noqa: B027 - a writer that holds no kept blocks has nothing to write
         """Write out the blocks put with ``keep=True`` still held: their buffers are free again."""
 
+    def expect_run(self, nbytes: int) -> None:  # noqa: B027 - a hint stores without files may ignore
+        """The next blocks, ``nbytes`` in all, belong together (an array's chunks): a store that
+        can map its files keeps them in one, so a load can map the whole array."""
+
     journal = True  # record the batch in the store's index files at commit (where it keeps them)
 
     def receipt(self) -> Any:

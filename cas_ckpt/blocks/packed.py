@@ -88,6 +88,7 @@ class PackWriter(BlockWriter):
         self._sink: Sink | None = None
         self._entries: list[EntryFields] = []  # plain tuples, as the pack index takes them
         self._offset = 0
+        self._run_end = 0  # no cut before this offset: the end of an array's chunks (expect_run)
         self._sealed: list[Future[tuple[ObjectInfo, list[EntryFields]]]] = []
         self.published: list[str] = []
         self.published_packs: list[tuple[ObjectInfo, list[EntryFields]]] = []
@@ -120,7 +121,8 @@ class PackWriter(BlockWriter):
         length = size if stored.codec == CODEC_NONE else memoryview(stored.data).nbytes
         if size > MAX_LENGTH:
             raise RepositoryError(f"block {cidlib.to_str(cid)} holds {size} bytes: 4 GiB or more")
-        if self._sink is not None and self._offset + length > self._packed.pack_size and self._entries:
+        if self._sink is not None and self._offset + length > self._packed.pack_size and self._entries \
+                and self._offset >= self._run_end:
             self._seal()
         if self._sink is None:
             self._sink = self._packed.backend.create()
@@ -135,6 +137,17 @@ class PackWriter(BlockWriter):
         with self._lock:
             if self._sink is not None:
                 self._sink.settle()
+
+    def expect_run(self, nbytes: int) -> None:
+        """Keep the next ``nbytes`` in one pack where packs are mapped: a new pack if they do not
+        fit the current one, and no cut inside them (the pack grows past the pack size instead;
+        blocks found stored already only end the run sooner)."""
+        if not self._packed.backend.can_mmap:
+            return  # an object store's loads never map: its packs keep their size for the uploads
+        with self._lock:
+            if self._sink is not None and self._entries and self._offset + nbytes > self._packed.pack_size:
+                self._seal()
+            self._run_end = (self._offset if self._sink is not None else len(PACK_MAGIC)) + nbytes
 
     def receipt(self) -> list[tuple[ObjectInfo, list[EntryFields]]]:
         """The packs this batch published and their entries, for :meth:`PackedBlockStore.adopt`
