@@ -276,7 +276,7 @@ class Repository:
         codec = self.config.compression if compression is None else check_setting(compression)
         with self._writing(), self.refs_store.lock(exclusive=False):
             self._ensure_format(codec)
-            self.blocks.refresh(learn=learn)
+            self.blocks.refresh() if learn else self.blocks.refresh(learn=False)
             with self.blocks.writer(verify_existing=verify_existing, compression=codec) as writer:
                 txn = Transaction(self, writer)
                 yield txn

@@ -101,7 +101,7 @@ class IndexAgainstModel(RuleBasedStateMachine):
     def mark_a_copy_bad(self, data: st.DataObject) -> None:
         every = [Location.of(name, e) for name, entries in self.model.items() for e in entries]
         if every:
-            self.index.bad.add(data.draw(st.sampled_from(every)))
+            self.index.mark_bad(data.draw(st.sampled_from(every)))
 
     @rule()
     def fold(self) -> None:

@@ -52,8 +52,8 @@ class CountingStore(BlockStore):
     ) -> tuple[int, int]:
         return self.inner.delete(cids, min_age=min_age, before_unlink=before_unlink)
 
-    def refresh(self) -> None:
-        self.inner.refresh()
+    def refresh(self, *, full: bool = False, learn: bool = True) -> None:
+        self.inner.refresh(full=full, learn=learn)
 
     def close(self) -> None:
         self.inner.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, MutableSet, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
@@ -353,6 +353,34 @@ class BlockStore(ABC):
         exclusive repository lock. ``before_unlink`` runs before anything is removed and may
         raise to stop (a GC whose lease on a remote lock was lost).
         """
+
+    def marks(self) -> MutableSet[bytes]:
+        """An empty set for GC to mark the blocks it keeps in (a store may keep it compactly)."""
+        return set()
+
+    def count_kept(self, keep: MutableSet[bytes]) -> int:
+        """How many stored blocks ``keep`` holds."""
+        return sum(1 for cid in self.keys() if cid in keep)
+
+    def unkept(self, keep: MutableSet[bytes]) -> tuple[int, int]:
+        """(stored blocks not in ``keep``, the bytes they take)."""
+        dead = list(self.unkept_cids(keep))
+        return len(dead), sum(self.stored_size(cid) for cid in dead)
+
+    def unkept_cids(self, keep: MutableSet[bytes]) -> Iterator[bytes]:
+        return (cid for cid in self.keys() if cid not in keep)
+
+    def sweep(
+        self, keep: MutableSet[bytes], *, min_age: float = 0.0,
+        before_unlink: Callable[[], None] | None = None,
+    ) -> tuple[int, int]:
+        """Remove every stored block not in ``keep`` (as :meth:`delete`)."""
+        return self.delete(set(self.unkept_cids(keep)), min_age=min_age, before_unlink=before_unlink)
+
+    def check_storage(self) -> dict[str, str]:
+        """Read every storage unit's own description again (packs' indexes, where an index file
+        described them instead): those damaged or disagreeing, and why (fsck)."""
+        return self.damaged()
 
     def damaged(self) -> dict[str, str]:
         """Storage units (packs) found unreadable, and why: reported by fsck, never read from."""

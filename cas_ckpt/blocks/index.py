@@ -51,6 +51,7 @@ KINDS = {
 _KIND_BYTE = {prefix: bytes([kind]) for prefix, kind in KINDS.items()}
 _PREFIX_OF = {kind: prefix for prefix, kind in KINDS.items()}
 _MERGE_MIN = 65536  # the delta folds into the base past max(this, an eighth of the base)
+_RECENT = 4096  # lookups remembered (BlockIndex.copies)
 
 
 def key_of(cid: bytes) -> bytes:
@@ -187,6 +188,9 @@ class BlockIndex:
         self._dead_rows = 0
         self.bad: set[Location] = set()  # copies that failed their hash in this process
         self._first: dict[bytes, Location] = {}  # the copy to try first, where not the table's
+        # The copies of the blocks read last (a walk or a load reads some nodes again and again),
+        # emptied by every change.
+        self._recent: dict[bytes, list[Location]] = {}
 
     # -- changes -------------------------------------------------------------------------------
     def __contains__(self, pack: object) -> bool:
@@ -237,6 +241,7 @@ class BlockIndex:
         return pack
 
     def _add(self, table: Table) -> None:
+        self._recent = {}
         base, delta, names = self._state
         delta = merge(delta, table) if delta.n else table
         if delta.n > max(_MERGE_MIN, base.n // 8):
@@ -255,6 +260,7 @@ class BlockIndex:
                 self._dead_rows += self.pack_rows.pop(name, 0)
         if not gone:
             return
+        self._recent = {}
         self.bad = {loc for loc in self.bad if loc.pack not in gone}
         self._first = {cid: loc for cid, loc in self._first.items() if loc.pack not in gone}
         if self._dead_rows > max(_MERGE_MIN, len(self) // 8):
@@ -278,6 +284,7 @@ class BlockIndex:
         fresh = [names[pack] for pack in live]
         self.ids = {name: pack for pack, name in enumerate(fresh)}
         self._state = (Table.sorted(keys, locations), EMPTY, fresh)
+        self._recent = {}
         self._dead.clear()
         self._dead_rows = 0
 
@@ -290,6 +297,17 @@ class BlockIndex:
     def copies(self, cid: bytes) -> list[Location]:
         """Every known copy of ``cid``: the one reads should try first, then the others, those
         known to be damaged last."""
+        recent = self._recent.get(cid)
+        if recent is not None:
+            return list(recent)
+        found = self._copies(cid)
+        if found:
+            if len(self._recent) >= _RECENT:
+                self._recent.clear()
+            self._recent[cid] = found
+        return list(found)
+
+    def _copies(self, cid: bytes) -> list[Location]:
         try:
             key = key_of(cid)
         except KeyError:
@@ -298,12 +316,18 @@ class BlockIndex:
         dead = self._dead
         found: list[Location] = []
         for table in (base, delta):
-            for row in table.rows(key):
-                pack, offset, length, codec, size = table.location(row)
+            row = table.find(key) if table.n else -1
+            while row >= 0:  # this row, and the copies after it
+                pack, offset, length, codec, size = LOCATION.unpack_from(table.locations, row * LOCATION.size)
                 if not (dead and pack in dead):
                     loc = Location(names[pack], offset, length, codec, size)
                     if loc not in found:
                         found.append(loc)
+                row += 1
+                if row >= table.n or table.keys[row * KEY_SIZE : (row + 1) * KEY_SIZE] != key:
+                    break
+        if not self._first and not self.bad:
+            return found
         first = self._first.get(cid)
         if first is not None and first in found:
             found.remove(first)
@@ -321,7 +345,7 @@ class BlockIndex:
             return None
         base, delta, names = self._state
         for table in (base, delta):
-            row = table.find(key)
+            row = table.find(key) if table.n else -1
             if row >= 0:
                 pack, offset, length, codec, size = table.location(row)
                 return Location(names[pack], offset, length, codec, size)
@@ -336,7 +360,7 @@ class BlockIndex:
         except KeyError:
             return False
         base, delta, _ = self._state
-        return base.find(key) >= 0 or delta.find(key) >= 0
+        return (base.n > 0 and base.find(key) >= 0) or (delta.n > 0 and delta.find(key) >= 0)
 
     def _first_rows(self, cids: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, list[str]] | None:
         """The first copy's location of each CID (``LOCATION_DTYPE``) and whether it was found,
@@ -386,6 +410,19 @@ class BlockIndex:
     def prefer(self, cid: bytes, loc: Location) -> None:
         """Make ``loc`` the copy reads try first (a good copy found behind a damaged one)."""
         self._first[cid] = loc
+        self._recent = {}
+
+    def mark_bad(self, loc: Location) -> None:
+        """Record a copy that failed its hash: reads try it last."""
+        self.bad.add(loc)
+        self._recent = {}
+
+    def fold(self) -> tuple[Table, list[str]]:
+        """Everything in one table of the live packs (``base``), and the names its ids refer to."""
+        if self._dead or self._state[1].n:
+            self._compact()
+        base, _, names = self._state
+        return base, names
 
     # -- whole-index views ---------------------------------------------------------------------
     def __len__(self) -> int:

@@ -19,7 +19,7 @@ import errno
 import itertools
 import os
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, MutableSet, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from cas_ckpt.blocks.base import BlockStore, BlockWriter, Layout, Stored
 from cas_ckpt.blocks.catalog import FOLDER, Catalog, Listed
 from cas_ckpt.blocks.catalog import SUFFIX as INDEX_SUFFIX
 from cas_ckpt.blocks.compression import CODEC_NONE, Compressor, decode, decode_into
-from cas_ckpt.blocks.index import LOCATION_DTYPE, MAX_LENGTH, BlockIndex, table_of
+from cas_ckpt.blocks.index import LOCATION_DTYPE, MAX_LENGTH, BlockIndex, Table, cid_of, table_of
 from cas_ckpt.blocks.index_file import JOURNAL, SEQUENCE_DIGITS, SNAPSHOT, IndexFile, parse_name
 from cas_ckpt.blocks.pack import (
     FOOTER,
@@ -51,10 +51,9 @@ from cas_ckpt.blocks.pack import (
     Location,
     encode_index,
     index_length,
-    pack_version,
     parse_index,
-    plan_sweep,
 )
+from cas_ckpt.blocks.sweep import RowMarks, plan, rows_by_pack
 from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, RepositoryError
 
 REPACK_READ = 16 * 1024 * 1024  # the most GC reads at once when copying live blocks
@@ -589,7 +588,7 @@ class PackedBlockStore(BlockStore):
 
     def _mark_bad(self, cid: bytes, loc: Location) -> None:
         with self._lock:
-            self._blocks.bad.add(loc)
+            self._blocks.mark_bad(loc)
 
     def _prefer(self, cid: bytes, loc: Location) -> None:
         """Make ``loc`` the copy reads try first (a good copy found behind a damaged one)."""
@@ -599,6 +598,24 @@ class PackedBlockStore(BlockStore):
             copies = self._blocks.copies(cid)
             if copies and copies[0] != loc and loc in copies:
                 self._blocks.prefer(cid, loc)
+
+    def check_storage(self) -> dict[str, str]:
+        """Every pack's own index read again and compared with what the store's index (an index
+        file, maybe) says of it; damaged packs and index files, and why."""
+        with self._lock:
+            infos = [self._info[name] for name in sorted(self._blocks.ids) if name in self._info]
+        for start in range(0, len(infos), 256):
+            part = infos[start : start + 256]
+            with self._lock:
+                indexed = self._blocks.entries([info.name for info in part])
+            for info, result in zip(part, self._read_indexes(part), strict=True):
+                if isinstance(result, str):
+                    with self._lock:
+                        self.corrupt_packs[info.name] = result
+                elif result is not None and sorted(map(Entry._make, result)) != sorted(indexed[info.name]):
+                    with self._lock:
+                        self.corrupt_packs[info.name] = "its index disagrees with the index file"
+        return self.damaged()
 
     def damaged(self) -> dict[str, str]:
         """Damaged packs by name, and damaged index files as ``index/<name>`` (their packs'
@@ -954,43 +971,84 @@ class PackedBlockStore(BlockStore):
             return stored
         return decode(e.codec, stored, e.size, self.backend.where(name))
 
+    def marks(self) -> RowMarks:
+        """GC's marks: a flag per row of the index, folded into one table now."""
+        with self._lock:
+            table, _ = self._blocks.fold()
+        return RowMarks(table)
+
+    def count_kept(self, keep: MutableSet[bytes]) -> int:
+        if not isinstance(keep, RowMarks):
+            return super().count_kept(keep)
+        return keep.kept_blocks() + sum(1 for cid in keep.outside if self._has(cid))
+
+    def unkept(self, keep: MutableSet[bytes]) -> tuple[int, int]:
+        if not isinstance(keep, RowMarks):
+            return super().unkept(keep)
+        return keep.unkept()
+
+    def unkept_cids(self, keep: MutableSet[bytes]) -> Iterator[bytes]:
+        if not isinstance(keep, RowMarks):
+            return super().unkept_cids(keep)
+        return keep.unkept_cids()
+
     def delete(
         self, cids: set[bytes], *, min_age: float = 0.0, before_unlink: Callable[[], None] | None = None
     ) -> tuple[int, int]:
-        """Remove blocks from packs older than ``max(min_age, backend.min_grace)`` seconds.
-
-        Packs left with nothing live are deleted first (that needs no space, so GC frees space
-        on a full medium). Packs losing some blocks, and small packs, are then merged: their
-        surviving blocks, each verified, are written into new packs, published durably, and only
-        then are the old packs deleted; in groups that fit in the room the medium has, so a full
-        disk is compacted step by step. Returns (blocks removed, bytes freed).
-        """
+        """Remove these blocks (see :meth:`sweep`)."""
         self._check_writable()
         self.refresh(full=True)
         with self._lock:
-            packs = {name: (entries, self._info[name].size, self._info[name].age)
-                     for name, entries in self._blocks.entries().items() if name in self._info}
-        plan = plan_sweep(packs, cids, max(min_age, self.backend.min_grace), small_size=self.small_pack)
-        dead = [name for name, live in plan.items() if not live]
-        merge = {name: live for name, live in plan.items() if live}
-        if before_unlink is not None and plan:
+            table, _ = self._blocks.fold()
+        keep = RowMarks(table, everything=True)
+        for cid in cids:
+            keep.discard(cid)
+        return self.sweep(keep, min_age=min_age, before_unlink=before_unlink)
+
+    def sweep(
+        self, keep: MutableSet[bytes], *, min_age: float = 0.0,
+        before_unlink: Callable[[], None] | None = None,
+    ) -> tuple[int, int]:
+        """Remove every block not in ``keep`` (marks from :meth:`marks`) from packs older than
+        ``max(min_age, backend.min_grace)`` seconds.
+
+        Packs left with nothing kept are deleted first (that needs no space, so GC frees space
+        on a full medium). Packs losing some blocks, and small packs, are then merged: their
+        kept blocks, each verified, are written into new packs, published durably, and only then
+        are the old packs deleted; in groups that fit in the room the medium has, so a full disk
+        is compacted step by step. Returns (blocks removed, bytes freed). The plan is made over
+        the index's table and the marks' flags: no object per block.
+        """
+        if not isinstance(keep, RowMarks):
+            return super().sweep(keep, min_age=min_age, before_unlink=before_unlink)
+        self._check_writable()
+        self.refresh(full=True)  # every pack's size and age, and packs no index file named
+        with self._lock:
+            table, names = self._blocks.fold()
+            sizes = {name: self._info[name].size for name in self._blocks.ids if name in self._info}
+            ages = {name: self._info[name].age for name in sizes}
+        kept = keep.flags_for(table)
+        found = plan(table, names, kept, sizes, ages, max(min_age, self.backend.min_grace), self.small_pack)
+        if before_unlink is not None and (found.dead or found.merge):
             before_unlink()
         removed = freed = 0
-        if dead:
-            self._retire(dead)
-            removed, freed = sum(len(packs[name][0]) for name in dead), sum(packs[name][1] for name in dead)
-        for batch in self._batches(merge):
-            written, kept = self._repack(batch)
-            if not written and kept == set(batch):
+        if found.dead:
+            self._retire(found.dead)
+            removed = sum(found.rows[name] for name in found.dead)
+            freed = sum(sizes[name] for name in found.dead)
+        live = _LiveEntries(table, names, kept, found.merge)
+        for batch in self._batches(found.live_bytes):
+            written, held = self._repack(batch, live)
+            if not written and held == set(batch):
                 break  # the medium is full: what is left waits for the next GC
             if before_unlink is not None:
                 before_unlink()
             # Not those rewritten byte for byte (an identical pack), nor those holding the only copy.
-            doomed = [name for name in batch if name not in written and name not in kept]
+            doomed = [name for name in batch if name not in written and name not in held]
             self._retire(doomed)
             for name in doomed:
-                removed += len(packs[name][0]) - len(batch[name])
-                freed += packs[name][1]
+                removed += found.rows[name] - live.count(name)
+                freed += sizes[name]
             with self._lock:  # what the new packs take (an identical rewrite was never deleted)
                 freed -= sum(self._info[name].size for name in written
                              if name in self._info and name not in batch)
@@ -1005,16 +1063,17 @@ class PackedBlockStore(BlockStore):
         self._check_writable()
         self.refresh()
         with self._lock:
-            small = sorted((info.size, name) for name, info in self._info.items()
-                           if name in self._blocks and info.size < self.small_pack)
+            small = [name for _, name in sorted((info.size, name) for name, info in self._info.items()
+                                                if name in self._blocks and info.size < self.small_pack)]
             if len(small) < 2:
                 return 0, 0, 0
-            merge = self._blocks.entries([name for _, name in small])
-        written, kept = self._repack(merge)
-        doomed = [name for name in merge if name not in written and name not in kept]
+            table, names = self._blocks.fold()
+        live = _LiveEntries(table, names, np.ones(table.n, bool), small)
+        written, kept = self._repack(small, live)
+        doomed = [name for name in small if name not in written and name not in kept]
         self._retire(doomed, removing=False)  # every block of theirs is in the new packs
-        copied = sum(e.length for name in doomed for e in merge[name])
-        return len(doomed), len([name for name in written if name not in merge]), copied
+        copied = sum(live.bytes(name) for name in doomed)
+        return len(doomed), len([name for name in written if name not in small]), copied
 
     def _retire(self, names: list[str], *, removing: bool = True) -> None:
         """Delete packs whose live blocks are stored elsewhere (or dead). Where index files tell
@@ -1029,28 +1088,29 @@ class PackedBlockStore(BlockStore):
             self.backend.delete(name)
         self._drop_packs(names)
 
-    def _batches(self, merge: dict[str, list[Entry]]) -> Iterator[dict[str, list[Entry]]]:
+    def _batches(self, live_bytes: dict[str, int]) -> Iterator[list[str]]:
         """The packs to merge in groups whose live blocks fit in the room the medium has left.
 
         Packs with the fewest live bytes come first: on a full disk each group is rewritten and
         its old packs deleted before the next is written, so the room grows as GC goes.
         """
-        order = sorted(merge, key=lambda name: sum(e.length for e in merge[name]))
+        order = sorted(live_bytes, key=live_bytes.__getitem__)
         while order:
             free = self.backend.free_space()
-            batch: dict[str, list[Entry]] = {}
+            batch: list[str] = []
             need = 0
             for name in order:
-                live = sum(e.length for e in merge[name])
+                live = live_bytes[name]
                 if free is not None and batch and need + live + SPACE_MARGIN > free:
                     break
-                batch[name], need = merge[name], need + live
+                batch.append(name)
+                need += live
             if free is not None and need + SPACE_MARGIN > free:
                 return  # not even the smallest fits
             order = order[len(batch) :]
             yield batch
 
-    def _repack(self, merge: dict[str, list[Entry]]) -> tuple[list[str], set[str]]:
+    def _repack(self, merge: list[str], live: _LiveEntries) -> tuple[list[str], set[str]]:
         """Copy the live blocks of these packs into new packs, each verified first.
 
         A block whose copy here is damaged is taken from another copy; if none is good, its
@@ -1059,11 +1119,11 @@ class PackedBlockStore(BlockStore):
         nothing is deleted then, and the old packs stay.
         """
         # Copies keep their codec: a version 2 pack is rewritten as one.
-        writer = PackWriter(self, version=pack_version([e for live in merge.values() for e in live]))
+        writer = PackWriter(self, version=live.version(merge))
         kept: set[str] = set()
         try:
-            for name, live in merge.items():
-                if not self._copy_live(writer, name, live):
+            for name in merge:
+                if not self._copy_live(writer, name, live.entries(name)):
                     kept.add(name)
             writer.commit()
         except OSError as exc:
@@ -1104,6 +1164,39 @@ class PackedBlockStore(BlockStore):
         if pool is not None:
             pool.shutdown(wait=True)
         self.backend.close()
+
+
+class _LiveEntries:
+    """The kept entries of the packs a sweep or merge rewrites, made one pack at a time (a
+    rewrite of every pack must not hold an object per block of all of them)."""
+
+    def __init__(self, table: Table, names: list[str], kept: np.ndarray, packs: list[str]) -> None:
+        self.table, self.names, self.kept = table, names, kept
+        ids = {name: pack for pack, name in enumerate(names)}
+        found = rows_by_pack(table, [ids[name] for name in packs])
+        self._rows = {names[pack]: rows for pack, rows in found.items()}
+
+    def _kept_rows(self, name: str) -> np.ndarray:
+        rows = self._rows[name]
+        return rows[self.kept[rows]]
+
+    def entries(self, name: str) -> list[Entry]:
+        rows = self._kept_rows(name)
+        keys = self.table.key_array[rows].tolist()
+        locations = self.table.location_array[rows].tolist()
+        return [Entry(cid_of(key), offset, length, codec, size)
+                for key, (_, offset, length, codec, size) in zip(keys, locations, strict=True)]
+
+    def count(self, name: str) -> int:
+        return len(self._kept_rows(name))
+
+    def bytes(self, name: str) -> int:
+        return int(self.table.location_array["length"][self._kept_rows(name)].sum())
+
+    def version(self, names: list[str]) -> int:
+        """The pack format a rewrite of these packs' kept blocks needs (2 if one is compressed)."""
+        codecs = self.table.location_array["codec"]
+        return 2 if any(codecs[self._kept_rows(name)].any() for name in names) else 1
 
 
 def _epoch(name: str) -> int:

@@ -50,7 +50,7 @@ def check(
     blocks.refresh(full=True)  # after reading the refs: every block they reach was published before
     report.store_problems.extend(
         f"damaged {'index file' if name.endswith('.idx') else 'pack'} {name}: {why}"
-        for name, why in blocks.damaged().items()
+        for name, why in blocks.check_storage().items()
     )
     reach = walk(blocks, roots, check_raw=True)
     if reach.problems:

@@ -15,7 +15,7 @@ with the number of reachable blocks (one set entry each), never with anything la
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,7 @@ class Reach:
     lineage: set[bytes] = field(default_factory=set)
     problems: dict[bytes, Problem] = field(default_factory=dict)
     where: dict[bytes, Where] = field(default_factory=dict)
+    track_where: bool = True
 
     @property
     def live(self) -> set[bytes]:
@@ -122,15 +123,20 @@ def walk(
     weak: dict[bytes, str] | None = None,
     check_raw: bool = False,
     progress: Callable[[int], None] | None = None,
+    marks: MutableSet[bytes] | None = None,
+    where: bool = True,
 ) -> Reach:
     """Mark everything ``roots`` (binary CID -> root name) reach; record problems, never raise.
 
     ``weak`` roots (reflog entries) keep what is still there: a block missing below one is an
     expired record, not a problem. They are walked after the strong ones, so a block both need is
     always judged as the strong root needs it. ``check_raw`` also checks that raw chunks exist
-    (fsck); GC does not need to.
+    (fsck); GC does not need to. ``marks``: the set to mark data blocks in (``Reach.data``; GC
+    passes its store's compact one). ``where=False`` records the path needing each block only for
+    problems (``Reach.where`` stays empty: GC's memory then holds no object per block).
     """
-    reach = Reach()
+    reach = Reach(data=set() if marks is None else marks)  # type: ignore[arg-type]
+    reach.track_where = where
     counter = _Counter(progress)
     _mark(store, reach, roots, strong=True, check_raw=check_raw, counter=counter)
     if weak:
@@ -166,7 +172,8 @@ def _mark(
         if cid in seen or (not data and cid in reach.data):
             continue
         seen.add(cid)
-        reach.where.setdefault(cid, Where(root, path))
+        if reach.track_where:
+            reach.where.setdefault(cid, Where(root, path))
         counter.tick()
         if not cidlib.is_node(cid):
             if check_raw and strong and not store.has(cid):
