@@ -807,3 +807,23 @@ def test_a_store_learning_only_of_removals_skips_snapshots_that_removed_no_block
         rank.refresh(learn=False)
         assert not any("/index/s-" in path for method, path, _ in proxy.requests if method == "GET")
         assert all(rank.get(c) == d for c, d in blocks.items())  # a read finds them moved
+
+
+def test_a_store_that_skipped_a_snapshot_still_learns_what_it_removed(s3_url: str) -> None:
+    """GC's snapshot folds the journal naming a pack it deletes, and the journal goes; a later
+    snapshot no longer lists it. A store that took the journal in and reads only the later
+    snapshot must drop the pack all the same (it would otherwise count on deleted blocks)."""
+    with closing(S3Store(s3_url, **FAST)) as saver, closing(S3Store(s3_url, **FAST)) as gc_store:
+        saver.put(*raw_block(1, 2000))
+        saver.consolidate()
+        dead, data = raw_block(2, 2000)
+        saver.put(dead, data)  # its own pack and journal, taken in by the saver itself
+        gc_store.refresh()
+        assert gc_store.delete({dead})[0] == 1  # snapshot folding the journal, then both go
+        gc_store.consolidate()  # a later snapshot: the journal is gone, so it is not listed
+        saver.refresh()
+        assert not saver.has(dead)
+        with saver.writer() as writer:
+            assert writer.put(dead, data) is True  # stored again, not counted on
+        with closing(S3Store(s3_url, **FAST)) as fresh:
+            assert fresh.get(dead) == data

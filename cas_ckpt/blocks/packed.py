@@ -245,6 +245,7 @@ class PackedBlockStore(BlockStore):
         self._folded: set[str] = set()  # the journals it folded in
         self._epoch = 0  # its removal epoch: the newest snapshot written when GC removed blocks
         self._journals: dict[str, list[str]] = {}  # journals taken in since, and their packs
+        self._unrecorded: set[str] = set()  # packs known from a listing alone, where journals are kept
         self._publisher_pool: ThreadPoolExecutor | None = None
         self.refresh()
 
@@ -312,6 +313,9 @@ class PackedBlockStore(BlockStore):
                 elif result is not None:
                     found.append((info, result))
             self._add_packs(found)
+            if self.writes_journals:
+                with self._lock:  # no index file names them (yet): see merge_small
+                    self._unrecorded.update(info.name for info, _ in found)
 
     def _describe_from_snapshot(self, infos: list[ObjectInfo]) -> list[ObjectInfo]:
         """Take in the packs of ``infos`` that the newest snapshot describes (at the size
@@ -354,6 +358,7 @@ class PackedBlockStore(BlockStore):
     def _take(self, content: IndexFile, names: Collection[str], infos: dict[str, ObjectInfo]) -> None:
         """Take in the rows of these packs of an index file."""
         with self._lock:
+            self._unrecorded.difference_update(content.pack_names)
             self._blocks.add_table(content.table, content.pack_names, only=set(names))
             self._info.update((name, infos[name]) for name in names if name not in self._info)
 
@@ -387,18 +392,27 @@ class PackedBlockStore(BlockStore):
                     if content is not None:
                         journals.append((info, content))
             else:
-                self._catch_up(newest, base, journals)
+                listed = {info.name for kind, _, _, info in listing if kind == JOURNAL}
+                self._catch_up(newest, base, journals, listed)
                 return True
         return False
 
     def _catch_up(
-        self, newest: ObjectInfo, base: IndexFile | None, journals: list[tuple[ObjectInfo, IndexFile]]
+        self, newest: ObjectInfo, base: IndexFile | None, journals: list[tuple[ObjectInfo, IndexFile]],
+        listed: set[str],
     ) -> None:
         """Take in a newer snapshot (forgetting the packs it and the journals since no longer
-        name: GC or upkeep removed them) and new journals."""
+        name: GC or upkeep removed them) and new journals.
+
+        A journal this view took in before is kept only while it is still listed and the new
+        snapshot does not fold it: one gone was folded into a snapshot at or before the new one,
+        which says what became of its packs (a snapshot between them may have folded it and
+        had its packs deleted; this view never read that one).
+        """
         if base is not None:
             with self._lock:
-                self._journals = {j: packs for j, packs in self._journals.items() if j not in base.folded}
+                self._journals = {j: packs for j, packs in self._journals.items()
+                                  if j not in base.folded and j in listed}
             keep = set(base.pack_names).union(*self._journals.values(), *(c.pack_names for _, c in journals))
             with self._lock:
                 gone = [name for name in self._blocks.ids if name not in keep]
@@ -469,6 +483,7 @@ class PackedBlockStore(BlockStore):
             written = self._catalog.write(SNAPSHOT, packs, table, folded, epoch=None if removing else epoch)
             with self._lock:
                 self._snapshot, self._covered, self._folded = written.name, set(names), folded
+                self._unrecorded.difference_update(names)
                 self._epoch = _epoch(written.name)
                 self._journals = {j: p for j, p in self._journals.items() if j not in folded}
             mine = parse_name(written.name)
@@ -566,6 +581,7 @@ class PackedBlockStore(BlockStore):
             return
         with self._lock:
             self._blocks.drop(names)
+            self._unrecorded.difference_update(names)
             for name in names:
                 self._info.pop(name, None)
                 self.corrupt_packs.pop(name, None)
@@ -960,7 +976,7 @@ class PackedBlockStore(BlockStore):
             first, last = entries[run[0]], entries[run[-1]]
             data = self.backend.read(name, first.offset, last.offset + last.length - first.offset)
             if data is None:
-                raise RepositoryError(f"pack {self.backend.where(name)} vanished while it was being read")
+                raise _PackGone(f"pack {self.backend.where(name)} vanished while it was being read")
             view = memoryview(data)
             for i in run:
                 e = entries[i]
@@ -1063,8 +1079,12 @@ class PackedBlockStore(BlockStore):
         self._check_writable()
         self.refresh()
         with self._lock:
+            # Where journals say which packs exist, a pack known from a listing alone may be one a
+            # writer published and has not recorded yet: merging and deleting it would leave its
+            # journal, written next, naming a pack that is gone. It waits for a snapshot.
             small = [name for _, name in sorted((info.size, name) for name, info in self._info.items()
-                                                if name in self._blocks and info.size < self.small_pack)]
+                                                if name in self._blocks and info.size < self.small_pack
+                                                and name not in self._unrecorded)]
             if len(small) < 2:
                 return 0, 0, 0
             table, names = self._blocks.fold()
@@ -1123,7 +1143,12 @@ class PackedBlockStore(BlockStore):
         kept: set[str] = set()
         try:
             for name in merge:
-                if not self._copy_live(writer, name, live.entries(name)):
+                try:
+                    complete = self._copy_live(writer, name, live.entries(name))
+                except _PackGone:
+                    self._drop_packs([name])  # its blocks live on where its remover put them
+                    complete = False
+                if not complete:
                     kept.add(name)
             writer.commit()
         except OSError as exc:
@@ -1164,6 +1189,10 @@ class PackedBlockStore(BlockStore):
         if pool is not None:
             pool.shutdown(wait=True)
         self.backend.close()
+
+
+class _PackGone(RepositoryError):
+    """A pack being copied is gone (another process merged or collected it first)."""
 
 
 class _LiveEntries:

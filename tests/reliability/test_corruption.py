@@ -330,3 +330,34 @@ def test_damaged_config(tmp_path: Path, damage: str) -> None:
         assert str(s.root) in str(info.value)
     assert sorted(os.listdir(s.root / "refs")) == ["main", "other"]  # nothing was re-created
     _count(f"config_{damage}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Index files
+# ----------------------------------------------------------------------------------------------
+INDEX_DAMAGE: dict[str, Callable[[Path], None]] = {
+    "flipped": lambda path: flip_bit(path, path.stat().st_size // 2),
+    "truncated": _truncate,
+    "emptied": lambda path: path.write_bytes(b""),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(INDEX_DAMAGE))
+def test_damaged_index_snapshot(tmp_path: Path, damage: str) -> None:
+    """The snapshot is detected as damaged; every pack's own index is read instead, so nothing is
+    lost; fsck names it; the next upkeep writes a good one and removes it."""
+    s = Setup(tmp_path / "repo", snapshot=True)
+    (snapshot,) = (s.root / "index").iterdir()
+    INDEX_DAMAGE[damage](snapshot)
+    with cas_ckpt.open(s.root, create=False, upkeep=False) as repo:
+        assert digest(repo.load("main")) == s.expected
+        assert repo.upkeep_status().due == ["consolidate-index"]  # type: ignore[union-attr]
+    ok, text = fsck_text(s.root)
+    assert not ok and "damaged index file" in text and snapshot.name in text
+    with cas_ckpt.open(s.root, create=False) as repo:
+        report = repo.upkeep()
+        assert report.ran == ["consolidate-index"] and not snapshot.exists()
+    ok, _ = fsck_text(s.root)
+    assert ok
+    other_still_loads(s.root)
+    _count(f"index_{damage}")
