@@ -44,6 +44,7 @@ from cas_ckpt.errors import (
 from cas_ckpt.http import DEFAULT_PORT, ENV_TOKEN
 from cas_ckpt.maintenance.diff import Folded, leaves
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
+from cas_ckpt.maintenance.upkeep import UpkeepStatus
 from cas_ckpt.paths import select
 from cas_ckpt.replication import TransferReport
 from cas_ckpt.repository import Repository
@@ -212,6 +213,10 @@ def _register_maintenance(sub: Any, json_flag: Any) -> None:
     p.add_argument("--reflog-expiry", type=_seconds, default=DEFAULT_REFLOG_EXPIRY, metavar="SECONDS",
                    help="also keep what reflog entries newer than this reach "
                         "(default 2592000: 30 days; 0: refs and pins only)")
+    p = _add(sub, "upkeep", cmd_upkeep, "merge small packs and write an index snapshot, if due "
+             "(saves do it by themselves)", json_flag)
+    p.add_argument("--force", action="store_true", help="run every task, due or not")
+    p.add_argument("--dry-run", action="store_true", help="say what is due, change nothing")
     p = _add(sub, "fsck", cmd_fsck, "re-hash blocks and resolve every link (exit 1 on problems)",
              json_flag)
     p.add_argument("--sample", type=_fraction, metavar="FRACTION",
@@ -889,6 +894,41 @@ def cmd_commit_graph(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_upkeep(args: argparse.Namespace) -> int:
+    with open_repo(args, write=not args.dry_run) as repo:
+        before = repo.upkeep_status()
+        report = None if args.dry_run else repo.upkeep(force=args.force)
+        after = repo.upkeep_status() if report is not None else before
+    if args.json:
+        _print_json({"before": before, "report": report, "after": after})
+        return EXIT_OK
+    if before is None:
+        _print("this repository's store keeps no packs: nothing to do")
+        return EXIT_OK
+    _print(f"before: {_layout_line(before)}")
+    if report is None:
+        _print("dry run: nothing changed")
+    elif report.skipped:
+        _print(f"skipped: {report.skipped}")
+    else:
+        done = ", ".join(report.ran) or "nothing was due"
+        _print(f"ran: {done}; merged {report.packs_merged} packs into {report.packs_written} "
+               f"({human(report.bytes_copied)} copied) in {report.seconds:.2f} s")
+        if after is not None:
+            _print(f"after: {_layout_line(after)}")
+    return EXIT_OK
+
+
+def _layout_line(status: UpkeepStatus) -> str:
+    """Packs, the index snapshot, what an open reads besides it, and what upkeep would do."""
+    snapshot = "no index snapshot" if status.snapshot is None else f"index snapshot {status.snapshot}"
+    damaged = f", {status.damaged_indexes} damaged index file(s)" if status.damaged_indexes else ""
+    due = ", ".join(status.due) or "nothing"
+    return (f"{status.packs} packs ({status.small_packs} small, {human(status.pack_bytes)}); {snapshot}"
+            f" + {status.uncovered} not in it{damaged}; upkeep due: {due}"
+            f" ({'automatic' if status.auto else 'by hand only'})")
+
+
 def cmd_fsck(args: argparse.Namespace) -> int:
     with open_repo(args) as repo, Progress("fsck") as bar:
         report = repo.fsck(
@@ -932,6 +972,8 @@ def cmd_du(args: argparse.Namespace) -> int:
            f"(dedup {usage.dedup_ratio:.2f}x); all blocks {human(usage.total_bytes)} in "
            f"{usage.total_blocks} blocks: live {human(usage.live_bytes)}, unreachable "
            f"{human(usage.unreachable_bytes)} (gc would free {human(usage.freeable_bytes)}{held})")
+    if usage.upkeep is not None:
+        _print(f"storage: {_layout_line(usage.upkeep)}")
     return EXIT_OK
 
 

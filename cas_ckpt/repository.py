@@ -59,6 +59,11 @@ from cas_ckpt.maintenance.fsck import FsckReport
 from cas_ckpt.maintenance.fsck import check as fsck_check
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY, GCReport
 from cas_ckpt.maintenance.gc import collect as gc_collect
+from cas_ckpt.maintenance.upkeep import Policy as UpkeepPolicy
+from cas_ckpt.maintenance.upkeep import UpkeepReport, UpkeepStatus
+from cas_ckpt.maintenance.upkeep import due as upkeep_due
+from cas_ckpt.maintenance.upkeep import run as upkeep_run
+from cas_ckpt.maintenance.upkeep import status as upkeep_status
 from cas_ckpt.maintenance.usage import Usage, usage
 from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.paths import select
@@ -71,7 +76,8 @@ from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter, cast_floats
 _log = logging.getLogger("cas_ckpt")
 
 FORMAT = "cas_ckpt"
-FORMAT_VERSION = 2  # 2: packs may hold compressed blocks (pack format version 2)
+FORMAT_VERSION = 3  # 2: packs may hold compressed blocks (pack format version 2); 3: index files
+# tell which packs exist (object storage: docs/format.md, "Index files")
 DEFAULT_COMPRESSION = "none"
 
 Target = CID | str | bytes
@@ -177,10 +183,12 @@ class Repository:
         compression: str | None = None,
         create: bool = True,
         location: str = "",
+        upkeep: bool | Mapping[str, Any] = True,
     ) -> None:
         self.blocks = blocks
         self.refs_store = refs
         self.location = location
+        self.upkeep_policy = UpkeepPolicy.of(upkeep)
         self.config = _ensure_config(
             refs, location or "this store", create=create and not blocks.read_only, hash=hash,
             chunk_size=chunk_size, compression=compression, read_only=blocks.read_only,
@@ -270,7 +278,7 @@ class Repository:
     @contextlib.contextmanager
     def transaction(
         self, *, verify_existing: bool = False, verify_incoming: bool = False,
-        compression: str | None = None,
+        compression: str | None = None, upkeep: bool = True, learn: bool = True,
     ) -> Iterator[Transaction]:
         """The one write path: blocks first, durable, then refs, all under the shared save lock.
 
@@ -284,13 +292,16 @@ class Repository:
         refuses (:class:`CorruptBlock`) one that does not match its CID: for blocks received from
         another repository (a push, pull or clone writes through it so, whatever the other side's
         ``verify``). ``compression`` overrides the repository's setting for this batch. A failure
-        of the medium raises :class:`MediumError` (an OSError too).
+        of the medium raises :class:`MediumError` (an OSError too). Once the refs have moved, upkeep
+        runs if it is due and the repository's policy is automatic (``upkeep=False``: not after
+        this batch; the ranks of a DCP save leave it to the coordinator). ``learn=False``: the
+        block index takes in only removals before the batch, not the blocks other processes stored
+        since this one last looked (dedup may miss them; a DCP coordinator shares its ranks').
         """
         codec = self.config.compression if compression is None else check_setting(compression)
         with self._writing(), self.refs_store.lock(exclusive=False):
-            if codec != "none" and self.config.version < 2:
-                self._update_config(version=2)  # before any version 2 pack exists
-            self.blocks.refresh()
+            self._ensure_format(codec)
+            self.blocks.refresh() if learn else self.blocks.refresh(learn=False)
             with self.blocks.writer(verify_existing=verify_existing, verify_incoming=verify_incoming,
                                     compression=codec) as writer:
                 txn = Transaction(self, writer)
@@ -301,6 +312,38 @@ class Repository:
                 self._move_ref(ref, old, new, message)
         if txn.moves:  # the commits are durable and named: the commit graph may hold them now
             self.history.saved([new for _ref, _old, new, _message in txn.moves], txn.commits)
+        if upkeep:
+            self._auto_upkeep()
+
+    def upkeep(self, *, force: bool = False) -> UpkeepReport:
+        """Merge small packs and write an index snapshot if due (every task with ``force``), as
+        saves do by themselves unless the repository was opened with ``upkeep=False``. Safe beside
+        saves, loads and GC in any process; one upkeep runs at a time (a second one returns a
+        report saying so). See ``docs/gc.md``, "Upkeep"."""
+        with self._writing():
+            self._ensure_format()
+            return upkeep_run(self.blocks, self.refs_store, self.upkeep_policy, force=force)
+
+    def upkeep_status(self) -> UpkeepStatus | None:
+        """Packs, small packs, what an open reads besides the index snapshot, and which upkeep
+        tasks are due (None for a store without packs)."""
+        return upkeep_status(self.blocks, self.refs_store, self.upkeep_policy)
+
+    def _auto_upkeep(self) -> None:
+        """Upkeep after a write, when due; its failure is logged, never raised (the write is done)."""
+        if not self.upkeep_policy.auto or not upkeep_due(self.blocks, self.refs_store, self.upkeep_policy):
+            return
+        try:
+            self.upkeep()
+        except (CasCkptError, OSError) as exc:
+            _log.warning("upkeep of %s failed, the save itself is complete: %s", self.location or self, exc)
+
+    def _ensure_format(self, codec: str = "none") -> None:
+        """Raise the config's format version to what the writes about to happen need, before
+        they happen (a version 2 pack, a first index file on object storage)."""
+        need = max(self.blocks.format_version, 2 if codec != "none" else 1)
+        if self.config.version < need:
+            self._update_config(version=need)
 
     def set_compression(self, compression: str) -> None:
         """Make ``compression`` the repository's setting (recorded in its config) for later saves.
@@ -724,6 +767,8 @@ class Repository:
         runs. See ``docs/gc.md``.
         """
         with contextlib.nullcontext() if dry_run else self._writing():
+            if not dry_run:
+                self._ensure_format()
             return gc_collect(
                 self.blocks, self.refs_store, grace=grace, reflog_expiry=reflog_expiry,
                 expire_reflogs=expire_reflogs, dry_run=dry_run, progress=progress,
@@ -759,8 +804,11 @@ class Repository:
     def stats(self, *, reflog_expiry: float = DEFAULT_REFLOG_EXPIRY) -> Usage:
         """Logical versus stored bytes per ref, per run (shared, and exclusive: what deleting the
         run would free) and for the repository (shared bytes once), and what GC would free: its
-        ``unreachable`` is :meth:`gc`'s with the same ``reflog_expiry`` (see :class:`Usage`)."""
-        return usage(self.blocks, self.refs_store, reflog_expiry=reflog_expiry)
+        ``unreachable`` is :meth:`gc`'s with the same ``reflog_expiry`` (see :class:`Usage`), and
+        where upkeep stands (``Usage.upkeep``)."""
+        found = usage(self.blocks, self.refs_store, reflog_expiry=reflog_expiry)
+        found.upkeep = self.upkeep_status()
+        return found
 
     def diff(self, a: Target, b: Target, *, path: str | None = None) -> DiffReport:
         """Values added, removed and changed from checkpoint ``a`` to ``b`` (below the dotted
@@ -1040,7 +1088,7 @@ def _check_config(config: dict[str, Any], location: str) -> _Config:
 
 MEMORY = "memory://"
 S3 = "s3://"
-_SKELETON = ("refs", "logs", "pins", "locks", "packs", "tmp")
+_SKELETON = ("refs", "logs", "pins", "locks", "packs", "index", "tmp")
 
 
 def _local_occupied(root: Path) -> str | None:
@@ -1076,6 +1124,7 @@ def open(
     verify: bool = True,
     read_only: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    upkeep: bool | Mapping[str, Any] = True,
 ) -> Repository:
     """Open the repository at ``path``, creating it if missing (unless ``create=False``).
 
@@ -1087,8 +1136,11 @@ def open(
     ``docs/guide.md``) is how new blocks are stored: given, it is recorded in the config (an
     existing repository switches to it); omitted, the repository keeps its own (new ones:
     ``"none"``). ``verify=False`` skips re-hashing blocks on reads. ``read_only=True`` refuses
-    every write.
+    every write. ``upkeep``: saves merge small packs and write index snapshots by themselves
+    once thresholds pass (``False``: only :meth:`Repository.upkeep` does; a mapping sets
+    ``small_packs`` and ``uncovered``, 0 meaning never: ``docs/gc.md``, "Upkeep").
     """
+    policy = UpkeepPolicy.of(upkeep)
     if compression is not None:
         check_setting(compression)
     if hash not in cidlib.HASH_CODES:
@@ -1101,10 +1153,10 @@ def open(
     if is_http(location):  # a server's repository: read-only, never created from here
         blocks, refs = _http_stores(location, verify=verify, **(storage_options or {}))
         settings = {"create": False, "hash": hash, "chunk_size": chunk_size, "compression": None,
-                    "read_only": True}
+                    "read_only": True, "upkeep": False}
         return _assemble(blocks, refs, location.rstrip("/"), settings)
     settings = {"create": create and not read_only, "hash": hash, "chunk_size": chunk_size,
-                "compression": compression, "read_only": read_only}
+                "compression": compression, "read_only": read_only, "upkeep": policy}
     if location.startswith(S3):
         blocks, refs = _s3_stores(location, verify=verify, read_only=read_only, **(storage_options or {}))
         return _assemble(blocks, refs, location, settings, lambda: _s3_occupied(refs))
@@ -1113,7 +1165,8 @@ def open(
     root = Path(location).expanduser()
     try:
         local_refs = LocalRefStore(root)
-        _ensure_config(local_refs, str(root), occupied=lambda: _local_occupied(root), **settings)
+        _ensure_config(local_refs, str(root), occupied=lambda: _local_occupied(root),
+                       **{k: v for k, v in settings.items() if k != "upkeep"})
         if not read_only:
             local_refs.ensure_dirs()
         store = LocalStore(root, verify=verify, read_only=read_only)
@@ -1128,8 +1181,10 @@ def _assemble(
 ) -> Repository:
     """The repository over these stores (closing the block store if that fails)."""
     try:
+        settings = dict(settings)
+        policy = settings.pop("upkeep", True)
         _ensure_config(refs, location, occupied=occupied, **settings)
-        return Repository(blocks, refs, create=False, location=location)
+        return Repository(blocks, refs, create=False, location=location, upkeep=policy)
     except BaseException:
         blocks.close()
         raise

@@ -24,7 +24,7 @@ import itertools
 import os
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -595,6 +595,114 @@ class PackedStoreTests(BlockStoreTests):
         assert all(second.get(c) == d for c, d in blocks.items() if c != dead)
 
 
+    # -- index files ---------------------------------------------------------------------------
+    def _batches(self, store: PackedBlockStore, first: int, count: int) -> dict[bytes, bytes]:
+        """``count`` batches of 3 blocks, each its own pack."""
+        blocks: dict[bytes, bytes] = {}
+        for b in range(first, first + count):
+            with store.writer() as writer:
+                for i in range(3):
+                    cid, data = raw_block(b * 10 + i, 700)
+                    writer.put(cid, data)
+                    blocks[cid] = data
+        return blocks
+
+    def _index_backend(self, store: PackedBlockStore) -> Backend:
+        assert store._catalog is not None
+        return store._catalog.backend
+
+    def _rewrite(self, backend: Backend, name: str, change: Callable[[bytearray], bytes]) -> None:
+        """Put ``change(data)`` in place of object ``name`` (damage planted through the medium)."""
+        size = next(info.size for info in backend.list() if info.name == name)
+        data = backend.read(name, 0, size)
+        assert data is not None
+        with backend.create() as sink:
+            sink.write(change(bytearray(data)))
+            sink.replace(name)
+
+    def test_a_reopened_store_reads_the_snapshot_and_only_what_came_after(
+        self, store: PackedBlockStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        before = self._batches(store, 0, 6)
+        snapshot = store.consolidate()
+        assert snapshot is not None and store.layout().uncovered == 0
+        after = self._batches(store, 6, 2)
+        assert store.layout().uncovered == 2  # two packs, or two journals
+        described: list[str] = []
+        original = PackedBlockStore._read_indexes
+
+        def counting(self: PackedBlockStore, infos: list[Any]) -> Any:
+            described.extend(info.name for info in infos)
+            return original(self, infos)
+
+        monkeypatch.setattr(PackedBlockStore, "_read_indexes", counting)
+        second = self._second(store)
+        # Where packs are listed, the two after the snapshot are described by their own indexes;
+        # elsewhere the journal written with them describes them.
+        assert len(described) == (0 if store.writes_journals else 2)
+        assert all(second.get(c) == d for c, d in {**before, **after}.items())
+        assert second.layout().snapshot == snapshot and second.packs() == store.packs()
+
+    def test_consolidating_again_supersedes_the_older_index_files(self, store: PackedBlockStore) -> None:
+        self._batches(store, 0, 3)
+        first = store.consolidate()
+        self._batches(store, 3, 2)
+        second = store.consolidate()
+        assert first is not None and second is not None and second > first
+        assert [info.name for info in self._index_backend(store).list()] == [second]
+        reopened = self._second(store)
+        assert reopened.layout().snapshot == second and reopened.layout().uncovered == 0
+
+    def test_a_snapshot_keeps_every_copy_and_forgets_deleted_packs(self, store: PackedBlockStore) -> None:
+        cid, data, (first, second_pack) = self._two_copies(store)  # the first copy is damaged
+        store.consolidate()
+        reopened = self._second(store)
+        assert [loc.pack for loc in reopened._copies(cid)] == [first, second_pack]
+        assert reopened.get(cid) == data  # the damaged copy is tried, marked, the other read
+        store.delete({raw_block(102, 500)[0]})  # GC: the second pack is rewritten
+        again = self._second(store)
+        assert second_pack not in again.packs()
+        assert again.get(cid) == data
+
+    @pytest.mark.parametrize("harm", ["flip", "truncate", "garbage"])
+    def test_a_damaged_snapshot_is_detected_and_rebuilt_from_the_packs(
+        self, store: PackedBlockStore, harm: str
+    ) -> None:
+        blocks = self._batches(store, 0, 4)
+        name = store.consolidate()
+        assert name is not None
+        changes: dict[str, Callable[[bytearray], bytes]] = {
+            "flip": lambda data: bytes(data[:50]) + bytes([data[50] ^ 1]) + bytes(data[51:]),
+            "truncate": lambda data: bytes(data[: len(data) // 2]),
+            "garbage": lambda data: b"\0" * len(data),
+        }
+        self._rewrite(self._index_backend(store), name, changes[harm])
+        reopened = self._second(store)
+        assert name in reopened.corrupt_indexes  # detected...
+        assert all(reopened.get(c) == d for c, d in blocks.items())  # ...nothing lost
+        assert any(name in where for where in reopened.damaged())
+        rebuilt = reopened.consolidate()  # upkeep writes it again from the packs
+        assert rebuilt != name and reopened.corrupt_indexes == {}
+        assert [info.name for info in self._index_backend(store).list()] == [rebuilt]
+        clean = self._second(store)
+        assert clean.corrupt_indexes == {} and clean.layout().snapshot == rebuilt
+        assert all(clean.get(c) == d for c, d in blocks.items())
+
+    def test_a_store_that_listed_a_superseded_index_file_reads_the_newer_one(
+        self, store: PackedBlockStore
+    ) -> None:
+        blocks = self._batches(store, 0, 3)
+        store.consolidate()
+        reader = self._second(store)
+        blocks.update(self._batches(store, 3, 2))
+        newest = store.consolidate()  # deletes the snapshot the reader took in
+        blocks.update(self._batches(store, 5, 1))
+        reader.refresh()
+        assert all(reader.get(c) == d for c, d in blocks.items())
+        if store.writes_journals:
+            assert reader.layout().snapshot == newest
+
+
 class BackendTests:
     """The contract of :class:`~cas_ckpt.backends.Backend`, for any medium.
 
@@ -734,6 +842,21 @@ class BackendTests:
         again.close()
         other.close()
         assert backend.read("a.pack", 0, 4) == b"pack"  # closing a sibling leaves this one open
+
+    def test_a_sibling_folder_holds_objects_of_its_own(self, backend: Backend) -> None:
+        index = backend.sibling("index", ".idx")
+        if index is None:
+            pytest.skip("this medium keeps no second folder")
+        self._object(backend, "a.pack", b"pack")
+        for name in ("j-2.idx", "j-1.idx", "s-1.idx"):
+            self._object(index, name, name.encode())
+        assert [i.name for i in backend.list()] == ["a.pack"]
+        assert sorted(i.name for i in index.list()) == ["j-1.idx", "j-2.idx", "s-1.idx"]
+        assert [i.name for i in index.list_after("j-1.idx")] == ["j-2.idx", "s-1.idx"]
+        assert [i.name for i in index.list_after("k")] == ["s-1.idx"]
+        assert index.read("s-1.idx", 0, 7) == b"s-1.idx" and backend.read("s-1.idx", 0, 1) is None
+        index.delete("j-1.idx")
+        assert [i.name for i in index.list()] == ["j-2.idx", "s-1.idx"]
 
     def test_a_live_sink_survives_temp_cleaning(self, backend: Backend) -> None:
         sink = backend.create()

@@ -588,6 +588,8 @@ class TreeWriter:
 
     def _write_chunked(self, plan: _Chunked) -> bytes:
         cids = []
+        if len(plan.chunks) > 1:
+            self.writer.expect_run(sum(chunk.nbytes for chunk in plan.chunks))  # one pack: mappable
         for i, chunk in enumerate(plan.chunks):
             cid, stored = self._hashing.next(plan, i).result()
             self.writer.put(cid, chunk, stored=stored, keep=True)  # the state is not changed meanwhile

@@ -200,3 +200,24 @@ def test_http_benchmark_tiny(tmp_path: Path) -> None:
         assert [run["verified"] for run in results["single"][tool]] == [True], tool
     assert results["many"]["cas_ckpt"]["clients"] == 2
     assert "cas_ckpt verified load over HTTP" in proc.stdout
+
+
+def test_scale_bench_runs_its_curves(tmp_path: Path) -> None:
+    """benchmarks/scale_bench.py at toy sizes, this tree only: every curve measured, on a
+    directory and on moto, with S3 requests counted and the mapped load checked."""
+    out = tmp_path / "scale.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "scale_bench.py"), "--saves", "3,8", "--ranks", "1",
+         "--blocks", "300", "--mmap", "8", "--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    after = json.loads(out.read_text())["results"]["after"]
+    assert [r["saves"] for r in after["history_local"]] == [3, 8]
+    assert all(r["open"]["step"] == r["saves"] - 1 for r in after["history_local"] + after["history_s3"])
+    assert all(r["open"]["requests"] > 0 for r in after["history_s3"])  # counted at botocore's send
+    assert all(r["gc"]["live_blocks"] > 0 for r in after["history_local"])
+    assert after["ranks"][0]["requests_per_rank"][0] > 0
+    assert after["blocks"][0]["gc"]["live_blocks"] >= 300
+    assert after["mmap"][0]["mapped"] is True
+    assert "| after | 8 |" in proc.stdout

@@ -415,7 +415,7 @@ def test_a_per_save_override_compresses_and_raises_the_format_version(tmp_path: 
         assert repo.load(plain)["w"].tobytes() == weights(3, 300_000, np.float32).tobytes()
 
 
-@pytest.mark.parametrize("version", [3, "2"])
+@pytest.mark.parametrize("version", [4, "2"])
 def test_a_newer_or_malformed_format_version_is_refused_clearly(tmp_path: Path, version: Any) -> None:
     path = tmp_path / "repo"
     cas_ckpt.open(path, compression="zstd").close()

@@ -505,3 +505,20 @@ def test_the_manager_saves_and_restores_through_dcp_on_two_ranks(tmp_path: Path)
         r.load(commits[1].cid)  # step 2 is retained
         with pytest.raises(cas_ckpt.errors.CheckpointExpired):
             r.load(commits[2].cid)  # step 1 was expired by retention and its data collected
+
+
+def test_ranks_of_an_s3_save_read_no_index_of_each_other(s3_url: str, tmp_path: Path) -> None:
+    """The coordinator records every rank's packs in one journal; a rank learns only of packs
+    removed before its batch. So an unchanged save costs each rank the same requests however
+    many ranks there are, and no rank reads an index file another wrote."""
+    out = tmp_path / "out"
+    out.mkdir()
+    assert run_ranks("requests", 2, s3_url, out) == [0, 0]  # type: ignore[arg-type]
+    ranks = results(out, "requests", 2)
+    for found in ranks:
+        _, second, third = found["saves"]
+        assert second == third  # unchanged saves: the same requests each time
+        assert second["pack_lists"] == 0 and second["index_reads"] == 0
+    assert ranks[1]["saves"][0]["index_reads"] == 0  # nor in the first save
+    with cas_ckpt.open(s3_url, read_only=True) as repo:
+        assert repo.fsck().ok and repo.commit("main").step == 2

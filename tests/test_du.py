@@ -132,8 +132,9 @@ def test_du_prints_runs_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["RUN", "REFS", "CHECKPOINTS", "LOGICAL", "STORED", "SHARED", "EXCLUSIVE"]
     assert lines[1].split()[:3] == ["runs/a", "3", "2"]
-    assert lines[-1].endswith(f"unreachable {cli.human(usage.unreachable_bytes)} "
+    assert lines[-2].endswith(f"unreachable {cli.human(usage.unreachable_bytes)} "
                               f"(gc would free {cli.human(usage.unreachable_bytes)})")
+    assert usage.upkeep is not None and lines[-1].startswith(f"storage: {usage.upkeep.packs} packs")
     assert usage.unreachable_bytes >= 6 * CHUNK
     assert cli.main(["--repo", str(tmp_path / "repo"), "du", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

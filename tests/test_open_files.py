@@ -131,7 +131,7 @@ def test_a_repository_with_more_packs_than_descriptors_works(tmp_path: Path) -> 
     small arrays batched), a save, GC merging them and fsck all work, and few descriptors stay open."""
     repo_dir = tmp_path / "repo"
     saves = 3 * LIMIT
-    with cas_ckpt.open(repo_dir) as repo:
+    with cas_ckpt.open(repo_dir, upkeep=False) as repo:  # one pack per save, none merged
         for i in range(saves):
             repo.save({"w": np.full(64, i, np.float32), "big": np.full(5000, i, np.int32), "step": i},
                       step=i)

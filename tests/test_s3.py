@@ -318,7 +318,7 @@ def test_save_load_log_reflog_gc_fsck(s3_url: str) -> None:
         with pytest.raises(cas_ckpt.errors.RepositoryError, match="read-only"):
             again.save({"x": 2})
     layout = {key.split("/")[0] for key in _keys(s3_url)}
-    assert layout == {"config.json", "logs", "packs", "refs"}  # no lock or probe objects left
+    assert layout == {"config.json", "index", "logs", "packs", "refs"}  # no lock or probe objects left
 
 
 def test_open_refuses_missing_repositories_and_foreign_prefixes(s3_url: str) -> None:
@@ -701,3 +701,135 @@ def test_boto3_is_imported_only_for_s3() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- index files on S3: journals, snapshots, no listing of every pack ----------------------------
+def _lists_of(proxy: Proxy, folder: str) -> list[str]:
+    """The LIST requests the proxy saw for objects below ``folder`` of the repository."""
+    below = urllib.parse.quote(f"repo/{folder}", safe="")
+    return [path for method, path, _ in proxy.requests if method == "GET" and "list-type=2" in path
+            and f"prefix={below}" in path]
+
+
+def test_a_store_learns_new_packs_from_journals_without_listing_packs(proxy: Proxy, s3_url: str) -> None:
+    with closing(S3Store(s3_url, **FAST)) as writer_store, closing(S3Store(s3_url, **FAST)) as reader:
+        first = dict(raw_block(i, 3000) for i in range(5))
+        with writer_store.writer() as writer:
+            for cid, data in first.items():
+                writer.put(cid, data)
+        writer_store.consolidate()  # from here on the index folder says which packs exist
+        reader.refresh()
+        assert all(reader.get(c) == d for c, d in first.items())
+        more = dict(raw_block(i, 3000) for i in range(5, 9))
+        with writer_store.writer() as writer:
+            for cid, data in more.items():
+                writer.put(cid, data)
+        (journal,) = _keys(s3_url, "index/j-")
+        proxy.requests.clear()
+        reader.refresh()
+        assert _lists_of(proxy, "packs/") == [] and len(_lists_of(proxy, "index/")) == 1
+        gets = [path for method, path, _ in proxy.requests if method == "GET" and "list-type" not in path]
+        assert gets == [f"/{_split(s3_url)[0]}/repo/{journal}"]  # the journal, no pack's index
+        assert all(reader.has(c) for c in more)
+        proxy.requests.clear()
+        assert all(reader.get(c) == d for c, d in more.items())
+        assert _lists_of(proxy, "packs/") == []
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_gc_removals_reach_other_stores_before_the_packs_go(s3_url: str, learn: bool) -> None:
+    """A save in another process must never count on a block GC removed: GC writes a snapshot
+    without the packs it is about to delete (a new removal epoch), and a store catching up drops
+    them, even one that learns only of removals (a DCP rank)."""
+    with closing(S3Store(s3_url, **FAST)) as gc_store, closing(S3Store(s3_url, **FAST)) as saver:
+        dead = dict(raw_block(i, 3000) for i in range(4))
+        with gc_store.writer() as writer:
+            for cid, data in dead.items():
+                writer.put(cid, data)
+        gc_store.consolidate()
+        saver.refresh()
+        assert all(saver.has(c) for c in dead)
+        assert gc_store.delete(set(dead))[0] == 4
+        assert _keys(s3_url, "packs/") == []
+        saver.refresh(learn=learn)
+        assert not any(saver.has(c) for c in dead)  # a dedup check now writes them again
+        with saver.writer() as writer:
+            assert all(writer.put(c, d) for c, d in dead.items())
+        with closing(S3Store(s3_url, **FAST)) as fresh:
+            assert all(fresh.get(c) == d for c, d in dead.items())
+
+
+def test_a_pack_no_index_file_names_is_found_when_a_read_misses(s3_url: str) -> None:
+    """A pack published without a journal (a writer that died in between, or one of 0.2's) is
+    read after a miss, from a listing of every pack."""
+    with closing(S3Store(s3_url, **FAST)) as store:
+        store.put(*raw_block(1, 2000))
+        store.consolidate()
+        cid, data = raw_block(2, 2000)
+        with store.writer() as writer:
+            writer.journal = False  # as if the writer died before its journal
+            writer.put(cid, data)
+        with closing(S3Store(s3_url, **FAST)) as reader:
+            assert not reader.has(cid)  # the index folder does not name it...
+            assert reader.get(cid) == data  # ...but a read that misses lists every pack
+
+
+def test_saves_cost_the_same_requests_at_any_history_and_list_no_pack(proxy: Proxy, s3_url: str) -> None:
+    """Upkeep on S3 merges small packs at once (it deletes no block: no grace period to wait
+    for) and folds journals into snapshots, so a save's requests do not grow with history."""
+    per_save: list[list[tuple[str, str, str]]] = []
+    with cas_ckpt.open(s3_url, upkeep={"small_packs": 6, "uncovered": 4}) as repo:
+        cids = []
+        for i in range(36):
+            proxy.requests.clear()
+            cids.append(repo.save({"w": np.full(3000, i, np.float32), "step": i}, step=i))
+            per_save.append(list(proxy.requests))
+        status = repo.upkeep_status()
+    assert status is not None and status.snapshot is not None and status.packs <= 7
+    counts = [len(requests) for requests in per_save]
+    assert max(counts[18:]) <= max(counts[2:18]), counts
+    below = urllib.parse.quote("repo/packs/", safe="")
+    listed_packs = [i for i, requests in enumerate(per_save)
+                    if any("list-type=2" in path and f"prefix={below}" in path for _, path, _ in requests)]
+    assert listed_packs == [0], listed_packs  # the first save's upkeep wrote the first snapshot
+    assert len(_keys(s3_url, "index/")) <= 5
+    with cas_ckpt.open(s3_url, read_only=True) as again:
+        assert [int(again.load(cid)["step"]) for cid in cids] == list(range(36))
+
+
+def test_a_store_learning_only_of_removals_skips_snapshots_that_removed_no_block(
+    proxy: Proxy, s3_url: str
+) -> None:
+    with closing(S3Store(s3_url, **FAST)) as keeper, closing(S3Store(s3_url, **FAST)) as rank:
+        blocks = {}
+        for i in range(4):  # four small packs
+            cid, data = raw_block(i, 3000)
+            keeper.put(cid, data)
+            blocks[cid] = data
+        keeper.consolidate()
+        rank.refresh()
+        assert keeper.merge_small()[0] == 4  # a snapshot without them, then they go: no block does
+        proxy.requests.clear()
+        rank.refresh(learn=False)
+        assert not any("/index/s-" in path for method, path, _ in proxy.requests if method == "GET")
+        assert all(rank.get(c) == d for c, d in blocks.items())  # a read finds them moved
+
+
+def test_a_store_that_skipped_a_snapshot_still_learns_what_it_removed(s3_url: str) -> None:
+    """GC's snapshot folds the journal naming a pack it deletes, and the journal goes; a later
+    snapshot no longer lists it. A store that took the journal in and reads only the later
+    snapshot must drop the pack all the same (it would otherwise count on deleted blocks)."""
+    with closing(S3Store(s3_url, **FAST)) as saver, closing(S3Store(s3_url, **FAST)) as gc_store:
+        saver.put(*raw_block(1, 2000))
+        saver.consolidate()
+        dead, data = raw_block(2, 2000)
+        saver.put(dead, data)  # its own pack and journal, taken in by the saver itself
+        gc_store.refresh()
+        assert gc_store.delete({dead})[0] == 1  # snapshot folding the journal, then both go
+        gc_store.consolidate()  # a later snapshot: the journal is gone, so it is not listed
+        saver.refresh()
+        assert not saver.has(dead)
+        with saver.writer() as writer:
+            assert writer.put(dead, data) is True  # stored again, not counted on
+        with closing(S3Store(s3_url, **FAST)) as fresh:
+            assert fresh.get(dead) == data

@@ -317,24 +317,36 @@ class TestLocalStore(PackedStoreTests):
         store.refresh()
         assert store.has(cid) and store.get(cid) == data
 
-    def test_the_block_index_leaves_the_gc_alone(self, tmp_path: Path) -> None:
-        """The index holds every block a store knows (a repository may hold millions). Its
-        entries are plain tuples of atomic values, which the cyclic GC stops tracking, so no
-        full collection of the process walks them: NamedTuples it tracks for ever."""
+    def test_the_block_index_takes_fixed_width_rows_not_an_object_per_block(self, tmp_path: Path) -> None:
+        """The index holds every block a store knows (a repository may hold millions): rows of
+        54 bytes in sorted tables, at most 64 bytes a block with its buckets, whether written
+        here or read back from the packs, and no Python object per block (the cyclic GC would
+        walk them at every full collection)."""
         import gc
+        import tracemalloc
 
+        count = 20000
+        blocks = [raw_block(i, 64) for i in range(count)]
         store = LocalStore(tmp_path / "store")
         with store.writer() as writer:
-            for i in range(3000):
-                writer.put(*raw_block(i, 64))
-        reader = LocalStore(tmp_path / "store")  # its index read back from the pack
+            for cid, data in blocks:
+                writer.put(cid, data)
         gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            tracked = len(gc.get_objects())
+            reader = LocalStore(tmp_path / "store")  # its index read back from the pack
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+            objects = len(gc.get_objects()) - tracked
+        finally:
+            tracemalloc.stop()
+        assert grown <= 64 * count + 256 * 1024, grown
+        assert objects < 1000, objects
         for known in (store, reader):
-            assert len(known._index) == 3000
-            assert not any(gc.is_tracked(loc) for loc in known._index.values())
-            assert not any(gc.is_tracked(e) for pack in known._packs.values() for e in pack)
-            assert all(known.get(cid) == raw_block(i, 64)[1]
-                       for i, cid in enumerate(raw_block(i, 64)[0] for i in range(3000)))
+            assert len(known._blocks) == count
+            assert all(known.get(cid) == data for cid, data in blocks)
 
     def test_blocks_survive_reopening(self, tmp_path: Path) -> None:
         blocks = dict(raw_block(i, 700) for i in range(100))

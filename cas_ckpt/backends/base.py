@@ -92,7 +92,11 @@ class Backend(ABC):
       thread while the next ones are written, up to ``publish_workers`` at once;
     * ``min_grace``: GC never deletes an object younger than this many seconds (a medium whose
       listing lags, or whose writers cannot be locked out, needs one);
-    * ``pack_size``: the size past which a writer starts a new pack.
+    * ``pack_size``: the size past which a writer starts a new pack;
+    * ``cheap_listing``: :meth:`list_changes` costs little however many objects there are (a
+      directory: names only), so a store may list every pack at each save; where it is False
+      (object storage: a request per thousand objects), a store learns of new packs from index
+      files listed in a folder of their own (:meth:`sibling`, :meth:`list_after`).
     """
 
     can_mmap = False
@@ -101,6 +105,7 @@ class Backend(ABC):
     read_coalesce = 0
     publish_in_background = False
     min_grace = 0.0
+    cheap_listing = True
 
     def __init__(self, *, read_only: bool = False) -> None:
         self.read_only = read_only
@@ -109,6 +114,11 @@ class Backend(ABC):
     def list(self) -> list[ObjectInfo]:
         """Every published object. MAY lag a publish by another process (the caller re-lists on
         a miss) but MUST include every object this instance published."""
+
+    def list_after(self, start: str) -> list[ObjectInfo]:
+        """The published objects whose names sort after ``start`` (byte order), in that order;
+        the same contract as :meth:`list`. Object storage asks the server for only those."""
+        return sorted((info for info in self.list() if info.name > start), key=lambda info: info.name)
 
     def list_changes(self, known: AbstractSet[str]) -> tuple[set[str], list[ObjectInfo]]:
         """Every published object's name, and the ``list`` entries of those not in ``known``:
@@ -171,7 +181,8 @@ class Backend(ABC):
     def sibling(self, directory: str, suffix: str) -> Backend | None:
         """A backend for objects of another kind on this medium, apart from these: the same
         root, bucket or memory, ``directory`` instead of ``packs/``; their names end in
-        ``suffix``. None where the medium keeps nothing but packs.
+        ``suffix`` (a store keeps its index files and its commit graph there). None where the
+        medium keeps nothing but packs (the store then reads every pack's own index).
 
         Each call with the same ``directory`` MUST see the same objects (a memory backend keeps
         one per directory). Closing a sibling leaves this backend open.

@@ -40,17 +40,18 @@ class MemorySink(Sink):
 class MemoryBackend(Backend):
     """Objects as bytes in a dict (name -> (bytes, creation time)), guarded by one lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: str = "") -> None:
         super().__init__()
         self.objects: dict[str, tuple[bytes, float]] = {}
         self._lock = threading.Lock()
+        self.folder = folder
         self._siblings: dict[str, MemoryBackend] = {}
 
     def describe(self) -> str:
         return "memory://"
 
     def where(self, name: str) -> str:
-        return f"memory://{name}"
+        return f"memory://{self.folder}{name}"
 
     def list(self) -> list[ObjectInfo]:
         now = time.time()
@@ -70,7 +71,7 @@ class MemoryBackend(Backend):
 
     def sibling(self, directory: str, suffix: str) -> MemoryBackend:
         with self._lock:
-            return self._siblings.setdefault(directory, MemoryBackend())
+            return self._siblings.setdefault(directory, MemoryBackend(f"{directory}/"))
 
     def create(self) -> MemorySink:
         return MemorySink(self)

@@ -327,12 +327,18 @@ class S3Bucket:
         age = _server_now(r) - r["LastModified"].timestamp()
         return Meta(key, r["ETag"], r["ContentLength"], age)
 
-    def list(self, prefix: str, *, delimiter: str | None = None, limit: int | None = None) -> list[Meta]:
-        """Objects below ``prefix`` (direct children only with ``delimiter="/"``; at most ``limit``)."""
+    def list(
+        self, prefix: str, *, delimiter: str | None = None, limit: int | None = None,
+        start_after: str | None = None,
+    ) -> list[Meta]:
+        """Objects below ``prefix`` (direct children only with ``delimiter="/"``; at most ``limit``;
+        only keys after ``start_after``, a key below the prefix too), in key order."""
         found = []
         extra: dict[str, Any] = {"Delimiter": delimiter} if delimiter else {}
         if limit is not None:
             extra["MaxKeys"] = limit
+        if start_after is not None:
+            extra["StartAfter"] = self.prefix + start_after
         token: dict[str, str] = {}
         while True:
             r = self._call("list_objects_v2", prefix, Prefix=self.prefix + prefix, **extra, **token)
@@ -507,6 +513,7 @@ PUBLISH_WORKERS = 4  # packs uploading at once: each is read into memory whole f
 READ_SIZE = 16 * 1024 * 1024  # the most one ranged GET of neighbouring blocks fetches
 DEFAULT_GRACE = 3600.0  # GC never removes a pack younger than this on S3
 PACKS = "packs/"
+SUFFIX = ".pack"
 HAVE_LIMIT = 64 << 20  # a cache's list of held offsets: one short line per cached block
 
 
@@ -646,6 +653,7 @@ class S3Backend(Backend):
     publish_in_background = True
     pack_size = PACK_SIZE
     publish_workers = PUBLISH_WORKERS
+    cheap_listing = False
 
     def __init__(
         self,
@@ -657,11 +665,13 @@ class S3Backend(Backend):
         cache_dir: str | os.PathLike[str] | None = None,
         min_grace: float = DEFAULT_GRACE,
         folder: str = PACKS,
+        suffix: str = SUFFIX,
+        owner: S3Backend | None = None,
     ) -> None:
         super().__init__(read_only=read_only)
-        self._owns_bucket = True  # closes it: a sibling does not
         self.bucket = bucket if isinstance(bucket, S3Bucket) else S3Bucket(bucket)
-        self.folder = folder
+        self.folder, self.suffix = folder, suffix
+        self._owner = owner  # a sibling shares its owner's bucket and spool, and closes neither
         if not read_only:
             self.bucket.check_conditional_writes()
         self.part_size = part_size
@@ -674,6 +684,8 @@ class S3Backend(Backend):
     @property
     def spool_dir(self) -> Path:
         """A private temp folder for packs on their way up (made on first use, like mkdtemp)."""
+        if self._owner is not None:
+            return self._owner.spool_dir
         with self._lock:
             if self._spool is None:
                 self._spool = Path(tempfile.mkdtemp(prefix="cas_ckpt-s3-"))
@@ -686,10 +698,16 @@ class S3Backend(Backend):
         return self.bucket.where(self.folder + name)
 
     def list(self) -> list[ObjectInfo]:
+        return self._listed(self.bucket.list(self.folder))
+
+    def list_after(self, start: str) -> list[ObjectInfo]:
+        return self._listed(self.bucket.list(self.folder, start_after=self.folder + start))
+
+    def _listed(self, metas: list[Meta]) -> list[ObjectInfo]:
         found = []
-        for meta in self.bucket.list(self.folder):
+        for meta in metas:
             name = meta.key[len(self.folder) :]
-            if "/" not in name:
+            if "/" not in name and name.endswith(self.suffix):
                 found.append(ObjectInfo(name, meta.size, meta.age))
         return found
 
@@ -724,12 +742,11 @@ class S3Backend(Backend):
             self.cache.drop(name)
 
     def sibling(self, directory: str, suffix: str) -> S3Backend:
-        """Objects under ``<prefix><directory>/``, through this backend's bucket (not cached)."""
-        other = S3Backend(self.bucket, read_only=self.read_only, part_size=self.part_size,
-                          read_size=self.read_coalesce, min_grace=self.min_grace,
-                          folder=f"{directory}/")
-        other._owns_bucket = False
-        return other
+        """Objects under ``<prefix><directory>/`` named ``*<suffix>``, through this backend's
+        bucket, client and spool folder (not cached: only packs hold blocks)."""
+        return S3Backend(self.bucket, read_only=self.read_only, part_size=self.part_size,
+                         read_size=self.read_coalesce, min_grace=self.min_grace,
+                         folder=f"{directory}/", suffix=suffix, owner=self)
 
     def create(self) -> S3Sink:
         return S3Sink(self)
@@ -748,8 +765,9 @@ class S3Backend(Backend):
         return removed
 
     def close(self) -> None:
-        if self._owns_bucket:  # a sibling shares its bucket's pool with the packs' backend
-            self.bucket.close()
+        if self._owner is not None:  # a sibling shares its owner's bucket and spool
+            return
+        self.bucket.close()
         if self.cache is not None:
             self.cache.close()
         if self._spool is not None:

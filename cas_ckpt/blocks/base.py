@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, MutableSet, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import TracebackType
@@ -71,6 +71,20 @@ class HeldBack(NamedTuple):
     blocks: int = 0  # the blocks being removed that lie in them
     bytes: int = 0  # their stored bytes
     grace: float = 0.0  # the medium's minimum age in seconds (S3: an hour)
+
+
+@dataclass
+class Layout:
+    """How a store's blocks lie on its medium: what upkeep decides from and ``stats`` shows."""
+
+    packs: int  # pack files (objects)
+    bytes: int  # what they take
+    small_packs: int  # packs under the size upkeep and GC merge
+    blocks: int  # block copies indexed
+    indexed: bool  # the medium keeps index files
+    snapshot: str | None  # the newest snapshot this process read or wrote
+    uncovered: int  # what an open reads besides the snapshot: packs' own indexes, or journals
+    damaged_indexes: int  # index files found damaged (rebuilt from the packs)
 
 
 class Stored(NamedTuple):
@@ -155,12 +169,13 @@ class BlockWriter(ABC):
             if self.closed:
                 raise RepositoryError("block writer is already closed")
             stats, pending = self.stats, self._pending
-            if self._all_stored([cid for cid, _, _ in blocks]):  # an unchanged re-save
+            cids = [cid for cid, _, _ in blocks]
+            if self._all_stored(cids):  # an unchanged re-save
                 stats.blocks_reused += len(blocks)
                 stats.bytes_reused += sum(data.nbytes for _, data, _ in blocks)
                 return 0
-            for cid, data, stored in blocks:
-                if cid in pending or self._stored(cid):
+            for (cid, data, stored), known in zip(blocks, self._stored_many(cids), strict=True):
+                if cid in pending or known:
                     stats.blocks_reused += 1
                     stats.bytes_reused += data.nbytes
                     continue
@@ -178,6 +193,18 @@ class BlockWriter(ABC):
     def settle(self) -> None:  # noqa: B027 - a writer that holds no kept blocks has nothing to write
         """Write out the blocks put with ``keep=True`` still held: their buffers are free again."""
 
+    def expect_run(self, nbytes: int) -> None:  # noqa: B027 - a hint stores without files may ignore
+        """The next blocks, ``nbytes`` in all, belong together (an array's chunks): a store that
+        can map its files keeps them in one, so a load can map the whole array."""
+
+    journal = True  # record the batch in the store's index files at commit (where it keeps them)
+
+    def receipt(self) -> Any:
+        """After commit: what :meth:`BlockStore.adopt` in another process needs to take this
+        batch's blocks in (picklable). A batch that leaves recording to that process sets
+        ``journal = False`` first (the ranks of a DCP save)."""
+        return None
+
     def has(self, cid: bytes) -> bool:
         """True if the block is stored or already in this batch."""
         with self._lock:
@@ -191,6 +218,10 @@ class BlockWriter(ABC):
         """Whether :meth:`_stored` holds for every one of ``cids`` (False may be a guess: the
         caller then asks block by block)."""
         return all(map(self._stored, cids))
+
+    def _stored_many(self, cids: list[bytes]) -> list[bool]:
+        """:meth:`_stored` of each of ``cids``."""
+        return [self._stored(cid) for cid in cids]
 
     @abstractmethod
     def _append(self, cid: bytes, stored: Stored, size: int, keep: bool = False) -> None:
@@ -387,10 +418,38 @@ class BlockStore(ABC):
         raise to stop (a GC whose lease on a remote lock was lost).
         """
 
-    def held_back(self, cids: set[bytes], *, min_age: float = 0.0) -> HeldBack:
-        """What :meth:`delete` of ``cids`` with ``min_age`` would leave because the medium's own
+    def held_back(self, keep: MutableSet[bytes], *, min_age: float = 0.0) -> HeldBack:
+        """What :meth:`sweep` of ``keep`` with ``min_age`` would leave because the medium's own
         minimum age keeps the storage holding them (GC reports it; nothing here by default)."""
         return HeldBack()
+
+    def marks(self) -> MutableSet[bytes]:
+        """An empty set for GC to mark the blocks it keeps in (a store may keep it compactly)."""
+        return set()
+
+    def count_kept(self, keep: MutableSet[bytes]) -> int:
+        """How many stored blocks ``keep`` holds."""
+        return sum(1 for cid in self.keys() if cid in keep)
+
+    def unkept(self, keep: MutableSet[bytes]) -> tuple[int, int]:
+        """(stored blocks not in ``keep``, the bytes they take)."""
+        dead = list(self.unkept_cids(keep))
+        return len(dead), sum(self.stored_size(cid) for cid in dead)
+
+    def unkept_cids(self, keep: MutableSet[bytes]) -> Iterator[bytes]:
+        return (cid for cid in self.keys() if cid not in keep)
+
+    def sweep(
+        self, keep: MutableSet[bytes], *, min_age: float = 0.0,
+        before_unlink: Callable[[], None] | None = None,
+    ) -> tuple[int, int]:
+        """Remove every stored block not in ``keep`` (as :meth:`delete`)."""
+        return self.delete(set(self.unkept_cids(keep)), min_age=min_age, before_unlink=before_unlink)
+
+    def check_storage(self) -> dict[str, str]:
+        """Read every storage unit's own description again (packs' indexes, where an index file
+        described them instead): those damaged or disagreeing, and why (fsck)."""
+        return self.damaged()
 
     def damaged(self) -> dict[str, str]:
         """Storage units (packs) found unreadable, and why: reported by fsck, never read from."""
@@ -424,8 +483,29 @@ class BlockStore(ABC):
         graph's layers), through a backend of their own; None where there is no such place."""
         return None
 
-    def refresh(self) -> None:  # noqa: B027 - optional hook, most stores see writes at once
-        """Pick up blocks other processes have committed since this store was opened."""
+    def refresh(self, *, full: bool = False, learn: bool = True) -> None:  # noqa: B027 - optional hook
+        """Pick up blocks other processes have committed since this store was opened (most
+        stores see writes at once). ``full``: look at everything the medium holds, not only
+        what an index says changed (GC and fsck ask for it). ``learn=False``: take in only what
+        was removed (a batch must never count on it), not what was added."""
+
+    def adopt(self, receipts: Sequence[Any]) -> None:  # noqa: B027 - stores that see writes at once
+        """Take in what other processes' writers stored (their :meth:`BlockWriter.receipt`)."""
+
+    format_version = 1  # the repository format version this store's writes need
+
+    def layout(self) -> Layout | None:
+        """How the blocks lie on the medium (packs, index files); None for stores without packs."""
+        return None
+
+    def merge_small(self) -> tuple[int, int, int]:
+        """Merge small storage units (packs), every block kept: (merged, written, bytes copied)."""
+        return 0, 0, 0
+
+    def consolidate(self) -> str | None:
+        """Write one index of everything the store holds where the medium keeps index files
+        (upkeep, and GC after a sweep); the file's name, or None."""
+        return None
 
     def _check_writable(self) -> None:
         if self.read_only:

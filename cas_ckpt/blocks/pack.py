@@ -177,29 +177,3 @@ def _entry(row: object, version: int) -> Entry:
     if codec not in CODECS or size < 0 or (codec == CODEC_NONE and size != length):
         raise ValueError(f"index entry has codec {codec} and raw length {size}")
     return Entry(cidlib.check_binary(cid), offset, length, codec, size)
-
-
-def plan_sweep(
-    packs: dict[str, tuple[list[Entry], int, float]], cids: set[bytes], min_age: float, *,
-    small_size: int = SMALL_PACK,
-) -> dict[str, list[Entry]]:
-    """Which packs a sweep touches: pack -> its surviving entries (empty: delete it whole).
-
-    ``packs`` maps each pack to (entries, size in bytes, age in seconds). Packs younger than
-    ``min_age`` are left alone. A pack losing blocks is rewritten with its survivors (or deleted,
-    when none survive); small packs (under ``small_size`` bytes: a store with small packs, as S3's,
-    passes half its pack size) are merged along when at least two packs would be written anyway.
-    """
-    doomed: dict[str, list[Entry]] = {}
-    small: dict[str, list[Entry]] = {}
-    for name, (entries, size, age) in packs.items():
-        if age < min_age:
-            continue
-        live = [e for e in entries if e.cid not in cids]
-        if len(live) < len(entries):
-            doomed[name] = live
-        elif size < small_size:
-            small[name] = live
-    if len(small) + sum(1 for live in doomed.values() if live) >= 2:
-        doomed.update(small)  # worth merging: fewer files for every later open and read
-    return doomed

@@ -90,6 +90,7 @@ class _Stored:
 
     node: bytes
     replica: bool = False
+    receipt: Any = None  # the rank's packs (on its first result): the coordinator records them
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,9 +188,17 @@ class Writer(StorageWriter):
 
         Locations travel in the WriteResults only: ``plan.storage_data`` may be a stale cached one.
         """
-        with self.repo.transaction() as txn:  # dedups against what other ranks have stored
+        # Each rank learns only what was removed (GC) before its batch, and records nothing: the
+        # coordinator takes every rank's packs in at once (one journal on S3), so no rank reads
+        # the others' indexes, and the coordinator runs upkeep after the commit.
+        with self.repo.transaction(upkeep=False, learn=False) as txn:
+            txn.blocks.journal = False
             results = [self._write_item(txn.tree, item, planner, False) for item in plan.items]
         self.stats.add(txn.stats)
+        receipt = txn.blocks.receipt()
+        if results and receipt:
+            results[0] = dataclasses.replace(
+                results[0], storage_data=dataclasses.replace(results[0].storage_data, receipt=receipt))
         results += self._replicas(plan, planner)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -226,6 +235,8 @@ class Writer(StorageWriter):
         """Coordinator: write the tree and the commit, move the ref by compare-and-swap."""
         try:
             nodes = _locations(results)
+            self.repo.blocks.adopt([r.storage_data.receipt for rank in results for r in rank
+                                    if isinstance(r.storage_data, _Stored) and r.storage_data.receipt])
             commit = self.repo.save(
                 _tree(metadata, nodes), ref=self.ref, step=self.step, metadata=self.metadata,
                 message=self.message, expected=self._parent,

@@ -47,8 +47,11 @@ def check(
     names = _names(refs, report)
     roots = _roots(refs, names, report)
     report.store_problems.extend(_reflog_problems(refs, names))
-    blocks.refresh()  # after reading the refs: every block they reach was published before
-    report.store_problems.extend(f"damaged pack {name}: {why}" for name, why in blocks.damaged().items())
+    blocks.refresh(full=True)  # after reading the refs: every block they reach was published before
+    report.store_problems.extend(
+        f"damaged {'index file' if name.endswith('.idx') else 'pack'} {name}: {why}"
+        for name, why in blocks.check_storage().items()
+    )
     reach = walk(blocks, roots, check_raw=True)
     if reach.problems:
         reach = _recheck(blocks, refs)

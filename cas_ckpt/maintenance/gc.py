@@ -177,12 +177,15 @@ def collect(
     with refs.lock(exclusive=not dry_run):
         blocks.refresh()
         found = roots(refs, reflog_expiry=reflog_expiry, expire_reflogs=expire)
+        keep = blocks.marks()  # the store's compact marks: no object per block
         reach: Reach = walk(
             blocks,
             found.strong,
             weak=found.weak,
             progress=(lambda n: progress("mark", n)) if progress else None,
             nodes=commits,
+            marks=keep,
+            where=False,
         )
         if reach.problems:
             first = next(iter(reach.problems.values()))
@@ -191,13 +194,18 @@ def collect(
                 f"(e.g. {first.kind} {first.cid}, needed by {first.needed_by[0]}); sweeping now "
                 "could delete data a repair would need. Run fsck."
             )
-        dead, live, lineage = _partition(blocks, reach)
-        held = blocks.held_back(dead, min_age=grace)
+        live = blocks.count_kept(keep)
+        history_only = [cid for cid in reach.lineage if cid not in keep]
+        lineage = sum(1 for cid in history_only if blocks.has(cid))
+        for cid in history_only:
+            keep.add(cid)  # a commit only history reaches is kept, its data not
+        dead, dead_bytes = blocks.unkept(keep)
+        held = blocks.held_back(keep, min_age=grace)
         report = GCReport(
             live_blocks=live,
             lineage_blocks=lineage,
-            unreachable_blocks=len(dead),
-            unreachable_bytes=sum(map(blocks.stored_size, dead)),
+            unreachable_blocks=dead,
+            unreachable_bytes=dead_bytes,
             blocks_freed=0,
             bytes_freed=0,
             temp_files_removed=0,
@@ -208,31 +216,15 @@ def collect(
             min_grace=held.grace,
         )
         if dry_run:
-            report.unreachable = sorted(cidlib.to_str(c) for c in dead)
+            report.unreachable = sorted(cidlib.to_str(c) for c in blocks.unkept_cids(keep))
             return report
         if progress:
-            progress("sweep", len(dead))
-        report.blocks_freed, report.bytes_freed = blocks.delete(
-            dead, min_age=grace, before_unlink=refs.check_lease
+            progress("sweep", dead)
+        report.blocks_freed, report.bytes_freed = blocks.sweep(
+            keep, min_age=grace, before_unlink=refs.check_lease
         )
         report.temp_files_removed = blocks.clean_temp()
         report.reflogs_dropped = drop_dead_reflogs(refs, reflog_expiry=reflog_expiry,
                                                    expire_reflogs=expire)
+        blocks.consolidate()  # one index file of what is left: the next open reads it, not each pack
         return report
-
-
-def _partition(blocks: BlockStore, reach: Reach) -> tuple[set[bytes], int, int]:
-    """The stored blocks nothing reaches, and how many stored ones are data and lineage.
-
-    Counted among the stored blocks, not the marked ones: a weak root may name blocks long gone.
-    """
-    dead: set[bytes] = set()
-    live = lineage = 0
-    for cid in blocks.keys():  # noqa: SIM118 - a store, not a dict
-        if cid in reach.data:
-            live += 1
-        elif cid in reach.lineage:
-            lineage += 1
-        else:
-            dead.add(cid)
-    return dead, live, lineage

@@ -22,6 +22,7 @@ from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import HistoryLink
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY, Root, root_entries
+from cas_ckpt.maintenance.upkeep import UpkeepStatus
 from cas_ckpt.maintenance.walk import Reach, child_links, walk
 from cas_ckpt.refs import RefStore
 from cas_ckpt.refs.base import run_of
@@ -83,6 +84,7 @@ class Usage:
     live_bytes: int = 0
     held_bytes: int = 0
     reflog_expiry: float = DEFAULT_REFLOG_EXPIRY
+    upkeep: UpkeepStatus | None = None  # packs, index files, and what upkeep would do next
 
     @property
     def unreachable_blocks(self) -> int:
@@ -150,7 +152,10 @@ def usage(blocks: BlockStore, refs: RefStore, *, reflog_expiry: float = DEFAULT_
     keys = list(blocks.keys())
     result.total_blocks = len(keys)
     result.total_bytes = _stored(blocks, keys)
-    result.held_bytes = blocks.held_back({c for c in keys if c not in owners}).bytes
+    live = blocks.marks()
+    for cid in owners:
+        live.add(cid)
+    result.held_bytes = blocks.held_back(live).bytes
     result.refs.sort(key=lambda r: r.ref)
     # A checkpoint two refs hold (a manager's head and its .steps/N ref) is one checkpoint.
     result.logical_bytes = sum({bytes(r.cid): r.logical_bytes for r in result.refs}.values())

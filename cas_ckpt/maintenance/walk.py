@@ -15,7 +15,7 @@ with the number of reachable blocks (one set entry each), never with anything la
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,7 @@ class Reach:
     lineage: set[bytes] = field(default_factory=set)
     problems: dict[bytes, Problem] = field(default_factory=dict)
     where: dict[bytes, Where] = field(default_factory=dict)
+    track_where: bool = True
 
     @property
     def live(self) -> set[bytes]:
@@ -124,6 +125,8 @@ def walk(
     progress: Callable[[int], None] | None = None,
     reach: Reach | None = None,
     nodes: Callable[[bytes], Any] | None = None,
+    marks: MutableSet[bytes] | None = None,
+    where: bool = True,
 ) -> Reach:
     """Mark everything ``roots`` (binary CID -> root name) reach; record problems, never raise.
 
@@ -132,9 +135,15 @@ def walk(
     always judged as the strong root needs it. ``check_raw`` also checks that raw chunks exist
     (fsck); GC does not need to. ``reach``: an earlier walk's, to go on from (what it marked is
     not walked again). ``nodes``: a stored node, decoded, where known without reading its block
-    (None: read it); what it gives must hold the links the block holds.
+    (None: read it); what it gives must hold the links the block holds. ``marks``: the set to mark
+    data blocks in (``Reach.data``; GC passes its store's compact one). ``where=False`` records
+    the path needing each block only for problems (``Reach.where`` stays empty: GC's memory then
+    holds no object per block). ``marks`` and ``where`` apply to a new walk, not one ``reach``
+    goes on from.
     """
-    reach = Reach() if reach is None else reach
+    if reach is None:
+        reach = Reach(data=set() if marks is None else marks)  # type: ignore[arg-type]
+        reach.track_where = where
     counter = _Counter(progress)
     read = _Reader(store, nodes)
     _mark(read, reach, roots, strong=True, check_raw=check_raw, counter=counter)
@@ -183,7 +192,8 @@ def _mark(
         if cid in seen or (not data and cid in reach.data):
             continue
         seen.add(cid)
-        reach.where.setdefault(cid, Where(root, path))
+        if reach.track_where:
+            reach.where.setdefault(cid, Where(root, path))
         counter.tick()
         if not cidlib.is_node(cid):
             if check_raw and strong and not read.store.has(cid):

@@ -12,9 +12,10 @@ import datetime
 import json
 import os
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,30 @@ class Lease(ABC):
         """Give the lease up (idempotent)."""
 
 
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def _try_thread_lock(owner: object, name: str) -> Iterator[bool]:
+    with _THREAD_LOCKS_GUARD:
+        locks = owner.__dict__.setdefault("_maintenance_locks", {})
+        lock = locks.setdefault(name, threading.Lock())
+    if not lock.acquire(blocking=False):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
+
+
+def check_task_name(name: str) -> str:
+    """A maintenance lock's name: lower-case letters and dashes (it names a file or an object)."""
+    if not name or not all(c.islower() or c == "-" for c in name):
+        raise ValueError(f"not a maintenance lock name: {name!r}")
+    return name
+
+
 def holder_info() -> bytes:
     """Who holds a lease, as stored with it: host, pid and time, JSON."""
     return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
@@ -247,6 +272,13 @@ class RefStore(ABC):
         turns False. A holder that dies frees it (at once with a kernel lock). Plain ref updates
         ignore leases: they stay compare-and-swap.
         """
+
+    def try_exclusive(self, name: str) -> contextlib.AbstractContextManager[bool]:
+        """A named lock for one maintenance task at a time (``"upkeep"``), taken only if free:
+        yields True while holding it, False (holding nothing) if another process holds it. A
+        holder that dies frees it (at once with a kernel lock, after ``lease_timeout`` on S3).
+        This default excludes the threads of one process only."""
+        return _try_thread_lock(self, check_task_name(name))
 
     def check_lease(self) -> None:  # noqa: B027 - a kernel lock cannot be lost: nothing to check
         """Raise :class:`RepositoryError` if a lock this process holds was taken over (a lease

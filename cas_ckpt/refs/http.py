@@ -110,3 +110,6 @@ class HttpRefStore(RefStore):
 
     def lease(self, name: str, *, takeover: bool = False) -> Lease:
         self._refuse()
+
+    def try_exclusive(self, name: str) -> contextlib.AbstractContextManager[bool]:
+        self._refuse()

@@ -24,6 +24,7 @@ from cas_ckpt.refs.base import (
     ReflogEntry,
     RefStore,
     check_ref_name,
+    check_task_name,
     describe_holder,
     holder_info,
     is_ref_name,
@@ -349,6 +350,11 @@ class LocalRefStore(RefStore):
 
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         return _flock_none(_fs.refuse_links(self.root, self.locks_dir) / "gc.lock", exclusive)
+
+    def try_exclusive(self, name: str) -> contextlib.AbstractContextManager[bool]:
+        """A non-blocking exclusive ``flock`` on ``locks/<name>.lock`` (never removed)."""
+        return _fs.flocked(_fs.refuse_links(self.root, self.locks_dir) / f"{check_task_name(name)}.lock",
+                           exclusive=True, blocking=False)
 
     def lease(self, name: str, *, takeover: bool = False) -> Lease:
         """An exclusive ``flock`` on ``locks/runs/<name, %-quoted>.lease``, which holds the

@@ -43,6 +43,7 @@ from cas_ckpt.refs.base import (
     ReflogEntry,
     RefStore,
     check_ref_name,
+    check_task_name,
     describe_holder,
     is_ref_name,
 )
@@ -507,6 +508,30 @@ class S3RefStore(RefStore):
             if etag is not None:
                 break
         return _RunLease(_Lease(self.bucket, key, etag, body, self.lease_timeout / 4))
+
+    @contextlib.contextmanager
+    def try_exclusive(self, name: str) -> Iterator[bool]:
+        """A heartbeat lease object ``locks/<name>``, created only if absent; one not rewritten
+        for ``lease_timeout`` seconds belongs to a dead holder and is removed first."""
+        key = f"locks/{check_task_name(name)}"
+        for _ in range(2):
+            etag = self.bucket.put(key, self._body(), create=True)
+            if etag is not None:
+                break
+            meta = self.bucket.head(key)
+            if meta is not None and meta.age <= self.lease_timeout:
+                yield False
+                return
+            if meta is not None:
+                self.bucket.delete(key, match=meta.etag)  # its holder died
+        else:
+            yield False
+            return
+        lease = self._lease(key, etag)
+        try:
+            yield True
+        finally:
+            lease.release()
 
     def _body(self) -> bytes:
         self._beats += 1

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 import cas_ckpt
 from cas_ckpt import cid as cidlib
@@ -111,6 +112,51 @@ def test_processes_save_while_gc_runs(tmp_path: Path) -> None:
         gc_runs=gc_runs,
         seconds=timer.seconds,
     )
+
+
+@pytest.mark.parametrize("medium", ["local", "s3"])
+def test_processes_save_while_upkeep_and_gc_run(tmp_path: Path, medium: str,
+                                                request: pytest.FixtureRequest) -> None:
+    """Savers (each with its own automatic upkeep), a process running upkeep by force in a loop
+    (merging small packs, writing index snapshots, deleting what they replace) and one running
+    GC, all at once: every save is kept and loads, no index file is torn, fsck is clean; on a
+    directory and on the moto S3 server."""
+    timer = Timer()
+    stop = tmp_path / "stop"
+    location = request.getfixturevalue("s3_url") if medium == "s3" else str(tmp_path / "repo")
+    options = {"storage_options": {"min_grace": 0.0}} if medium == "s3" else {}
+    cas_ckpt.open(location, **options).close()  # type: ignore[arg-type]
+    env, child = child_env(), str(HERE / "_conc_child.py")
+    processes, saves_each = (PROCESSES, SAVES) if medium == "local" else (2, 10 if not LONG else SAVES)
+    loops = {op: subprocess.Popen([PYTHON, child, op, location, str(stop)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env) for op in ("gc", "upkeep")}
+    savers = [subprocess.Popen([PYTHON, child, "saver", location, str(k), str(saves_each),
+                                str(tmp_path / f"log{k}")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+              for k in range(processes)]
+    try:
+        for proc in savers:
+            _, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, err[-4000:]
+    finally:
+        stop.touch()
+        outputs = {op: proc.communicate(timeout=300) for op, proc in loops.items()}
+    for op, proc in loops.items():
+        assert proc.returncode == 0, outputs[op][1][-4000:]
+    upkeeps, merged = map(int, outputs["upkeep"][0].split())
+    assert upkeeps >= 2 and merged > 0, "upkeep did not really run alongside the saves"
+    saves = [tuple(parts) for k in range(processes)
+             for parts in (line.split() for line in (tmp_path / f"log{k}").read_text().splitlines())]
+    assert len(saves) == processes * saves_each
+    with cas_ckpt.open(location, create=False, **options) as repo:  # type: ignore[arg-type]
+        assert repo.blocks.damaged() == {}
+        _check(repo, saves)  # type: ignore[arg-type]
+        repo.upkeep(force=True)
+    with cas_ckpt.open(location, create=False, **options) as repo:  # type: ignore[arg-type]
+        _check(repo, saves)  # type: ignore[arg-type]
+        assert repo.upkeep_status().uncovered == 0  # type: ignore[union-attr]
+    record("concurrency_upkeep", **{f"{medium}_saves": len(saves), f"{medium}_upkeeps": upkeeps,
+                                    f"{medium}_merged": merged}, seconds=timer.seconds)
 
 
 def test_threads_share_a_repository(tmp_path: Path) -> None:

@@ -172,7 +172,7 @@ def test_fault_during_save(where: Path, monkeypatch: pytest.MonkeyPatch, categor
     timer = Timer()
     root = where / "repo"
     counts = {"faults": 0, "moved_despite_error": 0}
-    with cas_ckpt.open(root) as repo:
+    with cas_ckpt.open(root, upkeep=False) as repo:  # upkeep's own faults: test_fault_during_upkeep
         repo.save(make_state(3, 0, scale=0.3), ref="main")
         i = 1
         plans = [
@@ -274,6 +274,49 @@ def test_fault_during_gc(where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
                 assert digest(repo.load("main")) == expected
                 assert not fsck_problems(repo)
     record("faults", gc=faults, total=faults)
+
+
+def test_fault_during_upkeep(where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upkeep merges small packs and writes an index snapshot; a fault anywhere in it (the new
+    pack, the snapshot, deleting what they replace) loses nothing, leaves no temp file, and the
+    next upkeep does the work. A full disk under the merge only skips it."""
+    root = where / "repo"
+    faults = 0
+    for err in ERRNOS:
+        for nth in range(1, 200):
+            if root.exists():
+                import shutil
+
+                shutil.rmtree(root)
+            with cas_ckpt.open(root, upkeep=False) as repo:
+                cids = [repo.save(make_state(4, i, scale=0.05), ref="main") for i in range(4)]
+                expected = [digest(repo.load(cid)) for cid in cids]
+                with monkeypatch.context() as mp:
+                    fault = Fault(root, lambda op, rel: rel.startswith(("tmp/", "packs", "index")),
+                                  err, nth, False)
+                    fault.install(mp)
+                    try:
+                        repo.upkeep(force=True)
+                        error: BaseException | None = None
+                    except BaseException as exc:
+                        error = exc
+                    fault.armed = False
+                if fault.fired is None:
+                    assert error is None and nth > 1
+                    break
+                faults += 1
+                if error is not None or err != errno.ENOSPC:
+                    assert isinstance(error, OSError) and error.errno == err, repr(error)
+                assert [digest(repo.load(cid)) for cid in cids] == expected
+                _check_clean(root)
+                report = repo.upkeep(force=True)
+                assert report.snapshot is not None
+            with cas_ckpt.open(root) as again:
+                assert again.blocks.damaged() == {}
+                assert again.upkeep_status().uncovered == 0  # type: ignore[union-attr]
+                assert [digest(again.load(cid)) for cid in cids] == expected
+                assert not fsck_problems(again)
+    record("faults", upkeep=faults, total=faults)
 
 
 @pytest.mark.parametrize("err", ERRNOS)

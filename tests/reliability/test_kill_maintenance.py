@@ -1,4 +1,5 @@
-"""SIGKILL during GC, CAR import, ref deletion and retention: nothing committed is lost or torn.
+"""SIGKILL during GC, CAR import, ref deletion, retention and upkeep (merging small packs, writing
+index snapshots): nothing committed is lost or torn.
 
 A real child process runs one operation in a loop (``_maint_child.py``) and is killed with SIGKILL
 at a random moment inside it, several times. After every kill a fresh process's view must hold:
@@ -83,9 +84,10 @@ def _check(op: str, root: Path, log: Path, expected: dict[str, str]) -> None:
                 assert sorted(manager.steps())[-1] == latest and len(manager.steps()) <= 3
         problems = fsck_problems(repo)
         assert not problems, f"{op}: fsck after a kill: {problems}"
+        assert repo.blocks.damaged() == {}, f"{op}: a torn pack or index file after a kill"
 
 
-@pytest.mark.parametrize("op", ["gc", "import", "delete", "retention"])
+@pytest.mark.parametrize("op", ["gc", "import", "delete", "retention", "upkeep"])
 def test_sigkill_during_maintenance(tmp_path: Path, op: str) -> None:
     root, log, car = tmp_path / "repo", tmp_path / "log", tmp_path / "x.car"
     expected = _setup(root, car)

@@ -285,9 +285,10 @@ def test_a_gc_merge_never_trusts_a_damaged_pack_of_its_name(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("damage", ["block", "index"])
 def test_a_car_re_import_repairs(tmp_path: Path, damage: str) -> None:
-    """Re-importing a CAR of a damaged checkpoint stores good copies, and loads work again."""
+    """Re-importing a CAR of a damaged checkpoint stores good copies, and loads work again.
+    (Written without upkeep: no index snapshot describes the pack, its own index alone does.)"""
     root = tmp_path / "repo"
-    with cas_ckpt.open(root) as repo:
+    with cas_ckpt.open(root, upkeep=False) as repo:
         cid = repo.save(_state(4), ref="main")
         expected = digest(repo.load())
         repo.export_car("main", tmp_path / "good.car")
@@ -305,6 +306,22 @@ def test_a_car_re_import_repairs(tmp_path: Path, damage: str) -> None:
         problems = fsck_problems(fresh)
         # The damaged pack is still there (nothing deletes evidence) but every block has a good copy.
         assert all("damaged pack" in p or "does not match" in p for p in problems), problems
+
+
+def test_a_damaged_pack_index_that_a_snapshot_describes_is_still_found_by_fsck(tmp_path: Path) -> None:
+    """The snapshot describes the pack, so loads never read its own index: they work (every block
+    is hash-checked); fsck reads each pack's own index again and reports the damage."""
+    root = tmp_path / "repo"
+    with cas_ckpt.open(root) as repo:
+        repo.save(_state(4), ref="main")
+        expected = digest(repo.load())
+        assert repo.upkeep_status().snapshot is not None  # type: ignore[union-attr]
+        (pack,) = (root / "packs").iterdir()
+    _flip(pack, pack.stat().st_size - FOOTER.size - 3)
+    with cas_ckpt.open(root) as repo:
+        assert digest(repo.load("main")) == expected
+        problems = fsck_problems(repo)
+        assert problems and all("damaged pack" in p for p in problems), problems
 
 
 # ----------------------------------------------------------------------------------------------

@@ -203,6 +203,29 @@ def scenario_manager(repo: cas_ckpt.Repository, mesh: Any, rank: int, world: int
     return out
 
 
+def scenario_requests(repo: cas_ckpt.Repository, mesh: Any, rank: int, world: int) -> dict[str, Any]:
+    """On S3: the requests this rank sends in each of three saves (fresh, unchanged, unchanged),
+    counted by the S3 client itself, with those that read or list index files or list packs."""
+    sent: list[str] = []
+
+    def count(request: Any, **_: Any) -> None:
+        sent.append(f"{request.method} {request.url}")
+
+    repo.blocks.backend.bucket.client.meta.events.register("before-send", count)  # type: ignore[attr-defined]
+    saves = []
+    for step in range(3):
+        sent.clear()
+        dist.barrier()
+        dcp.save(state(mesh, rank, world), storage_writer=Writer(repo, "main", step=step))
+        dist.barrier()
+        saves.append({
+            "requests": len(sent),
+            "index_reads": sum(1 for r in sent if r.startswith("GET") and "/index/" in r),
+            "pack_lists": sum(1 for r in sent if "list-type=2" in r and "prefix=repo%2Fpacks" in r),
+        })
+    return {"saves": saves}
+
+
 def main() -> None:
     scenario, rank, world, port, location, out = sys.argv[1:]
     rank, world = int(rank), int(world)

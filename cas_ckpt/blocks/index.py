@@ -1,0 +1,478 @@
+"""The block index in memory: every copy of every block, in sorted tables of fixed-width rows.
+
+A repository may hold millions of blocks; a Python object per block cost ~370 bytes each (a
+million blocks: 358 MiB and seconds to build). Here a block's copy is one row of two columns,
+as restic's ``indexmap`` and git's multi-pack-index keep theirs:
+
+* its **key**, 33 bytes: the CID's 32-byte digest, then one byte naming the CID's codec and hash
+  (:data:`KINDS`; a digest-first key spreads rows evenly, so a short prefix finds a bucket);
+* its **location**, 21 bytes (:data:`LOCATION`): pack id (``uint32``), offset (``uint64``),
+  stored length (``uint32``), codec (``uint8``), raw length (``uint32``), little endian.
+
+Rows are sorted by key (copies of one block adjacent), so one lookup is a bucket from the key's
+first bytes and a ``bytes.find`` inside it, and many lookups are one ``numpy.searchsorted``. The
+index files (:mod:`cas_ckpt.blocks.index_file`) hold the same two columns: opening one is a read
+and a checksum, no parsing per row.
+
+:class:`BlockIndex` keeps a large ``base`` table and a small ``delta`` one that new packs merge
+into, folded into the base when it grows past an eighth of it (so adding a pack costs in
+proportion to the delta, not to the repository). A pack that leaves the store is marked dead and
+its rows skipped until the next fold drops them. Copies known to be damaged, and a copy reads
+should try first, are the rare exceptions kept in small sets beside the tables.
+"""
+
+from __future__ import annotations
+
+import array
+import struct
+from collections.abc import Collection, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from cas_ckpt import cid as cidlib
+from cas_ckpt.blocks.pack import Entry, EntryFields, Location
+
+DIGEST = cidlib.DIGEST_SIZE
+KEY_SIZE = DIGEST + 1
+LOCATION = struct.Struct("<IQIBI")  # pack id, offset, stored length, codec, raw length
+LOCATION_DTYPE = np.dtype(
+    [("pack", "<u4"), ("offset", "<u8"), ("length", "<u4"), ("codec", "u1"), ("size", "<u4")]
+)
+assert LOCATION_DTYPE.itemsize == LOCATION.size == 21
+KEY_DTYPE = np.dtype(f"S{KEY_SIZE}")
+MAX_LENGTH = 2**32 - 1  # a block's stored and raw lengths fit a uint32
+# The byte after the digest in a key: which codec and hash the CID has (docs/format.md).
+KINDS = {
+    cidlib.prefix(cidlib.RAW, cidlib.SHA2_256): 1,
+    cidlib.prefix(cidlib.MSGPACK, cidlib.SHA2_256): 2,
+    cidlib.prefix(cidlib.RAW, cidlib.BLAKE3): 3,
+    cidlib.prefix(cidlib.MSGPACK, cidlib.BLAKE3): 4,
+}
+_KIND_BYTE = {prefix: bytes([kind]) for prefix, kind in KINDS.items()}
+_PREFIX_OF = {kind: prefix for prefix, kind in KINDS.items()}
+_MERGE_MIN = 65536  # the delta folds into the base past max(this, an eighth of the base)
+_RECENT = 4096  # lookups remembered (BlockIndex.copies)
+
+
+def key_of(cid: bytes) -> bytes:
+    """The 33-byte key of a binary CID (KeyError for a CID cas_ckpt does not write)."""
+    return cid[-DIGEST:] + _KIND_BYTE[cid[:-DIGEST]]
+
+
+def cid_of(key: bytes) -> bytes:
+    """The binary CID a key stands for."""
+    return _PREFIX_OF[key[DIGEST]] + key[:DIGEST]
+
+
+def keys_of(cids: Sequence[bytes]) -> np.ndarray:
+    """The keys of many CIDs as an array (``S33``); CIDs of one kind (a load's chunks) without a
+    Python call each."""
+    joined = b"".join(cids)
+    for width in (len(cids[0]),) if cids else ():
+        if len(joined) != width * len(cids) or width <= DIGEST:
+            break
+        rows = np.frombuffer(joined, np.uint8).reshape(len(cids), width)
+        head = bytes(rows[0, :-DIGEST])
+        if head not in KINDS or not (rows[:, :-DIGEST] == rows[0, :-DIGEST]).all():
+            break
+        keys = np.empty((len(cids), KEY_SIZE), np.uint8)
+        keys[:, :DIGEST] = rows[:, -DIGEST:]
+        keys[:, DIGEST] = KINDS[head]
+        return keys.view(KEY_DTYPE).ravel()
+    return np.frombuffer(b"".join(map(key_of, cids)), KEY_DTYPE)
+
+
+class Table:
+    """Rows sorted by key: ``keys`` (33 bytes each) and ``locations`` (21 bytes each), immutable.
+
+    ``_buckets[b]`` is the first row whose key's leading bits are ``b`` or more: a lookup searches
+    only its bucket (a few rows) with ``bytes.find``.
+    """
+
+    __slots__ = ("_buckets", "_shift", "keys", "locations", "n")
+
+    def __init__(self, keys: bytes, locations: bytes) -> None:
+        self.keys, self.locations = keys, locations
+        self.n = len(keys) // KEY_SIZE
+        bits = max(0, min(24, self.n.bit_length() - 2))
+        self._shift = 24 - bits
+        prefixes = np.frombuffer(keys, np.uint8).reshape(self.n, KEY_SIZE)[:, :3].astype(np.uint32)
+        top = ((prefixes[:, 0] << 16) | (prefixes[:, 1] << 8) | prefixes[:, 2]) >> self._shift
+        starts = np.searchsorted(top, np.arange((1 << bits) + 1, dtype=np.uint32))
+        self._buckets = array.array("I", starts.astype(np.uint32).tobytes())
+
+    @classmethod
+    def sorted(cls, keys: np.ndarray, locations: np.ndarray) -> Table:
+        """A table of these rows in any order (sorted here; copies keep their order)."""
+        order = np.argsort(keys, kind="stable")
+        return cls(keys[order].tobytes(), locations[order].tobytes())
+
+    @property
+    def key_array(self) -> np.ndarray:
+        return np.frombuffer(self.keys, KEY_DTYPE)
+
+    @property
+    def location_array(self) -> np.ndarray:
+        return np.frombuffer(self.locations, LOCATION_DTYPE)
+
+    def find(self, key: bytes) -> int:
+        """The first row of ``key``, or -1."""
+        bucket = int.from_bytes(key[:3], "big") >> self._shift
+        buckets, keys = self._buckets, self.keys
+        end = buckets[bucket + 1] * KEY_SIZE
+        at = keys.find(key, buckets[bucket] * KEY_SIZE, end)
+        while at > 0 and at % KEY_SIZE:  # matched across two rows: not a key
+            at = keys.find(key, at + 1, end)
+        return -1 if at < 0 else at // KEY_SIZE
+
+    def rows(self, key: bytes) -> Iterator[int]:
+        """Every row of ``key`` (its copies)."""
+        row = self.find(key)
+        if row < 0:
+            return
+        keys = self.keys
+        while row < self.n and keys[row * KEY_SIZE : (row + 1) * KEY_SIZE] == key:
+            yield row
+            row += 1
+
+    def location(self, row: int) -> tuple[int, int, int, int, int]:
+        return LOCATION.unpack_from(self.locations, row * LOCATION.size)  # type: ignore[return-value]
+
+    def find_many(self, keys: np.ndarray) -> np.ndarray:
+        """The first row of each key (``S33`` array), -1 where absent."""
+        if not self.n:
+            return np.full(len(keys), -1, np.int64)
+        mine = self.key_array
+        rows = np.searchsorted(mine, keys)
+        found = rows < self.n
+        found[found] = mine[rows[found]] == keys[found]
+        return np.where(found, rows, -1)
+
+
+EMPTY = Table(b"", b"")
+
+
+def merge(a: Table, b: Table, keep: np.ndarray | None = None) -> Table:
+    """One table of both tables' rows (``a``'s copies before ``b``'s), without the rows of the
+    pack ids ``keep`` maps to False."""
+    keys = np.concatenate([a.key_array, b.key_array])
+    locations = np.concatenate([a.location_array, b.location_array])
+    if keep is not None:
+        alive = keep[locations["pack"]]
+        keys, locations = keys[alive], locations[alive]
+    return Table.sorted(keys, locations)
+
+
+def table_of(packs: Sequence[tuple[str, Sequence[EntryFields]]]) -> Table:
+    """The rows of these packs' entries, their pack ids positions in ``packs``."""
+    keys = b"".join(key_of(e[0]) for _, entries in packs for e in entries)
+    columns = [(pack, e[1], e[2], e[3], e[4]) for pack, (_, entries) in enumerate(packs) for e in entries]
+    rows = np.array(columns, dtype=LOCATION_DTYPE)
+    if len(rows) and (int(rows["length"].max()) > MAX_LENGTH or int(rows["size"].max()) > MAX_LENGTH):
+        raise ValueError("a block of 4 GiB or more cannot be indexed")
+    return Table.sorted(np.frombuffer(keys, KEY_DTYPE), rows)
+
+
+class BlockIndex:
+    """Where every known copy of every block lies: the store's index (see the module docstring).
+
+    Changes are serialised by the caller's lock. Lookups take none: the tables and the pack names
+    their ids refer to are swapped together, and a lookup reads the triple it found.
+    """
+
+    def __init__(self) -> None:
+        self._state: tuple[Table, Table, list[str]] = (EMPTY, EMPTY, [])  # base, delta, pack names
+        self.ids: dict[str, int] = {}  # name -> pack id, for the packs present
+        self.pack_rows: dict[str, int] = {}  # name -> rows (block copies) it holds
+        self._dead: set[int] = set()  # ids of packs gone whose rows are still in the tables
+        self._dead_rows = 0
+        self.bad: set[Location] = set()  # copies that failed their hash in this process
+        self._first: dict[bytes, Location] = {}  # the copy to try first, where not the table's
+        # The copies of the blocks read last (a walk or a load reads some nodes again and again),
+        # emptied by every change.
+        self._recent: dict[bytes, list[Location]] = {}
+
+    # -- changes -------------------------------------------------------------------------------
+    def __contains__(self, pack: object) -> bool:
+        return pack in self.ids
+
+    def add_packs(self, packs: Iterable[tuple[str, Sequence[EntryFields]]]) -> None:
+        """Index the entries of these packs (those already indexed are skipped)."""
+        fresh = [(name, entries) for name, entries in packs if name not in self.ids]
+        if fresh:
+            self.add_table(table_of(fresh), [name for name, _ in fresh])
+
+    def add_table(self, table: Table, names: Sequence[str], only: Collection[str] | None = None) -> list[str]:
+        """Index a table whose pack ids are positions in ``names`` (an index file's): the packs
+        not indexed yet, and only those in ``only`` if given; returns the names taken in."""
+        mapping = np.zeros(max(len(names), 1), np.uint32)
+        fresh = np.zeros(max(len(names), 1), bool)
+        locations = table.location_array
+        counts = np.bincount(locations["pack"], minlength=len(names)).tolist() if table.n else []
+        taken = []
+        for local, name in enumerate(names):
+            if name not in self.ids and (only is None or name in only):
+                mapping[local] = self._new_id(name, counts[local] if counts else 0)
+                fresh[local] = True
+                taken.append(name)
+        if not table.n or not taken:
+            return taken
+        if len(taken) == len(names) and (mapping[: len(names)] == np.arange(len(names))).all():
+            self._add(table)  # every pack new and numbered as in the file: the rows as they are
+            return taken
+        keys = table.key_array
+        if len(taken) < len(names):
+            keep = fresh[locations["pack"]]
+            keys, locations = keys[keep], locations[keep]
+        locations = locations.copy()
+        locations["pack"] = mapping[locations["pack"]]
+        self._add(Table(keys.tobytes(), locations.tobytes()))
+        return taken
+
+    def _new_id(self, name: str, rows: int) -> int:
+        names = self._state[2]
+        if len(names) >= 2**32 - 2:
+            self._compact()
+            names = self._state[2]
+        pack = len(names)
+        names.append(name)  # appended in place: a lookup holding the old triple still resolves
+        self.ids[name] = pack
+        self.pack_rows[name] = rows
+        return pack
+
+    def _add(self, table: Table) -> None:
+        self._recent = {}
+        base, delta, names = self._state
+        delta = merge(delta, table) if delta.n else table
+        if delta.n > max(_MERGE_MIN, base.n // 8):
+            self._compact(base, delta)
+        else:
+            self._state = (base, delta, names)
+
+    def drop(self, names: Iterable[str]) -> None:
+        """Forget packs that left the medium; their blocks stay readable from other copies."""
+        gone = set()
+        for name in names:
+            pack = self.ids.pop(name, None)
+            if pack is not None:
+                gone.add(name)
+                self._dead.add(pack)
+                self._dead_rows += self.pack_rows.pop(name, 0)
+        if not gone:
+            return
+        self._recent = {}
+        self.bad = {loc for loc in self.bad if loc.pack not in gone}
+        self._first = {cid: loc for cid, loc in self._first.items() if loc.pack not in gone}
+        if self._dead_rows > max(_MERGE_MIN, len(self) // 8):
+            self._compact()
+
+    def _compact(self, base: Table | None = None, delta: Table | None = None) -> None:
+        """Fold everything into one table of the live packs, their ids renumbered from 0."""
+        if base is None or delta is None:
+            base, delta, _ = self._state
+        keys = np.concatenate([base.key_array, delta.key_array])
+        locations = np.concatenate([base.location_array, delta.location_array])
+        names = self._state[2]
+        live = sorted(self.ids.values())
+        renumber = np.zeros(len(names), np.uint32)
+        renumber[live] = np.arange(len(live), dtype=np.uint32)
+        if self._dead:
+            alive = self._alive(len(names))[locations["pack"]]
+            keys, locations = keys[alive], locations[alive]
+        locations = locations.copy()
+        locations["pack"] = renumber[locations["pack"]]
+        fresh = [names[pack] for pack in live]
+        self.ids = {name: pack for pack, name in enumerate(fresh)}
+        self._state = (Table.sorted(keys, locations), EMPTY, fresh)
+        self._recent = {}
+        self._dead.clear()
+        self._dead_rows = 0
+
+    def _alive(self, count: int) -> np.ndarray:
+        keep = np.ones(count, bool)
+        keep[list(self._dead)] = False
+        return keep
+
+    # -- lookups -------------------------------------------------------------------------------
+    def copies(self, cid: bytes) -> list[Location]:
+        """Every known copy of ``cid``: the one reads should try first, then the others, those
+        known to be damaged last."""
+        recent = self._recent.get(cid)
+        if recent is not None:
+            return list(recent)
+        found = self._copies(cid)
+        if found:
+            if len(self._recent) >= _RECENT:
+                self._recent.clear()
+            self._recent[cid] = found
+        return list(found)
+
+    def _copies(self, cid: bytes) -> list[Location]:
+        try:
+            key = key_of(cid)
+        except KeyError:
+            return []
+        base, delta, names = self._state
+        dead = self._dead
+        found: list[Location] = []
+        for table in (base, delta):
+            row = table.find(key) if table.n else -1
+            while row >= 0:  # this row, and the copies after it
+                pack, offset, length, codec, size = LOCATION.unpack_from(table.locations, row * LOCATION.size)
+                if not (dead and pack in dead):
+                    loc = Location(names[pack], offset, length, codec, size)
+                    if loc not in found:
+                        found.append(loc)
+                row += 1
+                if row >= table.n or table.keys[row * KEY_SIZE : (row + 1) * KEY_SIZE] != key:
+                    break
+        if not self._first and not self.bad:
+            return found
+        first = self._first.get(cid)
+        if first is not None and first in found:
+            found.remove(first)
+            found.insert(0, first)
+        return sorted(found, key=lambda loc: loc in self.bad) if self.bad else found
+
+    def first(self, cid: bytes) -> Location | None:
+        """The copy reads try first, or None."""
+        if self._first or self._dead or self.bad:
+            copies = self.copies(cid)
+            return copies[0] if copies else None
+        try:
+            key = key_of(cid)
+        except KeyError:
+            return None
+        base, delta, names = self._state
+        for table in (base, delta):
+            row = table.find(key) if table.n else -1
+            if row >= 0:
+                pack, offset, length, codec, size = table.location(row)
+                return Location(names[pack], offset, length, codec, size)
+        return None
+
+    def has(self, cid: bytes) -> bool:
+        """True if a copy is known that is not known to be damaged."""
+        if self.bad or self._dead:
+            return any(loc not in self.bad for loc in self.copies(cid))
+        try:
+            key = key_of(cid)
+        except KeyError:
+            return False
+        base, delta, _ = self._state
+        return (base.n > 0 and base.find(key) >= 0) or (delta.n > 0 and delta.find(key) >= 0)
+
+    def _first_rows(self, cids: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, list[str]] | None:
+        """The first copy's location of each CID (``LOCATION_DTYPE``) and whether it was found,
+        with the names its pack ids refer to; None where copies need a look one by one."""
+        if self.bad or self._first:
+            return None
+        try:
+            keys = keys_of(cids)
+        except KeyError:
+            return None
+        base, delta, names = self._state
+        out = np.zeros(len(cids), LOCATION_DTYPE)
+        found = np.zeros(len(cids), bool)
+        for table in (base, delta):
+            if not table.n:
+                continue
+            todo = np.flatnonzero(~found)
+            rows = table.find_many(keys[todo])
+            hit = rows >= 0
+            out[todo[hit]] = table.location_array[rows[hit]]
+            found[todo[hit]] = True
+            if found.all():
+                break
+        if self._dead:
+            dead = np.isin(out["pack"], np.fromiter(self._dead, np.uint32, len(self._dead)))
+            if (dead & found).any():
+                return None  # a first copy in a dropped pack: another may be alive
+        return out, found, names
+
+    def has_many(self, cids: Sequence[bytes]) -> list[bool]:
+        """:meth:`has` of each, in a few array operations unless copies are damaged."""
+        if not cids:
+            return []
+        rows = self._first_rows(cids)
+        if rows is None:
+            return [self.has(cid) for cid in cids]
+        return rows[1].tolist()
+
+    def locate_many(self, cids: Sequence[bytes]) -> tuple[np.ndarray, list[str]] | None:
+        """The first copy of each (a ``LOCATION_DTYPE`` array; its pack ids index the names
+        returned), or None if one is missing or copies need a look one by one."""
+        rows = self._first_rows(cids) if cids else None
+        if rows is None or not rows[1].all():
+            return None
+        return rows[0], rows[2]
+
+    def prefer(self, cid: bytes, loc: Location) -> None:
+        """Make ``loc`` the copy reads try first (a good copy found behind a damaged one)."""
+        self._first[cid] = loc
+        self._recent = {}
+
+    def mark_bad(self, loc: Location) -> None:
+        """Record a copy that failed its hash: reads try it last."""
+        self.bad.add(loc)
+        self._recent = {}
+
+    def fold(self) -> tuple[Table, list[str]]:
+        """Everything in one table of the live packs (``base``), and the names its ids refer to."""
+        if self._dead or self._state[1].n:
+            self._compact()
+        base, _, names = self._state
+        return base, names
+
+    # -- whole-index views ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Rows in the tables (copies, and dropped packs' rows not yet folded away)."""
+        base, delta, _ = self._state
+        return base.n + delta.n
+
+    def live_rows(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """Every row of a live pack: keys, locations and the names their pack ids refer to."""
+        base, delta, names = self._state
+        keys = np.concatenate([base.key_array, delta.key_array])
+        locations = np.concatenate([base.location_array, delta.location_array])
+        if self._dead:
+            alive = self._alive(len(names))[locations["pack"]]
+            keys, locations = keys[alive], locations[alive]
+        return keys, locations, names
+
+    def cids(self) -> list[bytes]:
+        """Every block with a copy in a live pack, once."""
+        keys, _, _ = self.live_rows()
+        return [cid_of(key) for key in np.unique(keys).tolist()] if len(keys) else []
+
+    def snapshot(self, excluding: Collection[str] = ()) -> tuple[Table, list[str]]:
+        """Every live row in one table, and the packs its ids name in order (an index file's),
+        without the packs ``excluding`` names."""
+        keys, locations, names = self.live_rows()
+        used = sorted(pack for name, pack in self.ids.items() if name not in excluding)
+        if len(used) < len(self.ids):
+            keep = np.zeros(len(names), bool)
+            keep[used] = True
+            wanted = keep[locations["pack"]]
+            keys, locations = keys[wanted], locations[wanted]
+        renumber = np.zeros(len(names), np.uint32)
+        renumber[used] = np.arange(len(used), dtype=np.uint32)
+        locations = locations.copy()
+        locations["pack"] = renumber[locations["pack"]]
+        return Table.sorted(keys, locations), [names[pack] for pack in used]
+
+    def entries(self, packs: Collection[str] | None = None) -> dict[str, list[Entry]]:
+        """Each live pack's entries (or those of ``packs`` only), in pack order (by offset)."""
+        keys, locations, names = self.live_rows()
+        wanted = self.ids.keys() if packs is None else [name for name in packs if name in self.ids]
+        if packs is not None:
+            chosen = np.zeros(len(names), bool)
+            chosen[[self.ids[name] for name in wanted]] = True
+            picked = chosen[locations["pack"]]
+            keys, locations = keys[picked], locations[picked]
+        order = np.lexsort((locations["offset"], locations["pack"]))
+        found: dict[str, list[Entry]] = {name: [] for name in wanted}
+        rows = zip(keys[order].tolist(), locations[order].tolist(), strict=True)
+        for key, (pack, offset, length, codec, size) in rows:
+            found[names[pack]].append(Entry(cid_of(key), offset, length, codec, size))
+        return found

@@ -1,0 +1,197 @@
+"""Upkeep, as ``git gc --auto``: after a save, whatever has passed its threshold is tidied.
+
+A repository written to for weeks piles up small packs (one per small save) and packs no index
+file covers yet (each a read at every open, a request on S3). Upkeep merges the small packs and
+writes a fresh snapshot of the index (:meth:`~cas_ckpt.blocks.PackedBlockStore.consolidate`), so
+that an open, a save and a read cost the same after ten thousand saves as after ten.
+
+Each job is a :class:`Task`: a name, :meth:`Task.due` (judged from what the process already
+knows, without a request) and :meth:`Task.run`. :data:`TASKS` holds them in the order they run;
+:func:`register` adds one (a commit graph brought up to date is the next). A run takes the save
+lock shared, as a save does (GC waits for it; it deletes nothing a save could count on: a merged
+pack's blocks are all in the new pack first), and a lock of its own, ``"upkeep"``, taken only if
+free: one upkeep at a time per repository, and a save whose upkeep finds another one running
+simply goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Protocol
+
+from cas_ckpt.blocks.base import BlockStore, Layout
+from cas_ckpt.refs import RefStore
+
+SMALL_PACKS = 32  # merge once this many packs are small (git's gc.autoPackLimit is 50)
+UNCOVERED = 16  # snapshot once an open reads this many packs' own indexes besides the snapshot
+UNCOVERED_REMOTE = 8  # ...or this many journals, where each is a request (S3)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """When upkeep runs by itself: ``auto`` after each save, and the thresholds (0: never)."""
+
+    auto: bool = True
+    small_packs: int = SMALL_PACKS
+    uncovered: int | None = None  # None: UNCOVERED, or UNCOVERED_REMOTE where listing costs requests
+
+    @classmethod
+    def of(cls, setting: bool | Mapping[str, object] | Policy | None) -> Policy:
+        """A policy from ``open(upkeep=...)``: a bool (on or off), or a mapping of the fields."""
+        if isinstance(setting, Policy):
+            return setting
+        if setting is None or isinstance(setting, bool):
+            return cls(auto=setting is not False)
+        known = {f.name for f in fields(cls)}
+        unknown = set(setting) - known
+        if unknown:
+            raise ValueError(f"unknown upkeep setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        for name, value in setting.items():
+            if name != "auto" and not (value is None or (type(value) is int and value >= 0)):
+                raise ValueError(f"upkeep setting {name!r} must be a count (0: never), not {value!r}")
+        return cls(**setting)  # type: ignore[arg-type]
+
+
+@dataclass
+class Context:
+    """What a task works on, and what it reports."""
+
+    blocks: BlockStore
+    refs: RefStore
+    policy: Policy
+    layout: Layout
+    report: UpkeepReport
+
+
+class Task(Protocol):
+    """One upkeep job."""
+
+    name: str
+
+    def due(self, context: Context) -> bool:
+        """Whether it should run now (from what this process knows: no request)."""
+
+    def run(self, context: Context) -> None:
+        """Do it, adding to ``context.report``."""
+
+
+@dataclass
+class UpkeepReport:
+    """What one upkeep did."""
+
+    ran: list[str] = field(default_factory=list)  # the tasks that ran, in order
+    skipped: str | None = None  # why nothing ran, when another upkeep held the lock
+    packs_merged: int = 0
+    packs_written: int = 0
+    bytes_copied: int = 0
+    snapshot: str | None = None  # the index snapshot written
+    seconds: float = 0.0
+
+
+@dataclass
+class UpkeepStatus:
+    """Where a repository stands: what ``stats`` shows and upkeep decides from."""
+
+    auto: bool
+    packs: int
+    small_packs: int
+    pack_bytes: int
+    snapshot: str | None  # the newest index snapshot this process knows
+    uncovered: int  # packs' own indexes (or journals) an open reads besides the snapshot
+    damaged_indexes: int
+    due: list[str]  # the tasks the next upkeep would run
+
+
+class MergeSmallPacks:
+    """Merge the small packs once there are ``policy.small_packs`` of them."""
+
+    name = "merge-small-packs"
+
+    def due(self, context: Context) -> bool:
+        limit = context.policy.small_packs
+        return bool(limit) and context.layout.small_packs >= max(limit, 2)
+
+    def run(self, context: Context) -> None:
+        merged, written, copied = context.blocks.merge_small()  # type: ignore[attr-defined]
+        context.report.packs_merged += merged
+        context.report.packs_written += written
+        context.report.bytes_copied += copied
+
+
+class ConsolidateIndex:
+    """Write an index snapshot once opens read ``policy.uncovered`` files besides the last one,
+    when none exists yet (a new repository, or one 0.2 wrote), or when one was found damaged."""
+
+    name = "consolidate-index"
+
+    def due(self, context: Context) -> bool:
+        layout = context.layout
+        if not layout.indexed:
+            return False
+        if layout.snapshot is None:
+            return layout.packs > 0
+        return layout.damaged_indexes > 0 or layout.uncovered >= max(uncovered_limit(context), 1)
+
+    def run(self, context: Context) -> None:
+        context.report.snapshot = context.blocks.consolidate()
+
+
+def uncovered_limit(context: Context) -> int:
+    if context.policy.uncovered is not None:
+        return context.policy.uncovered or 2**62
+    cheap = getattr(context.blocks, "backend", None)
+    return UNCOVERED if getattr(cheap, "cheap_listing", True) else UNCOVERED_REMOTE
+
+
+TASKS: list[Task] = [MergeSmallPacks(), ConsolidateIndex()]
+
+
+def register(task: Task, *, before: str | None = None) -> None:
+    """Add a task (before the one named ``before``, else last); its name must be new."""
+    if any(t.name == task.name for t in TASKS):
+        raise ValueError(f"an upkeep task named {task.name!r} exists")
+    at = next((i for i, t in enumerate(TASKS) if t.name == before), len(TASKS))
+    TASKS.insert(at, task)
+
+
+def status(blocks: BlockStore, refs: RefStore, policy: Policy) -> UpkeepStatus | None:
+    """Where the repository stands (None for a store without packs)."""
+    layout = blocks.layout()
+    if layout is None:
+        return None
+    context = Context(blocks, refs, policy, layout, UpkeepReport())
+    return UpkeepStatus(
+        auto=policy.auto, packs=layout.packs, small_packs=layout.small_packs, pack_bytes=layout.bytes,
+        snapshot=layout.snapshot, uncovered=layout.uncovered, damaged_indexes=layout.damaged_indexes,
+        due=[task.name for task in TASKS if task.due(context)],
+    )
+
+
+def due(blocks: BlockStore, refs: RefStore, policy: Policy) -> bool:
+    """Whether any task is due (cheap: what this process knows)."""
+    found = status(blocks, refs, policy)
+    return found is not None and bool(found.due)
+
+
+def run(blocks: BlockStore, refs: RefStore, policy: Policy, *, force: bool = False) -> UpkeepReport:
+    """Run every task that is due (every task, with ``force``), one upkeep at a time per
+    repository; a run that finds another in progress does nothing and says so."""
+    started = time.perf_counter()
+    report = UpkeepReport()
+    with refs.lock(exclusive=False), refs.try_exclusive("upkeep") as mine:
+        if not mine:
+            report.skipped = "another upkeep of this repository is running"
+            return report
+        blocks.refresh()
+        for task in list(TASKS):
+            layout = blocks.layout()
+            if layout is None:
+                break
+            context = Context(blocks, refs, policy, layout, report)
+            if force or task.due(context):
+                task.run(context)
+                report.ran.append(task.name)
+    report.seconds = time.perf_counter() - started
+    return report

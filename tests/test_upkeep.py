@@ -1,0 +1,176 @@
+"""Upkeep (``maintenance/upkeep.py``): small packs merged and index snapshots written, by saves
+themselves once thresholds pass, safely beside other writers, readers and GC."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cas_ckpt
+from cas_ckpt.maintenance import upkeep as upkeep_module
+from cas_ckpt.maintenance.upkeep import Context, Policy, UpkeepReport
+
+FIXTURE = Path(__file__).parent / "fixtures" / "v1-repo"
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"w": np.full(2048, step, np.float32), "shared": np.arange(4096, dtype=np.float64), "step": step}
+
+
+def saves(repo: cas_ckpt.Repository, count: int, first: int = 0) -> list[cas_ckpt.CID]:
+    return [repo.save(state(i), step=i) for i in range(first, first + count)]
+
+
+def pack_files(repo: cas_ckpt.Repository) -> list[str]:
+    return sorted(p.name for p in (Path(repo.location) / "packs").iterdir())
+
+
+def index_files(repo: cas_ckpt.Repository) -> list[str]:
+    folder = Path(repo.location) / "index"
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def test_saves_keep_packs_and_index_flat_by_themselves(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "repo", upkeep={"small_packs": 8, "uncovered": 4}) as repo:
+        cids = saves(repo, 40)
+        assert len(pack_files(repo)) <= 8  # 40 saves, one pack each, merged every 8
+        status = repo.stats().upkeep
+        assert status is not None and status.snapshot is not None and status.uncovered < 4
+        assert len(index_files(repo)) == 1 and status.due == []
+    with cas_ckpt.open(tmp_path / "repo") as again:
+        for i, cid in enumerate(cids):
+            assert again.load(cid)["step"] == i
+        assert again.fsck().ok
+
+
+def test_without_automatic_upkeep_nothing_is_tidied_until_asked(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "repo", upkeep=False) as repo:
+        cids = saves(repo, 12)
+        assert len(pack_files(repo)) == 12 and index_files(repo) == []
+        status = repo.upkeep_status()
+        assert status is not None and not status.auto and "consolidate-index" in status.due
+        report = repo.upkeep()
+        assert report.ran == ["consolidate-index"] and report.snapshot in index_files(repo)
+        report = repo.upkeep(force=True)
+        assert report.ran == ["merge-small-packs", "consolidate-index"]
+        assert report.packs_merged == 12 and report.packs_written == 1
+        assert len(pack_files(repo)) == 1 and len(index_files(repo)) == 1
+        assert [repo.load(cid)["step"] for cid in cids] == list(range(12))
+
+
+def test_an_open_after_upkeep_reads_the_snapshot_not_each_pack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cas_ckpt.blocks import PackedBlockStore
+
+    with cas_ckpt.open(tmp_path / "repo", upkeep={"small_packs": 0, "uncovered": 10}) as repo:
+        saves(repo, 25)
+        uncovered = repo.upkeep_status().uncovered  # type: ignore[union-attr]
+    assert 0 < uncovered < 10
+    described: list[str] = []
+    original = PackedBlockStore._read_indexes
+    monkeypatch.setattr(PackedBlockStore, "_read_indexes",
+                        lambda self, infos: described.extend(i.name for i in infos) or original(self, infos))
+    with cas_ckpt.open(tmp_path / "repo") as again:
+        assert len(described) == uncovered  # 25 packs, all but these in the snapshot
+        assert again.load()["step"] == 24
+
+
+def test_a_repository_written_by_0_2_gets_its_index_on_its_first_upkeep(tmp_path: Path) -> None:
+    copy = tmp_path / "v1-repo"
+    shutil.copytree(FIXTURE, copy)
+    config = json.loads((copy / "config.json").read_text())
+    with cas_ckpt.open(copy) as repo:
+        status = repo.upkeep_status()
+        assert status is not None and status.snapshot is None and status.due == ["consolidate-index"]
+        before = {name: repo.load(name) for name in repo.refs()}
+        repo.save({"new": 1}, ref="after-upgrade")  # its upkeep writes the first snapshot
+        assert len(index_files(repo)) == 1
+    assert json.loads((copy / "config.json").read_text()) == config  # still readable by 0.2
+    with cas_ckpt.open(copy) as again:
+        assert again.upkeep_status().snapshot == index_files(again)[0]  # type: ignore[union-attr]
+        for name, value in before.items():
+            assert repr(again.load(name)) == repr(value)
+        assert again.fsck().ok
+
+
+def test_one_upkeep_at_a_time(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "repo", upkeep=False) as repo:
+        saves(repo, 3)
+        with repo.refs_store.try_exclusive("upkeep") as mine:
+            assert mine
+            report = repo.upkeep(force=True)
+        assert report.ran == [] and report.skipped is not None
+        assert len(pack_files(repo)) == 3
+        assert repo.upkeep(force=True).ran == ["merge-small-packs", "consolidate-index"]
+
+
+def test_a_failed_upkeep_never_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    def broken(self: object) -> str:
+        raise OSError(28, "No space left on device")
+
+    from cas_ckpt.blocks import PackedBlockStore
+
+    monkeypatch.setattr(PackedBlockStore, "consolidate", broken)
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        cid = repo.save(state(1))
+        assert repo.resolve("main") == cid
+    assert "upkeep of" in caplog.text and "No space left" in caplog.text
+
+
+class CountSaves:
+    """A task of a test's own: it runs after every save."""
+
+    name = "count-saves"
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def due(self, context: Context) -> bool:
+        return True
+
+    def run(self, context: Context) -> None:
+        self.runs += 1
+
+
+@pytest.fixture
+def extra_task() -> Iterator[CountSaves]:
+    task = CountSaves()
+    upkeep_module.register(task, before="consolidate-index")
+    yield task
+    upkeep_module.TASKS.remove(task)
+
+
+def test_another_task_is_one_registration(extra_task: CountSaves) -> None:
+    assert [t.name for t in upkeep_module.TASKS][-2:] == ["count-saves", "consolidate-index"]
+    with pytest.raises(ValueError, match="exists"):
+        upkeep_module.register(CountSaves())
+    with cas_ckpt.open("memory://") as repo:
+        saves(repo, 3)
+        assert extra_task.runs == 3
+        assert "count-saves" in repo.stats().upkeep.due  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("setting", "expected"), [
+    (True, Policy()), (False, Policy(auto=False)), ({"small_packs": 0}, Policy(small_packs=0)),
+    ({"uncovered": 3, "auto": False}, Policy(auto=False, uncovered=3)),
+])
+def test_policies(setting: Any, expected: Policy) -> None:
+    assert Policy.of(setting) == expected
+
+
+@pytest.mark.parametrize("setting", [{"small": 3}, {"small_packs": -1}, {"uncovered": "4"}])
+def test_bad_policies_are_refused_by_name(setting: Any) -> None:
+    with pytest.raises(ValueError, match="upkeep setting"):
+        cas_ckpt.open("memory://", upkeep=setting)
+
+
+def test_the_report_defaults() -> None:
+    assert UpkeepReport().ran == [] and UpkeepReport().skipped is None
