@@ -181,7 +181,7 @@ def test_du(run: Any, repo_dir: Path) -> None:
     assert text.startswith("REF") and "\nmain " in text and "dedup" in text
     lines = run("du").out.splitlines()
     assert lines[0].split() == ["RUN", "REFS", "CHECKPOINTS", "LOGICAL", "STORED", "SHARED", "EXCLUSIVE"]
-    assert [line.split()[0] for line in lines[1:]] == ["main", "other", "total:"]
+    assert [line.split()[0] for line in lines[1:]] == ["main", "other", "total:", "storage:"]
     with api(repo_dir) as repo:
         repo.delete_ref("other")
         assert repo.gc(dry_run=True).unreachable_bytes == 0  # its reflog keeps it for 30 days

@@ -37,7 +37,8 @@ def _mount(*argv: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A read-only tmpfs holding a repository: refs ``main`` (two steps) and ``other``, a pin."""
+    """A read-only tmpfs holding a repository: refs ``main`` (two steps) and ``other``, a pin, and
+    the kept reflog of deleted ref ``gone``."""
     if os.geteuid() != 0:
         pytest.skip("mounting a read-only filesystem needs root")
     where = tmp_path_factory.mktemp("ro-medium")
@@ -52,6 +53,8 @@ def medium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                                         "blob": bytes([step]) * 20_000, "step": step})
             repo.save({"v": 1}, ref="other")
             repo.pin("other")
+            repo.save({"v": 2}, ref="gone")
+            repo.delete_ref("gone")  # its reflog is kept: restore_ref and drop_reflog have work
         remounted = _mount("-o", "remount,ro", str(where))
         assert remounted.returncode == 0, remounted.stderr
         with pytest.raises(OSError):
@@ -129,6 +132,8 @@ READS: dict[str, Call] = {
     "gc": lambda r, _: r.gc(dry_run=True),
     "fsck": lambda r, _: r.fsck(),
     "stats": lambda r, _: r.stats(),
+    "upkeep_status": lambda r, _: r.upkeep_status(),
+    "run_refs": lambda r, _: r.run_refs("main"),
     "diff": lambda r, _: r.diff("main~1", "main"),
     "push": lambda r, out: r.push(out / "pushed"),
     "export_car": lambda r, out: r.export_car("main", out / "x.car"),
@@ -145,6 +150,10 @@ WRITES: dict[str, Call] = {
     "set_compression": lambda r, _: r.set_compression("zstd"),
     "set_ref": lambda r, _: r.set_ref("new", "main"),
     "delete_ref": lambda r, _: r.delete_ref("other"),
+    "delete_run": lambda r, _: r.delete_run("main"),
+    "restore_ref": lambda r, _: r.restore_ref("gone"),
+    "drop_reflog": lambda r, _: r.drop_reflog("gone"),
+    "upkeep": lambda r, _: r.upkeep(force=True),
     "rename_ref": lambda r, _: r.rename_ref("other", "renamed"),
     "fork": lambda r, _: r.fork("main", "forked"),
     "pin": lambda r, _: r.pin("main"),
