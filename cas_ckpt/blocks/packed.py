@@ -1223,6 +1223,8 @@ class PackedBlockStore(BlockStore):
             pool, self._publisher_pool = self._publisher_pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        if self._catalog is not None:
+            self._catalog.backend.close()  # a sibling: its own descriptors, the medium stays open
         self.backend.close()
 
 
