@@ -389,8 +389,8 @@ def test_a_server_killed_mid_transfer_is_an_error_not_a_hang(tmp_path: Path) -> 
     with cas_ckpt.open(tmp_path / "repo") as repo:
         big = {"w": np.random.default_rng(9).random(16 * 262_144, np.float32)}  # 16 MiB
         root = repo.save(big)
-    server = ServerProcess(tmp_path / "repo")
-    with cas_ckpt.open(server.url, storage_options={**FAST, "workers": 2}) as remote:
+    with serve_process(tmp_path / "repo") as server, \
+            cas_ckpt.open(server.url, storage_options={**FAST, "workers": 2}) as remote:
         started = threading.Event()
         original = remote.blocks.get_into
 
