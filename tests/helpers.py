@@ -158,8 +158,10 @@ class CountingStore(BlockStore):
     def keys(self) -> Iterator[bytes]:
         return self.inner.keys()
 
-    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> BlockWriter:
-        return self.inner.writer(verify_existing=verify_existing, compression=compression)
+    def writer(self, *, verify_existing: bool = False, verify_incoming: bool = False,
+               compression: str = "none") -> BlockWriter:
+        return self.inner.writer(verify_existing=verify_existing, verify_incoming=verify_incoming,
+                                 compression=compression)
 
     def delete(
         self, cids: set[bytes], *, min_age: float = 0.0, before_unlink: Callable[[], None] | None = None

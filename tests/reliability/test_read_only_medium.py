@@ -37,7 +37,8 @@ def _mount(*argv: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A read-only tmpfs holding a repository: refs ``main`` (two steps) and ``other``, a pin."""
+    """A read-only tmpfs holding a repository: refs ``main`` (two steps) and ``other``, a pin,
+    and the kept reflog of deleted ref ``gone``."""
     if os.geteuid() != 0:
         pytest.skip("mounting a read-only filesystem needs root")
     where = tmp_path_factory.mktemp("ro-medium")
@@ -52,6 +53,8 @@ def medium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                                         "blob": bytes([step]) * 20_000, "step": step})
             repo.save({"v": 1}, ref="other")
             repo.pin("other")
+            repo.save({"v": 2}, ref="gone")
+            repo.delete_ref("gone")
         remounted = _mount("-o", "remount,ro", str(where))
         assert remounted.returncode == 0, remounted.stderr
         with pytest.raises(OSError):
@@ -125,6 +128,7 @@ READS: dict[str, Call] = {
     "forks": lambda r, _: r.forks(list(r.log())),
     "refs": lambda r, _: r.refs(),
     "reflog": lambda r, _: r.reflog("main"),
+    "run_refs": lambda r, _: r.run_refs("main"),
     "pins": lambda r, _: r.pins(),
     "gc": lambda r, _: r.gc(dry_run=True),
     "fsck": lambda r, _: r.fsck(),
@@ -146,6 +150,9 @@ WRITES: dict[str, Call] = {
     "set_ref": lambda r, _: r.set_ref("new", "main"),
     "delete_ref": lambda r, _: r.delete_ref("other"),
     "rename_ref": lambda r, _: r.rename_ref("other", "renamed"),
+    "delete_run": lambda r, _: r.delete_run("main"),
+    "restore_ref": lambda r, _: r.restore_ref("gone"),
+    "drop_reflog": lambda r, _: r.drop_reflog("gone"),
     "fork": lambda r, _: r.fork("main", "forked"),
     "pin": lambda r, _: r.pin("main"),
     "unpin": lambda r, _: r.unpin("other"),
