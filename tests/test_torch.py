@@ -462,6 +462,30 @@ def test_small_tensors_store_the_tree_the_tensor_by_tensor_path_stores(
     assert roots[0] == roots[1]
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_whole_containers_of_either_kind_in_one_save_keep_their_own_kinds(compiled: bool) -> None:
+    """A dict of small numpy arrays and a dict of small tensors of the same dtype, both encoded
+    in one loop in one save: each container's headers say its own kind."""
+    from cas_ckpt import _small, tree
+
+    state = {"numpy": {f"p{i}": np.full(300 + i, i, np.float32) for i in range(80)},
+             "torch": {f"p{i}": torch.full((300 + i,), float(i)) for i in range(80)}}
+    roots = []
+    for fast in (True, False):
+        with pytest.MonkeyPatch.context() as patched:
+            if not compiled:
+                patched.setattr(_small, "_headers", None)
+            if not fast:
+                patched.setattr(tree, "_plain_adapter", lambda kind: None)
+            with cas_ckpt.open("memory://") as repo:
+                repo.save(state, ref="main")
+                roots.append(next(iter(repo.log("main"))).tree)
+                loaded = repo.load("main")
+        for name, container in state.items():
+            assert all(_same_value(loaded[name][k], v) for k, v in container.items()), name
+    assert roots[0] == roots[1]
+
+
 def _tensor_blocks(n: int) -> dict[str, object]:
     gen = torch.Generator().manual_seed(n)
     blocks = [{f"p{j}": torch.randn(int(torch.randint(256, 4096, (1,), generator=gen)), generator=gen)
