@@ -48,7 +48,7 @@ OPS = ("save_fresh", "save_unchanged", "load_verify", "load_noverify", "load_mma
 # -- the child: one side's measurements ------------------------------------------------------
 def measure(state_name: str, size: str, ops: list[str], reps: int, workdir: Path) -> dict[str, Any]:
     """``reps`` samples of each op on ``state_name``, with the cas_ckpt this process imports."""
-    state = bench.build_state(state_name, bench.SIZES[size], 5 + ord(state_name))
+    state = bench.build_state(state_name, bench.SIZES[size], bench.state_seed(5, state_name))
     saved = workdir / "saved"
     bench.forked(lambda: bench.cas_save(state, saved, 1))  # what the re-saves and loads use
     runs: dict[str, Callable[[int], dict[str, Any]]] = {
