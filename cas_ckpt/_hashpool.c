@@ -208,6 +208,16 @@ static int digest_final(Digest *d, unsigned char *out) {
     return d->hash == 0 || EVP_DigestFinal_ex(d->ctx, out, &size);
 }
 
+/* Ask the kernel to read [buf, buf + len) ahead, where it is a file's mapping whose pages are
+ * not all in the page cache (a cold load): the whole run of blocks is read in large requests
+ * while the threads copy its first pieces, instead of a fault and a readahead window at a time.
+ * For pages already cached, or anonymous memory, it costs a walk of the range. */
+static void advise_willneed(const void *buf, Py_ssize_t len) {
+    uintptr_t start = (uintptr_t)buf / page_size * page_size;
+    uintptr_t end = (uintptr_t)buf + (uintptr_t)len;
+    if (len > 0) madvise((void *)start, end - start, MADV_WILLNEED); /* a hint: errors change nothing */
+}
+
 /* Buffer i of `job`: filled from its source first if the job fills, then hashed. */
 static int do_buffer(Job *job, Py_ssize_t i, EVP_MD_CTX *ctx) {
     char *buf = job->views[i].buf;
@@ -512,6 +522,7 @@ static int take_buffers(Job *job, PyObject *items, PyObject *source) {
     }
     if (PyObject_GetBuffer(source, &job->source, PyBUF_SIMPLE) < 0) return -1;
     job->filling = 1;
+    advise_willneed(job->source.buf, job->source.len);
     if (job->source.len != total) {
         PyErr_Format(PyExc_ValueError, "the source holds %zd bytes, the buffers %zd",
                      job->source.len, total);
