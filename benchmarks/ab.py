@@ -42,21 +42,25 @@ import bench  # noqa: E402
 
 import cas_ckpt  # noqa: E402
 
-OPS = ("save_fresh", "save_unchanged", "load_verify", "load_noverify", "load_mmap")
+OPS = ("save_fresh", "save_unchanged", "load_verify", "load_noverify", "load_mmap", "load_mmap_verify",
+       "load_verify_cold")
 
 
 # -- the child: one side's measurements ------------------------------------------------------
-def measure(state_name: str, size: str, ops: list[str], reps: int, workdir: Path) -> dict[str, Any]:
+def measure(state_name: str, size: str, ops: list[str], reps: int, workdir: Path, hash_name: str
+            ) -> dict[str, Any]:
     """``reps`` samples of each op on ``state_name``, with the cas_ckpt this process imports."""
     state = bench.build_state(state_name, bench.SIZES[size], bench.state_seed(5, state_name))
     saved = workdir / "saved"
-    bench.forked(lambda: bench.cas_save(state, saved, 1))  # what the re-saves and loads use
+    bench.forked(lambda: bench.cas_save(state, saved, 1, hash_name))  # what the re-saves and loads use
     runs: dict[str, Callable[[int], dict[str, Any]]] = {
-        "save_fresh": lambda i: bench.cas_save(state, workdir / f"fresh-{i}", 1),
-        "save_unchanged": lambda i: bench.cas_save(state, saved, 2 + i),
+        "save_fresh": lambda i: bench.cas_save(state, workdir / f"fresh-{i}", 1, hash_name),
+        "save_unchanged": lambda i: bench.cas_save(state, saved, 2 + i, hash_name),
         "load_verify": lambda i: bench.cas_load(state, saved, verify=True, sub=False),
         "load_noverify": lambda i: bench.cas_load(state, saved, verify=False, sub=False),
         "load_mmap": lambda i: bench.cas_load(state, saved, verify=False, sub=False, mmap=True),
+        "load_mmap_verify": lambda i: bench.cas_load(state, saved, verify=True, sub=False, mmap=True),
+        "load_verify_cold": lambda i: bench.cas_load(state, saved, verify=True, sub=False, cold=True),
     }
     samples: dict[str, list[float]] = {}
     for op in ops:
@@ -93,7 +97,7 @@ def run_side(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
         done = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), "--child", "--state", args.state,
              "--size", args.size, "--ops", ",".join(args.ops), "--reps", str(args.reps),
-             "--workdir", work],
+             "--hash", args.hash, "--workdir", work],
             env=env, capture_output=True, text=True, check=False,
         )
     if done.returncode != 0:
@@ -120,7 +124,7 @@ def compare(rounds: list[dict[str, dict[str, list[float]]]], ops: list[str]) -> 
 
 
 def render(verdict: dict[str, Any], args: argparse.Namespace) -> str:
-    lines = [f"state {args.state} ({args.size}), {args.rounds} rounds of {args.reps}: before = "
+    lines = [f"state {args.state} ({args.size}, {args.hash}), {args.rounds} rounds of {args.reps}: before = "
              f"{args.base}, after = the working tree; ratio = after / before, the median of the "
              "rounds' (below 1: faster)",
              f"  {'operation':<16}{'before ms':>11}{'after ms':>10}{'ratio':>8}  rounds"]
@@ -138,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="medium", choices=list(bench.SIZES))
     parser.add_argument("--ops", default="save_fresh,load_verify",
                         help=f"comma-separated, from {','.join(OPS)} (default save_fresh,load_verify)")
+    parser.add_argument("--hash", default="sha2-256", choices=["sha2-256", "blake3"],
+                        help="the repositories' hash (default sha2-256)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of both sides (default 4)")
     parser.add_argument("--reps", type=int, default=3, help="samples per side and round (default 3)")
     parser.add_argument("--no-build", action="store_true", help="do not build the base's compiled modules")
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.reps < 1:
         parser.error("--rounds and --reps must be at least 1")
     if args.child:
-        print(json.dumps(measure(args.state, args.size, args.ops, args.reps, args.workdir)))
+        print(json.dumps(measure(args.state, args.size, args.ops, args.reps, args.workdir, args.hash)))
         return 0
 
     rounds: list[dict[str, dict[str, list[float]]]] = []
@@ -166,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render(verdict, args))
     if args.json:
         args.json.write_text(json.dumps({"base": args.base, "state": args.state, "size": args.size,
+                                         "hash": args.hash,
                                          "rounds": rounds, "verdict": verdict}, indent=1) + "\n")
     return 0
 
