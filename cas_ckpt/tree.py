@@ -323,6 +323,13 @@ class TreeWriter:
 
     def write(self, state: Any) -> bytes:
         """Store the whole state; return the binary CID of its root node."""
+        # The plan's containers and headers (and a tensor's host array each) live until written,
+        # and writing makes a tuple or two per block: every 700 of them set off a collection,
+        # though none is in a cycle (4-5% of a save of 10,000 small arrays' instructions).
+        with cyclic_gc_paused():
+            return self._write(state)
+
+    def _write(self, state: Any) -> bytes:
         self._own_node.clear()
         try:
             plan = self._prepare(state, "", 0)
@@ -369,6 +376,7 @@ class TreeWriter:
             out = {}
             plain_bytes = 0
             plain_kind = None  # where its plain small arrays come from: numpy, or one tensor library
+            plain = _PLAIN_ADAPTERS
             for key, item in value.items():
                 key_type = type(key)
                 if key_type is str:
@@ -382,8 +390,10 @@ class TreeWriter:
                     raise StateTypeError(join_path(path, key), "int dict keys must fit 64 bits")
                 kind = "numpy"
                 if type(item) is not np.ndarray and depth < MAX_DEPTH:
-                    adapter = _plain_adapter(type(item))  # torch.Tensor: its host array in one call
-                    array = None if adapter is None else adapter.host_array(item)  # type: ignore[misc]
+                    adapter = plain.get(type(item), _UNSEEN)  # torch.Tensor: its host array in one call
+                    if adapter is _UNSEEN:
+                        adapter = _plain_adapter(type(item))
+                    array = None if adapter is None else adapter.host_array(item)  # type: ignore[union-attr,misc]
                     if array is not None:
                         item, kind = array, adapter.kind  # type: ignore[union-attr]
                 if type(item) is np.ndarray and depth < MAX_DEPTH:  # no dispatch per tensor
@@ -698,6 +708,7 @@ class TensorAdapter:
 _ADAPTERS: dict[str, TensorAdapter] = {}
 # Value types -> the adapter whose host_array takes them, or None (looked up once per type).
 _PLAIN_ADAPTERS: dict[type, TensorAdapter | None] = {}
+_UNSEEN = object()
 
 
 def register_tensor_adapter(adapter: TensorAdapter) -> None:
@@ -707,12 +718,11 @@ def register_tensor_adapter(adapter: TensorAdapter) -> None:
 
 
 def _plain_adapter(kind: type) -> TensorAdapter | None:
-    """The adapter whose ``host_array`` takes values of exactly this type, or None: one dict
-    look-up per small value of a state dict, where ``adapter_for`` made several calls."""
-    try:
+    """The adapter whose ``host_array`` takes values of exactly this type, or None, kept in
+    ``_PLAIN_ADAPTERS``: one dict look-up per small value of a state dict, where ``adapter_for``
+    made several calls."""
+    if kind in _PLAIN_ADAPTERS:
         return _PLAIN_ADAPTERS[kind]
-    except KeyError:
-        pass
     module = kind.__module__.partition(".")[0]
     found = next((adapter for adapter in _ADAPTERS.values()
                   if adapter.module == module and adapter.host_array is not None

@@ -56,14 +56,30 @@ def _torch() -> Any:
 Tables = tuple[dict[Any, np.dtype[Any]], set[Any], dict[np.dtype[Any], Any]]
 
 
+def _native_table() -> dict[Any, np.dtype[Any]]:
+    torch = _torch()
+    return {getattr(torch, name): np.dtype(np.bool_ if name == "bool" else name)
+            for name in _NATIVE if hasattr(torch, name)}
+
+
+_NATIVE_TABLES: tuple[dict[Any, np.dtype[Any]], dict[np.dtype[Any], Any]] | None = None
+
+
+def _native_tables() -> tuple[dict[Any, np.dtype[Any]], dict[np.dtype[Any], Any]]:
+    """The torch dtypes numpy has, both ways, without ml_dtypes: its import took 0.5-1.4 s of a
+    process's first load of tensors of these dtypes when :func:`_tables` was asked instead."""
+    global _NATIVE_TABLES
+    if _NATIVE_TABLES is None:
+        table = _native_table()
+        _NATIVE_TABLES = table, {v: k for k, v in table.items()}
+    return _NATIVE_TABLES
+
+
 def _build_tables() -> Tables:
     import ml_dtypes
 
     torch = _torch()
-    table: dict[Any, np.dtype[Any]] = {}
-    for name in _NATIVE:
-        if hasattr(torch, name):
-            table[getattr(torch, name)] = np.dtype(np.bool_ if name == "bool" else name)
+    table = _native_table()
     via: set[Any] = set()
     for name, ml_name in _VIA_ML_DTYPES.items():
         if hasattr(torch, name) and hasattr(ml_dtypes, ml_name):
@@ -100,7 +116,7 @@ def check_tensor(tensor: Any, path: str) -> None:
         raise StateTypeError(path, f"cannot save a {tensor.layout} tensor; convert it to dense")
     if tensor.device.type == "meta":
         raise StateTypeError(path, "cannot save a meta tensor: it has no data")
-    if tensor.dtype not in dtype_table():
+    if tensor.dtype not in _native_tables()[0] and tensor.dtype not in dtype_table():
         name = str(tensor.dtype).removeprefix("torch.")
         raise StateTypeError(path, _HINTS.get(name, f"unsupported torch dtype {tensor.dtype}"))
 
@@ -145,6 +161,8 @@ def tensor_to_numpy(tensor: Any, path: str) -> tuple[np.ndarray[Any, Any], str]:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
+    if t.dtype in _native_tables()[0]:
+        return t.numpy(), "torch"
     table, via, _ = _tables()
     if t.dtype not in via:
         return t.numpy(), "torch"
@@ -192,8 +210,11 @@ def numpy_to_tensor(
         torch = _torch()
     except ImportError:
         return array
-    _, via, reverse = _tables()
-    target = reverse.get(array.dtype)
+    target = _native_tables()[1].get(array.dtype)
+    via: set[Any] = set()
+    if target is None:  # bfloat16, float8: through ml_dtypes
+        _, via, reverse = _tables()
+        target = reverse.get(array.dtype)
     if target is None:
         raise DecodeError(f"array of dtype {array.dtype} cannot become a torch tensor")
     if not array.flags.writeable or not (array.flags.c_contiguous or array.flags.f_contiguous):
