@@ -63,12 +63,15 @@ def measure(state_name: str, size: str, ops: list[str], reps: int, workdir: Path
         "load_verify_cold": lambda i: bench.cas_load(state, saved, verify=True, sub=False, cold=True),
     }
     samples: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     for op in ops:
-        samples[op] = []
+        samples[op], cpu[op] = [], []
         for i in range(reps):
-            samples[op].append(bench.forked(lambda op=op, i=i: runs[op](i))["seconds"])
+            figures = bench.forked(lambda op=op, i=i: runs[op](i))
+            samples[op].append(figures["seconds"])
+            cpu[op].append(figures["cpu_seconds"])
             shutil.rmtree(workdir / f"fresh-{i}", ignore_errors=True)
-    return {"cas_ckpt": str(Path(cas_ckpt.__file__).resolve().parent), "samples": samples}
+    return {"cas_ckpt": str(Path(cas_ckpt.__file__).resolve().parent), "samples": samples, "cpu": cpu}
 
 
 # -- the parent: trees, rounds, verdicts -----------------------------------------------------
@@ -108,8 +111,10 @@ def run_side(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def compare(rounds: list[dict[str, dict[str, list[float]]]], ops: list[str]) -> dict[str, Any]:
-    """Per op: each side's median, and after/before round by round with their median."""
+def compare(rounds: list[dict[str, dict[str, list[float]]]], ops: list[str],
+            cpu_rounds: list[dict[str, dict[str, list[float]]]] | None = None) -> dict[str, Any]:
+    """Per op: each side's median, and after/before round by round with their median; the
+    same of CPU time where ``cpu_rounds`` has it."""
     verdict: dict[str, Any] = {}
     for op in ops:
         before = [statistics.median(r["base"][op]) for r in rounds]
@@ -120,18 +125,25 @@ def compare(rounds: list[dict[str, dict[str, list[float]]]], ops: list[str]) -> 
             "after_seconds": statistics.median(s for r in rounds for s in r["head"][op]),
             "ratios": ratios, "ratio": statistics.median(ratios),
         }
+        if cpu_rounds:
+            cpu = compare(cpu_rounds, [op])[op]
+            verdict[op].update({"before_cpu_seconds": cpu["before_seconds"],
+                                "after_cpu_seconds": cpu["after_seconds"], "cpu_ratio": cpu["ratio"]})
     return verdict
 
 
 def render(verdict: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [f"state {args.state} ({args.size}, {args.hash}), {args.rounds} rounds of {args.reps}: before = "
              f"{args.base}, after = the working tree; ratio = after / before, the median of the "
-             "rounds' (below 1: faster)",
-             f"  {'operation':<16}{'before ms':>11}{'after ms':>10}{'ratio':>8}  rounds"]
+             "rounds' (below 1: faster); CPU: the process's CPU time, all threads",
+             f"  {'operation':<18}{'before ms':>11}{'after ms':>10}{'ratio':>8}{'CPU before':>12}"
+             f"{'CPU after':>11}{'CPU ratio':>11}  rounds"]
     for op, v in verdict.items():
         rounds = " ".join(f"{r:.2f}" for r in v["ratios"])
-        lines.append(f"  {op:<16}{v['before_seconds'] * 1e3:>11.1f}{v['after_seconds'] * 1e3:>10.1f}"
-                     f"{v['ratio']:>8.2f}  {rounds}")
+        cpu = (f"{v['before_cpu_seconds'] * 1e3:>12.1f}{v['after_cpu_seconds'] * 1e3:>11.1f}"
+               f"{v['cpu_ratio']:>11.2f}" if "cpu_ratio" in v else f"{'':>34}")
+        lines.append(f"  {op:<18}{v['before_seconds'] * 1e3:>11.1f}{v['after_seconds'] * 1e3:>10.1f}"
+                     f"{v['ratio']:>8.2f}{cpu}  {rounds}")
     return "\n".join(lines)
 
 
@@ -162,18 +174,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     rounds: list[dict[str, dict[str, list[float]]]] = []
+    cpu_rounds: list[dict[str, dict[str, list[float]]]] = []
     with base_tree(args.base, build=not args.no_build) as base:
         sides = {"base": base, "head": ROOT}
         for i in range(args.rounds):
             order = ["base", "head"] if i % 2 == 0 else ["head", "base"]
-            rounds.append({side: run_side(sides[side], args)["samples"] for side in order})
+            results = {side: run_side(sides[side], args) for side in order}
+            rounds.append({side: result["samples"] for side, result in results.items()})
+            cpu_rounds.append({side: result["cpu"] for side, result in results.items()})
             print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    verdict = compare(rounds, args.ops)
+    verdict = compare(rounds, args.ops, cpu_rounds)
     print(render(verdict, args))
     if args.json:
         args.json.write_text(json.dumps({"base": args.base, "state": args.state, "size": args.size,
                                          "hash": args.hash,
-                                         "rounds": rounds, "verdict": verdict}, indent=1) + "\n")
+                                         "rounds": rounds, "cpu_rounds": cpu_rounds, "verdict": verdict},
+                                        indent=1) + "\n")
     return 0
 
 

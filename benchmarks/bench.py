@@ -353,7 +353,8 @@ def prewarm(nbytes: int) -> None:
 
 
 class Meter:
-    """Wall time and peak RSS above the starting RSS of the code inside ``with``.
+    """Wall time, CPU time (every thread of the process: a shared machine's minutes inflate wall
+    times far more) and peak RSS above the starting RSS of the code inside ``with``.
 
     The peak is the kernel's high-water mark (VmHWM), reset on entry by writing 5 to
     /proc/self/clear_refs. Without that (not Linux) it falls back to ru_maxrss, which then
@@ -370,11 +371,13 @@ class Meter:
         except OSError:
             self.method = "ru_maxrss"
             self.rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.cpu0 = _cpu_seconds()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.t0
+        self.cpu_seconds = _cpu_seconds() - self.cpu0
         if self.method == "VmHWM":
             peak = _status_kib("VmHWM") * 1024
         else:
@@ -382,7 +385,13 @@ class Meter:
         self.peak = max(0, peak - self.rss0)
 
     def figures(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "peak_bytes": self.peak, "peak_method": self.method}
+        return {"seconds": self.seconds, "cpu_seconds": self.cpu_seconds, "peak_bytes": self.peak,
+                "peak_method": self.method}
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _child_main(conn: Any, fn: Callable[[], dict[str, Any]]) -> None:

@@ -217,8 +217,10 @@ def test_before_and_after_runner(tmp_path: Path) -> None:
         assert set(one) == {"base", "head"}
         for side in one.values():
             assert set(side) == {"save_fresh", "load_verify"} and all(len(s) == 1 for s in side.values())
+    assert [set(one) for one in results["cpu_rounds"]] == [{"base", "head"}] * 2
     for op, verdict in results["verdict"].items():
         assert len(verdict["ratios"]) == 2 and verdict["ratio"] > 0, op
+        assert verdict["before_cpu_seconds"] > 0 and verdict["cpu_ratio"] > 0, op
         assert op in proc.stdout
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True,
                                text=True, check=True).stdout
