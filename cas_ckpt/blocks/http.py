@@ -193,7 +193,9 @@ class HttpBlockStore(BlockStore):
                     writer.abort()  # a full or unwritable cache never fails a read
 
     # -- writes: none --------------------------------------------------------------------------
-    def writer(self, *, verify_existing: bool = False, compression: str = "none") -> BlockWriter:
+    def writer(
+        self, *, verify_existing: bool = False, verify_incoming: bool = False, compression: str = "none"
+    ) -> BlockWriter:
         raise RepositoryError(f"{self.remote.url} is read-only: blocks cannot be written over HTTP")
 
     def delete(
