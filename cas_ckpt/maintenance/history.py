@@ -36,43 +36,45 @@ class GraphRow:
         return len(self.commit.parents) > 1
 
 
-def ancestry(heads: Iterable[CID], commit_of: Callable[[CID], Commit | None]) -> list[Commit]:
+def ancestry(heads: Iterable[CID | bytes], commit_of: Callable[[bytes], Commit | None]) -> list[Commit]:
     """Every commit reachable from ``heads`` through any parent, children before parents and
     otherwise newest first. ``commit_of`` gives None for a commit whose node is gone (history
     collected): the walk stops there."""
-    found: dict[CID, Commit] = {}
-    stack = list(heads)
+    found: dict[bytes, Commit] = {}
+    parents: dict[bytes, list[bytes]] = {}
+    stack = [bytes(h) for h in heads]
     while stack:
-        cid = stack.pop()
-        if cid in found:
+        key = stack.pop()
+        if key in found:
             continue
-        commit = commit_of(cid)
+        commit = commit_of(key)
         if commit is None:
             continue
-        found[cid] = commit
-        stack.extend(p for p in commit.parents if p not in found)
-    return _date_order(found)
+        found[key] = commit
+        parents[key] = [bytes(p) for p in commit.parents]
+        stack.extend(p for p in parents[key] if p not in found)
+    return _date_order(found, parents)
 
 
-def _date_order(commits: dict[CID, Commit]) -> list[Commit]:
-    """Kahn's order: a commit comes once every child of it has; among those ready, newest first."""
+def _date_order(commits: dict[bytes, Commit], parents: dict[bytes, list[bytes]]) -> list[Commit]:
+    """Kahn's order: a commit comes once every child of it has; among those ready, newest first.
+    (Commits are keyed by their binary CIDs: hashing CID objects cost more than the rest.)"""
     waiting = dict.fromkeys(commits, 0)
-    for commit in commits.values():
-        for parent in set(commit.parents):
+    for key in commits:
+        for parent in set(parents[key]):
             if parent in waiting:
                 waiting[parent] += 1
-    ready = [(-c.time, str(cid), cid) for cid, c in commits.items() if waiting[cid] == 0]
+    ready = [(-c.time, key) for key, c in commits.items() if waiting[key] == 0]
     heapq.heapify(ready)
     order: list[Commit] = []
     while ready:
-        _, _, cid = heapq.heappop(ready)
-        commit = commits[cid]
-        order.append(commit)
-        for parent in set(commit.parents):
+        _, key = heapq.heappop(ready)
+        order.append(commits[key])
+        for parent in set(parents[key]):
             if parent in waiting:
                 waiting[parent] -= 1
                 if waiting[parent] == 0:
-                    heapq.heappush(ready, (-commits[parent].time, str(parent), parent))
+                    heapq.heappush(ready, (-commits[parent].time, parent))
     return order
 
 
@@ -83,25 +85,26 @@ def layout(commits: Sequence[Commit], color_of: Callable[[Commit], int] | None =
     Colours: by default each lane has its own and a first parent continues its child's;
     ``color_of`` colours each commit (say, by run) and the lines that leave it with its colour.
     """
-    shown = {c.cid for c in commits}
-    lanes: list[tuple[CID, int]] = []  # per column: the commit this lane waits for, its colour
+    keys = [bytes(c.cid) for c in commits]
+    shown = set(keys)
+    lanes: list[tuple[bytes, int]] = []  # per column: the commit this lane waits for, its colour
     colors = _Colors()
     rows: list[GraphRow] = []
-    expects: list[list[CID]] = []  # per row: what the lane of each edge waits for
-    children: dict[CID, int] = {}
-    for commit in commits:
-        waiting = [j for j, (cid, _) in enumerate(lanes) if cid == commit.cid]
+    expects: list[list[bytes]] = []  # per row: what the lane of each edge waits for
+    children: dict[bytes, int] = {}
+    for key, commit in zip(keys, commits, strict=True):
+        waiting = [j for j, (cid, _) in enumerate(lanes) if cid == key]
         if waiting:
             column, color = waiting[0], lanes[waiting[0]][1]
         else:
             column, color = len(lanes), colors.new()
-            lanes.append((commit.cid, color))
+            lanes.append((key, color))
         if color_of is not None:
             color = color_of(commit)
-        parents = [p for p in dict.fromkeys(commit.parents) if p in shown]
+        parents = [p for p in dict.fromkeys(bytes(p) for p in commit.parents) if p in shown]
         for parent in parents:
             children[parent] = children.get(parent, 0) + 1
-        following: list[tuple[CID, int] | None] = [
+        following: list[tuple[bytes, int] | None] = [
             None if j in waiting or j == column else lane for j, lane in enumerate(lanes)
         ]
         origin = {j: j for j, lane in enumerate(following) if lane is not None}
@@ -126,11 +129,11 @@ def layout(commits: Sequence[Commit], color_of: Callable[[Commit], int] | None =
         rows.append(GraphRow(commit, column, color, edges))
         lanes = [following[j] for j in kept]  # type: ignore[misc]
     for i, row in enumerate(rows[:-1]):  # lines into the next commit end at its node
-        below = rows[i + 1]
-        row.edges = [(start, below.column if expects[i][k] == below.commit.cid else end, color)
+        below, below_key = rows[i + 1], keys[i + 1]
+        row.edges = [(start, below.column if expects[i][k] == below_key else end, color)
                      for k, (start, end, color) in enumerate(row.edges)]
-    for row in rows:
-        row.children = children.get(row.commit.cid, 0)
+    for key, row in zip(keys, rows, strict=True):
+        row.children = children.get(key, 0)
     return rows
 
 

@@ -50,6 +50,9 @@ class Browser:
         self._leaves: _Lru[bytes, dict[str, Any]] = _Lru(8)
         self._reach: _Lru[frozenset[bytes], set[bytes]] = _Lru(16)
         self._graphs: _Lru[Hashable, list[GraphRow]] = _Lru(8)
+        self._related: _Lru[Hashable, list[str]] = _Lru(16)
+        self._metrics: _Lru[Hashable, dict[str, Any]] = _Lru(8)
+        self._json: dict[bytes, tuple[bytes, dict[str, Any]]] = {}
         self._diffs: _Lru[Hashable, list[tuple[str, Any, Any]]] = _Lru(8)
         self._storage: tuple[Hashable, StorageReport] | None = None
         self._storage_lock = threading.Lock()
@@ -82,20 +85,33 @@ class Browser:
             self._commits[key] = found
         return self._commits[key]
 
-    def _line(self, head: CID) -> Iterator[Commit]:
+    def _line(self, head: CID | bytes) -> Iterator[Commit]:
         """``head``'s first-parent history, newest first (as ``repo.log``, from the cache)."""
-        seen: set[CID] = set()
-        commit = self.commit(head)
-        while commit is not None and commit.cid not in seen:
-            seen.add(commit.cid)
+        seen: set[bytes] = set()
+        key = bytes(head)
+        commit = self.commit(key)
+        while commit is not None and key not in seen:
+            seen.add(key)
             yield commit
-            commit = self.commit(commit.parents[0]) if commit.parents else None
+            key = bytes(commit.parents[0]) if commit.parents else b""
+            commit = self.commit(key) if key else None
+
+    def _line_keys(self, head: CID | bytes) -> set[bytes]:
+        return {bytes(c.cid) for c in self._line(head)}
 
     def _commit_json(self, commit: Commit) -> dict[str, Any]:
-        return {"cid": str(commit.cid), "tree": str(commit.tree),
-                "parents": [str(p) for p in commit.parents], "step": commit.step, "time": commit.time,
-                "message": commit.message, "metrics": jsonable(metrics_of(commit)),
-                "expired": self.repo.expired(commit)}
+        key = bytes(commit.cid)
+        found = self._json.get(key)
+        if found is None:
+            tree = bytes(commit.tree)
+            found = (tree, {"cid": cidlib.to_str(key), "tree": cidlib.to_str(tree),
+                            "parents": [_text(p) for p in commit.parents], "step": commit.step,
+                            "time": commit.time, "message": commit.message,
+                            "metrics": jsonable(metrics_of(commit))})
+            if len(self._json) > 500_000:
+                self._json.clear()
+            self._json[key] = found
+        return {**found[1], "expired": not self.repo.blocks.has(found[0])}
 
     def _refs(self) -> dict[str, CID]:
         self._fresh()
@@ -127,7 +143,7 @@ class Browser:
             commit = self.commit(head)
             usage = by_run.get(run) if name == run else None
             rows.append({
-                "ref": name, "run": run, "cid": str(head),
+                "ref": name, "run": run, "cid": _text(head),
                 "commit": self._commit_json(commit) if commit else None,
                 "steps_kept": sum(1 for n in members[run] if n != run),
                 "stored_bytes": usage.stored_bytes if usage else None,
@@ -148,10 +164,13 @@ class Browser:
         runs = sorted({run_of(n) for n in known} & set(known))
         if run is None:
             return runs
-        ours = {c.cid for c in ancestry([known[run]], self.commit)}
-        related = [other for other in runs if other != run
-                   and any(c.cid in ours for c in self._line(known[other]))]
-        return [run, *related]
+
+        def related() -> list[str]:
+            ours = {bytes(c.cid) for c in ancestry([known[run]], self.commit)}
+            return [run, *(other for other in runs if other != run
+                           and not ours.isdisjoint(self._line_keys(known[other])))]
+
+        return self._related.get((_refs_key(known), run), related)
 
     def graph(self, names: list[str], *, offset: int = 0, limit: int = PAGE) -> dict[str, Any]:
         """The commit graph of the refs ``names`` (see :meth:`heads`), a page of rows: each with
@@ -179,31 +198,46 @@ class Browser:
     def _layout(self, heads: list[CID]) -> list[GraphRow]:
         """The graph of ``heads``, each commit coloured by the first head whose first-parent
         line holds it (as the metric charts colour that head's series); others after them."""
-        lines = [{c.cid for c in self._line(head)} for head in heads]
+        lines = [self._line_keys(head) for head in heads]
 
         def run_color(commit: Commit) -> int:
-            return next((i for i, line in enumerate(lines) if commit.cid in line), len(lines))
+            key = bytes(commit.cid)
+            return next((i for i, line in enumerate(lines) if key in line), len(lines))
 
         return layout(ancestry(heads, self.commit), run_color)
 
     def metrics(self, names: list[str]) -> dict[str, Any]:
-        """Every metric the commits of each ref's first-parent history carry, against step:
-        ``series[i].points[metric] = [[step, value, cid], ...]`` oldest first (finite values)."""
+        """Every metric the commits of each ref's first-parent history carry, against step,
+        oldest first: ``series[i]`` has ``steps`` and, per metric, ``values`` in step with them
+        (None where a commit lacks the metric or holds NaN or an infinity)."""
         known = self._refs()
-        series, found = [], set()
         for name in names:
             if name not in known:
                 raise RefNotFound(name)
-            points: dict[str, list[list[Any]]] = collections.defaultdict(list)
-            for commit in reversed(list(self._line(known[name]))):
-                if commit.step is None:
-                    continue
-                for metric, value in metrics_of(commit).items():
-                    if _finite(value):
-                        points[metric].append([commit.step, value, str(commit.cid)])
-            found.update(points)
-            series.append({"ref": name, "points": dict(points)})
+        heads = tuple((name, known[name]) for name in names)
+        return self._metrics.get(heads, lambda: self._metric_series(heads))
+
+    def _metric_series(self, heads: tuple[tuple[str, CID], ...]) -> dict[str, Any]:
+        series, found = [], set()
+        for name, head in heads:
+            line = [c for c in reversed(list(self._line(head))) if c.step is not None]
+            values = [metrics_of(c) for c in line]
+            names = sorted({m for v in values for m in v})
+            found.update(names)
+            series.append({"ref": name, "steps": [c.step for c in line],
+                           "values": {m: [v[m] if m in v and _finite(v[m]) else None for v in values]
+                                      for m in names}})
         return {"metrics": sorted(found), "series": series}
+
+    def at_step(self, ref: str, step: int) -> CID:
+        """The newest commit of ``ref``'s first-parent history at ``step`` (a chart's point)."""
+        known = self._refs()
+        if ref not in known:
+            raise RefNotFound(ref)
+        found = next((c.cid for c in self._line(known[ref]) if c.step == step), None)
+        if found is None:
+            raise PathNotFound(f"step {step}", ref, detail=f"no commit of {ref} is at step {step}")
+        return found
 
     # -- one checkpoint ------------------------------------------------------------------------
     def _target(self, target: str) -> tuple[CID, Commit | None, bytes]:
@@ -212,7 +246,7 @@ class Browser:
         cid = self.repo.resolve(target)
         commit = self.commit(cid)
         if commit is None and not self.repo.blocks.has(cid):
-            raise BlockNotFound(str(cid))
+            raise BlockNotFound(_text(cid))
         return cid, commit, bytes(commit.tree) if commit else cidlib.to_bytes(cid)
 
     def _leaf_map(self, tree: bytes) -> dict[str, Any]:
@@ -223,7 +257,7 @@ class Browser:
         cid, commit, tree = self._target(target)
         expired = commit is not None and self.repo.expired(commit)
         holders = sorted(name for name, head in self._refs().items() if head == cid)
-        return {"cid": str(cid), "tree": cidlib.to_str(tree),
+        return {"cid": _text(cid), "tree": cidlib.to_str(tree),
                 "commit": self._commit_json(commit) if commit else None, "refs": holders,
                 "expired": expired, "values": None if expired else len(self._leaf_map(tree))}
 
@@ -234,11 +268,12 @@ class Browser:
         """A page of a checkpoint's values (paths containing ``query``; ``changed``: only those
         that differ from its parent's), each with its bytes: logical, stored (on the medium,
         distinct chunks), new in this checkpoint (chunks its parent lacks), shared with the
-        parent and shared with other refs (every ref outside ``ref``'s run, or that does not
-        hold this checkpoint)."""
+        parent (these two None when GC collected the parent's data) and shared with other refs
+        (every ref outside ``ref``'s run; without ``ref``, outside the run of the first ref that
+        holds this checkpoint)."""
         cid, commit, tree = self._target(target)
         if commit is not None and self.repo.expired(commit):
-            raise CheckpointExpired(str(cid), commit.tree)
+            raise CheckpointExpired(_text(cid), commit.tree)
         values = self._leaf_map(tree)
         parent = self._parent_tree(commit)
         parent_values = self._leaf_map(parent) if parent else {}
@@ -246,8 +281,11 @@ class Browser:
         paths = [p for p, leaf in values.items() if needle in p.lower()
                  and not (changed and parent_values.get(p) == leaf)]
         parent_blocks = self._reach_of([parent]) if parent else set()
-        others = [head for name, head in self._refs().items()
-                  if head != cid and (ref is None or run_of(name) != run_of(ref))]
+        unknown = parent is None and commit is not None and bool(commit.parents)  # its data collected
+        known = self._refs()
+        if ref is None:  # the run of the first ref that holds it, if any
+            ref = next((name for name, head in sorted(known.items()) if head == cid), None)
+        others = [head for name, head in known.items() if ref is None or run_of(name) != run_of(ref)]
         other_blocks = self._reach_of(cidlib.to_bytes(h) for h in others)
         reader = self._reader()
         rows = []
@@ -258,14 +296,14 @@ class Browser:
             size = self._stored
             row.update(inline=not chunks and is_array(leaf),
                        stored_bytes=sum(map(size, chunks)),
-                       new_bytes=sum(size(c) for c in chunks if c not in parent_blocks),
-                       parent_bytes=sum(size(c) for c in chunks if c in parent_blocks),
+                       new_bytes=None if unknown else sum(size(c) for c in chunks if c not in parent_blocks),
+                       parent_bytes=None if unknown else sum(size(c) for c in chunks if c in parent_blocks),
                        other_bytes=sum(size(c) for c in chunks if c in other_blocks),
                        changed=bool(parent) and parent_values.get(path) != leaf,
                        tensor=is_array(leaf))
             rows.append(row)
-        return {"cid": str(cid), "total": len(paths), "offset": offset, "rows": rows,
-                "parent": cidlib.to_str(parent) if parent else None}
+        return {"cid": _text(cid), "total": len(paths), "offset": offset, "rows": rows,
+                "parent_tree": cidlib.to_str(parent) if parent else None, "parent_expired": unknown}
 
     def _stored(self, cid: bytes) -> int:
         """Bytes ``cid`` takes on the medium (0 if it is gone meanwhile)."""
@@ -289,10 +327,10 @@ class Browser:
         """The statistics of the tensor at ``path`` (a path as :meth:`tree` lists it)."""
         cid, commit, tree = self._target(target)
         if commit is not None and self.repo.expired(commit):
-            raise CheckpointExpired(str(cid), commit.tree)
+            raise CheckpointExpired(_text(cid), commit.tree)
         leaf = self._leaf_map(tree).get(path)
         if leaf is None:
-            raise PathNotFound(path, str(cid))
+            raise PathNotFound(path, _text(cid))
         if not is_array(leaf):
             raise BadRequest(f"{path} is not a tensor")
         return jsonable(tensor_stats(self._reader(), path, leaf))
@@ -317,7 +355,7 @@ class Browser:
             else:
                 rows.append({"path": where, "tensor": False,
                              "detail": f"{_short(reader, old)} -> {_short(reader, new)}"})
-        return {"a": str(cid_a), "b": str(cid_b), "path": path,
+        return {"a": _text(cid_a), "b": _text(cid_b), "path": path,
                 "added": [p for p in right if p not in left],
                 "removed": [p for p in left if p not in right], "changed": rows,
                 "unchanged": sum(1 for p in left if p in right and left[p] == right[p]),
@@ -342,7 +380,7 @@ class Browser:
     def _live(self, target: str) -> tuple[CID, Commit | None, bytes]:
         cid, commit, tree = self._target(target)
         if commit is not None and self.repo.expired(commit):
-            raise CheckpointExpired(str(cid), commit.tree)
+            raise CheckpointExpired(_text(cid), commit.tree)
         return cid, commit, tree
 
     def _below(self, tree: bytes, path: str | None) -> dict[str, Any]:
@@ -376,19 +414,28 @@ class Browser:
                 key = self._storage_key(refs)
                 report = storage(self.repo.blocks, self.repo.refs_store, cache=self.links)
                 self._storage = (key, report)
-        runs = [{**jsonable(r), "shared_bytes": r.shared_bytes, "head": str(r.head) if r.head else None}
+        runs = [{**jsonable(r), "shared_bytes": r.shared_bytes, "head": _text(r.head) if r.head else None}
                 for r in report.runs]
         return {**jsonable(report), "runs": runs,
                 "shared": [{"a": a, "b": b, "bytes": n} for a, b, n in report.shared]}
 
     def _storage_key(self, refs: dict[str, CID]) -> Hashable:
-        return tuple(sorted((n, str(c)) for n, c in refs.items())), tuple(map(str, self.repo.pins()))
+        return tuple(sorted((n, bytes(c)) for n, c in refs.items())), tuple(map(bytes, self.repo.pins()))
 
     def _storage_ready(self, refs: dict[str, CID]) -> StorageReport | None:
         found = self._storage
         if found is not None and found[0] == self._storage_key(refs):
             return found[1]
         return None
+
+
+def _refs_key(refs: dict[str, CID]) -> tuple[tuple[str, bytes], ...]:
+    return tuple(sorted((name, bytes(cid)) for name, cid in refs.items()))
+
+
+def _text(cid: CID | bytes) -> str:
+    """A CID's base32 text (``str(CID)`` takes half a millisecond: thousands of commits add up)."""
+    return cidlib.to_str(cidlib.to_bytes(cid))
 
 
 def metrics_of(commit: Commit) -> dict[str, float | int]:

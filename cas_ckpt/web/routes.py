@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import (
     AncestorNotFound,
     BlockNotFound,
@@ -167,6 +168,15 @@ def _page_of(query: Query) -> dict[str, int]:
     return {"offset": _int(query, "offset", 0), "limit": _int(query, "limit", PAGE)}
 
 
+def _checkpoint_target(browser: Browser, query: Query) -> str:
+    """``target``, else the commit of ``ref``'s history at ``step`` (a point of a chart)."""
+    if query.get("target"):
+        return query["target"]
+    if query.get("ref") and query.get("step"):
+        return cidlib.to_str(bytes(browser.at_step(query["ref"], _int(query, "step", 0))))
+    raise BadRequest("give target, or ref and step")
+
+
 def _graph(browser: Browser, query: Query) -> Any:
     return browser.graph(browser.heads(_names(query, "refs"), query.get("ref")), **_page_of(query))
 
@@ -180,7 +190,7 @@ _API: dict[str, Work] = {
     "runs": lambda b, q: b.runs(prefix=q.get("prefix", ""), every=q.get("every") == "1", **_page_of(q)),
     "graph": _graph,
     "metrics": _metrics,
-    "checkpoint": lambda b, q: b.checkpoint(_required(q, "target")),
+    "checkpoint": lambda b, q: b.checkpoint(_checkpoint_target(b, q)),
     "tree": lambda b, q: b.tree(_required(q, "target"), ref=q.get("ref") or None, query=q.get("q", ""),
                                 changed=q.get("changed") == "1", **_page_of(q)),
     "stats": lambda b, q: b.stats(_required(q, "target"), _required(q, "path")),

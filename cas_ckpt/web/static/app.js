@@ -7,6 +7,7 @@ const SVG_NS = "http://www.w3.org/2000/svg";
 const PAGE = 100;
 const GRAPH_PAGE = 200;
 const NORMS_BATCH = 50;
+const MAX_DOTS = 400;  // series longer than this are drawn as a line only
 const LANE = 14;
 const ROW = 24;
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b",
@@ -109,7 +110,8 @@ function runLink(ref) {
   return el("a", { href: url("/ui/run", { ref }) }, ref);
 }
 
-function ready(page) {
+function ready(page) {  // milliseconds since the navigation began, for the tests' timings
+  document.body.dataset.readyMs = Math.round(performance.now());
   document.body.dataset.ready = page;
 }
 
@@ -322,18 +324,25 @@ function charts(data, ref) {
   return box;
 }
 
+function pointsOf(series, metric) {  // [[step, value], ...] where the commit holds the metric
+  const values = series.values[metric] || [];
+  return series.steps.map((step, i) => [step, values[i]]).filter(([, v]) => v !== null && v !== undefined);
+}
+
 function lineChart(metric, series, ref) {
   const W = 560, H = 220, L = 56, R = 12, T = 10, B = 28;
-  const all = series.flatMap((s) => s.points[metric] || []);
-  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
-  let [x0, x1] = [Math.min(...xs), Math.max(...xs)];
-  let [y0, y1] = [Math.min(...ys), Math.max(...ys)];
+  const lines = series.map((s, i) => ({ ref: s.ref, color: color(i), points: pointsOf(s, metric) }))
+    .filter((line) => line.points.length);
+  const all = lines.flatMap((line) => line.points);
+  let [x0, x1] = [Math.min(...all.map((p) => p[0])), Math.max(...all.map((p) => p[0]))];
+  let [y0, y1] = [Math.min(...all.map((p) => p[1])), Math.max(...all.map((p) => p[1]))];
   if (x0 === x1) { x0 -= 1; x1 += 1; }
   if (y0 === y1) { y0 -= Math.abs(y0) || 1; y1 += Math.abs(y1) || 1; }
   const pad = (y1 - y0) * 0.05;
   y0 -= pad; y1 += pad;
   const sx = (v) => L + (v - x0) / (x1 - x0) * (W - L - R);
   const sy = (v) => T + (1 - (v - y0) / (y1 - y0)) * (H - T - B);
+  const open = (line, step) => { location.href = url("/ui/checkpoint", { ref: line.ref, step }); };
   const plot = svg("svg", { width: W, height: H, class: "chart", "data-metric": metric, role: "img" },
     svg("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis" }),
     svg("line", { x1: L, y1: T, x2: L, y2: H - B, class: "axis" }));
@@ -345,22 +354,48 @@ function lineChart(metric, series, ref) {
     plot.append(svg("text", { x: sx(v), y: H - B + 14, "text-anchor": "middle" }, fmt(v)));
   }
   plot.append(svg("text", { x: W - R, y: H - 2, "text-anchor": "end" }, "step"));
+  // Hovering anywhere shows the nearest point; a click opens its checkpoint. Dots are drawn for
+  // series short enough to tell them apart.
+  const marker = svg("circle", { r: 4, fill: "none", stroke: "#1d2430", "stroke-width": 1.5, visibility: "hidden" });
+  const label = svg("text", { x: W - R, y: T + 10, "text-anchor": "end", class: "hover" }, "");
+  const nearest = (event) => {
+    const box = plot.getBoundingClientRect();
+    const [mx, my] = [event.clientX - box.left, event.clientY - box.top];
+    let best = null;
+    for (const line of lines) {
+      for (const [step, value] of line.points) {
+        const d = (sx(step) - mx) ** 2 + (sy(value) - my) ** 2;
+        if (!best || d < best.d) best = { d, line, step, value };
+      }
+    }
+    return best;
+  };
+  plot.append(svg("rect", { x: L, y: T, width: W - L - R, height: H - T - B, fill: "transparent",
+    "pointer-events": "all", class: "hover-area",
+    onmousemove: (event) => {
+      const hit = nearest(event);
+      marker.setAttribute("cx", sx(hit.step));
+      marker.setAttribute("cy", sy(hit.value));
+      marker.setAttribute("visibility", "visible");
+      label.textContent = `${hit.line.ref} step ${hit.step}: ${fmt(hit.value)}`;
+    },
+    onclick: (event) => { const hit = nearest(event); open(hit.line, hit.step); } }));
   const legend = el("div", { class: "legend" });
-  series.forEach((s, i) => {
-    const points = s.points[metric] || [];
-    if (!points.length) return;
-    const group = svg("g", { class: "series", "data-ref": s.ref, "data-points": points.length });
-    group.append(svg("polyline", { fill: "none", stroke: color(i), "stroke-width": 1.5,
-      points: points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ") }));
-    for (const [step, value, cid] of points) {
-      group.append(svg("circle", { cx: sx(step), cy: sy(value), r: 2.5, fill: color(i), class: "point",
-        "data-step": step, "data-cid": cid,
-        onclick: () => { location.href = url("/ui/checkpoint", { target: cid, ref: ref || s.ref }); } },
-        svg("title", {}, `${s.ref} step ${step}: ${metric} = ${fmt(value)}`)));
+  for (const line of lines) {
+    const group = svg("g", { class: "series", "data-ref": line.ref, "data-points": line.points.length });
+    group.append(svg("polyline", { fill: "none", stroke: line.color, "stroke-width": 1.5, "pointer-events": "none",
+      points: line.points.map(([s, v]) => `${sx(s).toFixed(1)},${sy(v).toFixed(1)}`).join(" ") }));
+    if (line.points.length <= MAX_DOTS) {
+      for (const [step, value] of line.points) {
+        group.append(svg("circle", { cx: sx(step), cy: sy(value), r: 2.5, fill: line.color, class: "point",
+          "data-step": step, onclick: () => open(line, step) },
+          svg("title", {}, `${line.ref} step ${step}: ${metric} = ${fmt(value)}`)));
+      }
     }
     plot.append(group);
-    legend.append(el("span", {}, el("span", { class: "swatch", dataset: { color: color(i) } }), s.ref));
-  });
+    legend.append(el("span", {}, el("span", { class: "swatch", dataset: { color: line.color } }), line.ref));
+  }
+  plot.append(marker, label);
   for (const swatch of legend.querySelectorAll(".swatch")) swatch.style.background = swatch.dataset.color;
   return el("div", { class: "chart-box" }, el("h3", {}, metric), plot, legend);
 }
@@ -376,11 +411,11 @@ function ticks(lo, hi, count = 5) {
 
 // -- one checkpoint -------------------------------------------------------------------------------
 async function checkpointPage(query) {
-  const target = query.get("target");
   const ref = query.get("ref") || "";
   const state = { q: query.get("q") || "", changed: query.get("changed") === "1",
                   offset: Number(query.get("offset")) || 0 };
-  const info = await api("checkpoint", { target });
+  const info = await api("checkpoint", { target: query.get("target"), ref, step: query.get("step") });
+  const target = info.cid;
   const commit = info.commit;
   const facts = el("dl", { class: "facts" },
     el("dt", {}, "CID"), el("dd", { class: "mono", id: "cid" }, info.cid),
@@ -411,13 +446,14 @@ async function checkpointPage(query) {
   const pageStats = el("button", { id: "page-stats" }, "Statistics for this page");
   const body = el("tbody");
   const table = el("table", { id: "tree" }, el("thead", {}, el("tr", {},
-    el("th", {}, "Path"), el("th", {}, "Type"), el("th", {}, "DType"), el("th", {}, "Shape"),
+    el("th", {}, "Path"), el("th", {}, "Type"), el("th", {}, "DType"), el("th", {}, "Shape or value"),
     el("th", { class: "num" }, "Logical"), el("th", { class: "num" }, "Stored"),
     el("th", { class: "num", title: "chunks its parent lacks" }, "New here"),
     el("th", { class: "num" }, "Shared with parent"), el("th", { class: "num" }, "Shared with other refs"),
     el("th", {}, "Statistics"))), body);
   const pages = el("div");
-  main().append(el("h2", {}, `Tree (${info.values} values)`),
+  const note = el("p", { class: "muted", id: "tree-note" });
+  main().append(el("h2", {}, `Tree (${info.values} values)`), note,
     el("div", { class: "toolbar" }, search, el("label", {}, changed, " only values changed from the parent"), pageStats),
     table, pages);
   search.addEventListener("input", debounce(() => { state.q = search.value; state.offset = 0; load(); }, 250));
@@ -433,6 +469,7 @@ async function checkpointPage(query) {
     const data = await api("tree", { target: info.cid, ref, q: state.q, changed: state.changed ? 1 : "",
                                      offset: state.offset, limit: PAGE });
     body.replaceChildren(...data.rows.map((row) => treeRow(row, info.cid)));
+    note.textContent = data.parent_expired ? "Its parent's data was collected by GC: what is new here is not known." : "";
     pages.replaceChildren(pager(data.total, data.offset, PAGE, (offset) => { state.offset = offset; load(); }));
     table.dataset.total = data.total;
   }
@@ -440,24 +477,32 @@ async function checkpointPage(query) {
   ready("checkpoint");
 }
 
+const known = (n) => (n === null ? "–" : bytes(n));
+
 function treeRow(row, cid) {
+  // A tensor's statistics, once computed, go in a row of their own below it.
   const cell = el("td", { class: "stats-cell" });
+  const tr = el("tr", { dataset: { path: row.path }, class: row.changed ? "changed" : "" });
   if (row.tensor) {
     const button = el("button", { class: "stats" }, "compute");
     button.onclickStats = async () => {
       button.disabled = true;
+      let line;
       try {
         const s = await api("stats", { target: cid, path: row.path });
-        cell.replaceChildren(el("div", { class: "stats-grid" },
-          ...["min", "max", "mean", "std", "L2", "NaN", "Inf"].map((h) => el("span", {}, h)),
-          ...[s.min, s.max, s.mean, s.std, s.l2].map((v) => el("span", {}, fmt(v))),
-          el("span", { class: s.nan ? "bad" : "" }, String(s.nan)),
-          el("span", { class: s.inf ? "bad" : "" }, String(s.inf))));
-        cell.dataset.nan = s.nan;
-        cell.dataset.inf = s.inf;
+        for (const key of ["min", "max", "mean", "std", "l2", "nan", "inf"]) cell.dataset[key] = s[key];
+        line = el("div", { class: "stats-line" },
+          ...[["min", s.min], ["max", s.max], ["mean", s.mean], ["std", s.std], ["L2", s.l2]]
+            .map(([k, v]) => el("span", {}, el("span", { class: "muted" }, `${k} `), fmt(v))),
+          el("span", { class: s.nan ? "bad" : "" }, el("span", { class: "muted" }, "NaN "), String(s.nan)),
+          el("span", { class: s.inf ? "bad" : "" }, el("span", { class: "muted" }, "Inf "), String(s.inf)));
+        button.textContent = "✓";
       } catch (error) {
-        cell.replaceChildren(el("span", { class: "error" }, error.message));
+        line = el("span", { class: "error" }, error.message);
       }
+      const below = tr.nextElementSibling;
+      const row = el("tr", { class: "stats-row" }, el("td", { colspan: 10 }, line));
+      if (below && below.classList.contains("stats-row")) below.replaceWith(row); else tr.after(row);
     };
     button.addEventListener("click", button.onclickStats);
     cell.append(button);
@@ -465,15 +510,16 @@ function treeRow(row, cid) {
   const shape = row.shape ? (row.shape.length ? row.shape.join("×") : "scalar") : "";
   const value = row.value !== undefined ? JSON.stringify(row.value) : "";
   const chunked = row.type === "array" || row.type === "bytes" || row.type === "str";
-  return el("tr", { dataset: { path: row.path }, class: row.changed ? "changed" : "" },
+  tr.append(
     el("td", { class: "mono" }, row.path || "<root>"),
     el("td", {}, row.type), el("td", {}, row.dtype || ""), el("td", {}, shape || value),
     el("td", { class: "num" }, row.nbytes !== undefined && row.nbytes !== null ? bytes(row.nbytes) : ""),
     el("td", { class: "num" }, row.inline ? "inline" : chunked ? bytes(row.stored_bytes) : ""),
-    el("td", { class: "num new" }, chunked && !row.inline ? bytes(row.new_bytes) : ""),
-    el("td", { class: "num" }, chunked && !row.inline ? bytes(row.parent_bytes) : ""),
-    el("td", { class: "num" }, chunked && !row.inline ? bytes(row.other_bytes) : ""),
+    el("td", { class: "num new" }, chunked && !row.inline ? known(row.new_bytes) : ""),
+    el("td", { class: "num" }, chunked && !row.inline ? known(row.parent_bytes) : ""),
+    el("td", { class: "num" }, chunked && !row.inline ? known(row.other_bytes) : ""),
     cell);
+  return tr;
 }
 
 // -- two checkpoints ------------------------------------------------------------------------------
