@@ -183,7 +183,8 @@ def test_tree_pages_searches_and_computes_statistics(driver: Any, server: str, f
     erase(search)
     driver.find_element("id", "changed").click()  # only what step 11 changed from step 10
     wait_for(driver, "document.getElementById('tree').dataset.total === '4'")
-    assert attribute_values(driver, "#tree tbody tr[data-path]", "data-path") == [*FINE_TUNED[:2], "head.weight", "step"]
+    changed = attribute_values(driver, "#tree tbody tr[data-path]", "data-path")
+    assert changed == [*FINE_TUNED[:2], "head.weight", "step"]
     head = driver.find_element("css selector", "#tree tr[data-path='head.weight']")
     head.find_element("css selector", "button.stats").click()
     cell = wait_for(driver, "document.querySelector(\"#tree tr[data-path='head.weight'] .stats-cell\")"
@@ -335,7 +336,8 @@ def test_a_large_repository_stays_usable(driver: Any, tmp_path: Path) -> None:
         visit(driver, f"{base}/ui/run?ref=runs/big", "run")
         assert driver.find_element("id", "graph").get_attribute("data-total") == "2300"
         assert len(rows(driver, "#graph circle.commit")) == 200
-        line = driver.find_element("css selector", "svg.chart[data-metric=loss] g.series[data-ref='runs/big']")
+        chart = "svg.chart[data-metric=loss] g.series[data-ref='runs/big']"
+        line = driver.find_element("css selector", chart)
         assert line.get_attribute("data-points") == "2000"  # too many dots to tell apart: a line
         assert len(line.find_element("tag name", "polyline").get_attribute("points").split()) == 2000
         visit(driver, f"{base}/ui/checkpoint?target=runs/big", "checkpoint")

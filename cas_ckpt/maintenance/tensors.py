@@ -11,12 +11,13 @@ float8 arrays convert through ``ml_dtypes``; integer and bool arrays keep exact 
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from multiformats import CID
@@ -27,6 +28,8 @@ from cas_ckpt.tree import NDARRAY, PAGES, SCALAR, TUPLE, TreeReader, join_path, 
 
 WINDOW = 1 << 18  # elements converted to float64 at a time (2 MiB of float64)
 READ_AHEAD = 4  # chunks read ahead of the one being reduced
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -68,6 +71,18 @@ class ChangeNorms:
         return relative_change(self.l2, self.a_norm)
 
 
+def _quiet(work: Callable[..., T]) -> Callable[..., T]:
+    """NaN and infinity are what these functions look for: numpy's warnings about them (inf - inf,
+    an overflow in a cast) would only be noise."""
+
+    @functools.wraps(work)
+    def run(*args: Any, **kwargs: Any) -> T:
+        with np.errstate(all="ignore"):
+            return work(*args, **kwargs)
+
+    return run
+
+
 def relative_change(l2: float, a_norm: float) -> float:
     """``l2 / a_norm``, with 0/0 = 0 (nothing moved) and x/0 = inf."""
     if math.isnan(l2) or math.isnan(a_norm):
@@ -82,6 +97,7 @@ def is_array(value: Any) -> bool:
     return isinstance(value, Tagged) and value.code in (NDARRAY, SCALAR) and isinstance(value.value, dict)
 
 
+@_quiet
 def tensor_stats(reader: TreeReader, path: str, leaf: Tagged) -> TensorStats:
     """The statistics of the array ``leaf`` (at ``path``), streamed from its chunks."""
     elements = Elements(reader, leaf)
@@ -116,7 +132,7 @@ def tensor_stats(reader: TreeReader, path: str, leaf: Tagged) -> TensorStats:
         path=path, dtype=str(elements.dtype), shape=elements.shape, count=elements.count, nan=nan, inf=inf,
         min=low if real else None, max=high if real else None,
         mean=moments.mean if real else None,
-        std=math.sqrt(max(moments.m2, 0.0) / moments.n) if real else None,
+        std=moments.std if real else None,
         l2=norm.value if finite else (0.0 if elements.count == 0 else None),
     )
 
@@ -129,13 +145,14 @@ def _nonfinite(values: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.n
     return np.isnan(values), np.isinf(values)
 
 
+@_quiet
 def change_norms(reader: TreeReader, a: Tagged, b: Tagged) -> ChangeNorms:
     """``b`` against ``a`` (arrays of one shape), both streamed a window at a time.
 
     Chunks the two share are read once. Two layouts (C and Fortran order) cannot be paired
     element by element as they stream: such a pair is loaded whole, one tensor at a time.
     """
-    chunks = _SharedReads(reader)
+    chunks = _SharedReads(reader, keep=2 * READ_AHEAD)
     left, right = Elements(reader, a, chunks), Elements(reader, b, chunks)
     if left.shape != right.shape:
         raise ValueError(f"shapes differ: {left.shape} and {right.shape}")
@@ -163,6 +180,7 @@ def _larger(current: float, new: float) -> float:
     return new if math.isnan(new) or new > current else current
 
 
+@_quiet
 def _norms(x: np.ndarray[Any, Any], y: np.ndarray[Any, Any]) -> ChangeNorms:
     widest = np.complex128 if "c" in (x.dtype.kind, y.dtype.kind) else np.float64
     xs, ys = x.astype(widest), y.astype(widest)
@@ -172,6 +190,7 @@ def _norms(x: np.ndarray[Any, Any], y: np.ndarray[Any, Any]) -> ChangeNorms:
     return ChangeNorms(float(np.abs(xs - ys).max()) if xs.size else 0.0, delta.value, base.value)
 
 
+@_quiet
 def nonfinite_counts(
     reader: TreeReader, leaf: Tagged, known_finite: set[tuple[bytes, str]]
 ) -> tuple[int, int]:
@@ -372,11 +391,13 @@ class Elements:
 
 
 class _SharedReads:
-    """Chunk reads a few ahead on the repository's pool; a chunk two streams both need is read
-    once while either still holds it in flight (a changed tensor's unchanged chunks)."""
+    """Chunk reads a few ahead on the repository's pool. With ``keep``, the last ``keep`` chunks
+    stay at hand, so a chunk that two streams both need (a changed tensor's unchanged chunks,
+    read by both sides at about the same time) is read once."""
 
-    def __init__(self, reader: TreeReader) -> None:
+    def __init__(self, reader: TreeReader, keep: int = 0) -> None:
         self._reader = reader
+        self._keep = keep
         self._flight: collections.OrderedDict[bytes, Future[bytes]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -386,9 +407,10 @@ class _SharedReads:
             if future is None:
                 store, verify = self._reader.store, self._reader.verify
                 future = self._reader.pool.submit(store.get, cid, verify=verify)
-                self._flight[cid] = future
-                while len(self._flight) > 4 * READ_AHEAD:
-                    self._flight.popitem(last=False)
+                if self._keep:
+                    self._flight[cid] = future
+                    while len(self._flight) > self._keep:
+                        self._flight.popitem(last=False)
             return future
 
     def stream(self, cids: list[bytes]) -> Iterator[tuple[bytes, bytes]]:
@@ -421,24 +443,33 @@ def _fold(current: Any, new: Any, pick: Any) -> Any:
 
 
 class _Moments:
-    """Count, mean and sum of squared deviations, combined window by window (Chan et al.)."""
+    """Count, mean and spread (the square root of the sum of squared deviations), combined
+    window by window (Chan et al.'s update of Welford's); the spread is kept scaled as a norm, so
+    neither it nor the mean overflows on values near the float64 limit."""
 
     def __init__(self) -> None:
         self.n = 0
         self.mean = 0.0
-        self.m2 = 0.0
+        self.spread = _Norm()
 
     def add(self, values: np.ndarray[Any, Any]) -> None:
         n = values.size
         if not n:
             return
-        mean = float(values.mean())
-        m2 = float(np.square(values - mean).sum())
+        largest = float(np.abs(values).max())
+        mean = largest * float((values / largest).mean()) if largest > 1e150 else float(values.mean())
         total = self.n + n
         delta = mean - self.mean
+        self.spread.add(np.abs(values - mean))
+        if self.n:
+            self.spread.add(np.array([abs(delta) * math.sqrt(self.n * n / total)]))
         self.mean += delta * n / total
-        self.m2 += m2 + delta * delta * self.n * n / total
         self.n = total
+
+    @property
+    def std(self) -> float:
+        """The population standard deviation (ddof 0)."""
+        return self.spread.value / math.sqrt(self.n)
 
 
 class _Norm:

@@ -501,8 +501,8 @@ function treeRow(row, cid) {
         line = el("span", { class: "error" }, error.message);
       }
       const below = tr.nextElementSibling;
-      const row = el("tr", { class: "stats-row" }, el("td", { colspan: 10 }, line));
-      if (below && below.classList.contains("stats-row")) below.replaceWith(row); else tr.after(row);
+      const statsRow = el("tr", { class: "stats-row" }, el("td", { colspan: 10 }, line));
+      if (below && below.classList.contains("stats-row")) below.replaceWith(statsRow); else tr.after(statsRow);
     };
     button.addEventListener("click", button.onclickStats);
     cell.append(button);
