@@ -925,8 +925,8 @@ def _diff_by_tensor(args: argparse.Namespace, report: DiffReport) -> int:
         for c in tensors:
             _print(f"{_number(c.relative):>10}  {c.path:<{width}}  {_number(c.l2):>10}  "
                    f"{_number(c.a_norm):>10}  {_number(c.max_abs):>10}")
-        _print(f"{len(tensors)} tensors changed, {others} other values changed, {len(report.added)} "
-               f"added, {len(report.removed)} removed, {report.unchanged} unchanged")
+        _print(f"{_count(len(tensors), 'tensor')} changed, {others} other values changed, "
+               f"{len(report.added)} added, {len(report.removed)} removed, {report.unchanged} unchanged")
     return EXIT_OK if report.identical else EXIT_CHECK
 
 

@@ -347,10 +347,11 @@ def test_a_large_repository_stays_usable(driver: Any, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_screenshots(driver: Any, facts: Facts, tmp_path: Path) -> None:
+def test_screenshots(driver: Any, tmp_path: Path) -> None:
     """A screenshot of each page, in $CAS_CKPT_SCREENSHOTS (scripts/screenshots.sh: docs/img)."""
     out = Path(os.environ.get("CAS_CKPT_SCREENSHOTS") or tmp_path)
     out.mkdir(parents=True, exist_ok=True)
+    facts = small_repository(tmp_path / "checkpoints")
     with cas_ckpt.open(facts.path, read_only=True) as repo:
         fork = str(repo.resolve("runs/base.steps/000000000008"))
     pages = {"runs": "/ui/", "run": "/ui/run?ref=runs/base", "checkpoint":
