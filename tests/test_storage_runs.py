@@ -79,3 +79,17 @@ def test_the_link_cache_reads_each_node_once(tmp_path: Path) -> None:
         repo.blocks.get = counted  # type: ignore[method-assign]
         again = storage(repo.blocks, repo.refs_store, cache=cache)
         assert reads == 0 and again == first
+
+
+def test_gc_estimate_keeps_what_history_links_keep(tmp_path: Path) -> None:
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        with cas_ckpt.CheckpointManager(repo, "run", keep_last=1) as manager:  # steps 1, 2 expire
+            for step in (1, 2, 3):
+                manager.save(step, {"w": np.full(50_000, step, np.float32)})
+        repo.save({"junk": np.ones(30_000)}, ref="tmp")
+        repo.delete_ref("tmp")
+        assert sum(repo.expired(c) for c in repo.log("run")) == 2  # their commit nodes stay
+        for expiry in (0.0, 30 * 86400.0):
+            estimate = storage(repo.blocks, repo.refs_store, reflog_expiry=expiry)
+            dry = repo.gc(dry_run=True, reflog_expiry=expiry)
+            assert estimate.gc_would_free_bytes == dry.unreachable_bytes > 240_000  # tmp's junk
