@@ -68,7 +68,8 @@ def served(repo: Path, token: str | None = None) -> Iterator[str]:
             proc.kill()
 
 
-def chromium() -> Any:
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
     """A headless Chromium under selenium, with a fresh profile and the console log kept."""
     present = all(os.access(p, os.X_OK) for p in (CHROMIUM, CHROMEDRIVER))
     if not present:
@@ -79,13 +80,18 @@ def chromium() -> Any:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={tempfile.mkdtemp(prefix='cas-ckpt-chromium-')}"]:
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    # The driver's path given: selenium's manager downloads nothing.
-    return webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    with tempfile.TemporaryDirectory(prefix="cas-ckpt-chromium-", ignore_cleanup_errors=True) as profile:
+        options = webdriver.ChromeOptions()
+        options.binary_location = CHROMIUM
+        for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={profile}"]:
+            options.add_argument(flag)
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+        # The driver's path given: selenium's manager downloads nothing.
+        driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+        try:
+            yield driver
+        finally:
+            driver.quit()
 
 
 def visit(driver: Any, url: str, page: str, *, timeout: float = 60) -> int:

@@ -55,11 +55,8 @@ def server(facts: Facts) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def driver() -> Iterator[Any]:
-    browser = chromium()
-    try:
+    with chromium() as browser:
         yield browser
-    finally:
-        browser.quit()
 
 
 def rows(driver: Any, css: str) -> list[Any]:

@@ -48,7 +48,7 @@ class Browser:
         self.links = LinkCache(repo.blocks)
         self._commits: dict[bytes, Commit | None] = {}
         self._leaves: _Lru[bytes, dict[str, Any]] = _Lru(8)
-        self._reach: _Lru[frozenset[bytes], set[bytes]] = _Lru(16)
+        self._reach: _Lru[frozenset[bytes], set[bytes]] = _Lru(4)  # each up to every block's CID
         self._graphs: _Lru[Hashable, list[GraphRow]] = _Lru(8)
         self._related: _Lru[Hashable, list[str]] = _Lru(16)
         self._metrics: _Lru[Hashable, dict[str, Any]] = _Lru(8)

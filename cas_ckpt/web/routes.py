@@ -43,6 +43,7 @@ WORKERS = 4  # requests worked on at once; more wait (a stats scan can take a wh
 
 BROWSER = web.AppKey("cas_ckpt.web.browser", Browser)
 POOL = web.AppKey("cas_ckpt.web.pool", ThreadPoolExecutor)
+FILES = web.AppKey("cas_ckpt.web.files", dict)  # the shell and assets, read once: no disk read on the loop
 
 # Everything from this server, nothing from anywhere else; no inline script.
 HEADERS = {
@@ -60,6 +61,7 @@ Work = Callable[[Browser, Query], Any]
 
 def add_routes(app: web.Application, repo: Repository, *, workers: int = WORKERS) -> None:
     """See :func:`cas_ckpt.web.add_browser_routes`."""
+    app[FILES] = {name: (STATIC / name).read_bytes() for name in [*ASSETS, "index.html"]}
     app[BROWSER] = Browser(repo)
     app[POOL] = ThreadPoolExecutor(workers, thread_name_prefix="cas_ckpt-web")
     app.on_cleanup.append(_close_pool)
@@ -94,7 +96,7 @@ async def _page(request: web.Request) -> web.StreamResponse:
         response = web.Response(status=302, headers={"Location": request.path + (f"?{rest}" if rest else "")})
         response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Strict", path="/")
         return response
-    return web.Response(body=_read("index.html"), content_type="text/html", charset="utf-8",
+    return web.Response(body=request.app[FILES]["index.html"], content_type="text/html", charset="utf-8",
                         headers=HEADERS)
 
 
@@ -102,11 +104,7 @@ async def _asset(request: web.Request) -> web.StreamResponse:
     name = request.match_info["name"]
     if name not in ASSETS:
         raise web.HTTPNotFound()
-    return web.Response(body=_read(name), content_type=ASSETS[name], headers=HEADERS)
-
-
-def _read(name: str) -> bytes:
-    return (STATIC / name).read_bytes()
+    return web.Response(body=request.app[FILES][name], content_type=ASSETS[name], headers=HEADERS)
 
 
 def _json(work: Work) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
