@@ -38,7 +38,8 @@ def reference(array: np.ndarray[Any, Any]) -> dict[str, Any]:
         inf = ~nan & (np.isinf(values.real) | np.isinf(values.imag))
         good = np.abs(values[~(nan | inf)])
         return {"nan": int(nan.sum()), "inf": int(inf.sum()), "min": None, "max": None, "mean": None,
-                "std": None, "l2": float(np.sqrt(np.sum(good**2))) if good.size else None}
+                "std": None, "l2": float(np.sqrt(np.sum(good**2))) if good.size else
+                (0.0 if not flat.size else None)}
     values = flat.astype(np.float64)
     nan, inf = np.isnan(values), np.isinf(values)
     good = values[~(nan | inf)]
