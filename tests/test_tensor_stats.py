@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers import flip_byte
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -81,6 +81,8 @@ def tensors(draw: st.DrawFn) -> np.ndarray[Any, Any]:
 
 
 @given(array=tensors(), chunk=st.sampled_from(CHUNK_SIZES), fortran=st.booleans())
+@example(array=np.array([], np.complex64), chunk=4096, fortran=False)
+@example(array=np.array([np.nan, np.inf], np.float32), chunk=4096, fortran=False)
 def test_streamed_statistics_equal_numpy_on_the_whole_array(
     array: np.ndarray[Any, Any], chunk: int, fortran: bool
 ) -> None:
