@@ -44,7 +44,7 @@ from cas_ckpt.errors import (
 from cas_ckpt.http import DEFAULT_PORT, ENV_TOKEN
 from cas_ckpt.maintenance.diff import DiffReport, Folded, leaves
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
-from cas_ckpt.maintenance.history import GraphRow, passing
+from cas_ckpt.maintenance.lanes import GraphRow, passing
 from cas_ckpt.maintenance.tensors import TensorStats
 from cas_ckpt.paths import select
 from cas_ckpt.refs.base import run_of

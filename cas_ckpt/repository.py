@@ -60,7 +60,7 @@ from cas_ckpt.maintenance.fsck import FsckReport
 from cas_ckpt.maintenance.fsck import check as fsck_check
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY, GCReport
 from cas_ckpt.maintenance.gc import collect as gc_collect
-from cas_ckpt.maintenance.history import GraphRow, ancestry, layout
+from cas_ckpt.maintenance.lanes import GraphRow, ancestry, layout
 from cas_ckpt.maintenance.tensors import (
     NonFiniteReport,
     NonFiniteScan,
@@ -836,7 +836,7 @@ class Repository:
         """The commits of ``refs`` (default: every ref but a manager's ``<run>.steps/<step>``
         ones) through every parent, children first and otherwise newest first, each in its lane
         as ``git log --graph`` draws it: forks join where they branched, merges open a lane per
-        parent (:class:`~cas_ckpt.maintenance.history.GraphRow`). ``limit``: the first rows only.
+        parent (:class:`~cas_ckpt.maintenance.lanes.GraphRow`). ``limit``: the first rows only.
         """
         names = [n for n in self.refs() if run_of(n) == n] if refs is None else list(refs)
         rows = layout(ancestry([self.resolve(name) for name in names], self._commit_or_none))

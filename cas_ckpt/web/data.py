@@ -23,7 +23,7 @@ from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.commit import Commit
 from cas_ckpt.errors import BlockNotFound, CheckpointExpired, DecodeError, PathNotFound, RefNotFound
 from cas_ckpt.maintenance.diff import _leaves_below, _short, leaves
-from cas_ckpt.maintenance.history import GraphRow, ancestry, layout
+from cas_ckpt.maintenance.lanes import GraphRow, ancestry, layout
 from cas_ckpt.maintenance.runs import LinkCache, StorageReport, run_of, storage
 from cas_ckpt.maintenance.tensors import change_norms, is_array, tensor_stats
 from cas_ckpt.repository import Repository

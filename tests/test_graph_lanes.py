@@ -17,7 +17,7 @@ import cas_ckpt
 from cas_ckpt import cid as cidlib
 from cas_ckpt.cli import graph_lines
 from cas_ckpt.commit import Commit
-from cas_ckpt.maintenance.history import GraphRow, ancestry, layout, passing
+from cas_ckpt.maintenance.lanes import GraphRow, ancestry, layout, passing
 
 BIN = Path(sys.executable).parent
 
