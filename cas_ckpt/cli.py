@@ -1274,6 +1274,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         def ready(url: str) -> None:
             _print(f"serving {repo.location} read-only at {url} (Ctrl-C stops)")
+            _print(f"browse it at {url}/" + ("?token=<token> (once: a cookie keeps it)" if token else ""))
             sys.stdout.flush()
             if not token and args.host not in ("127.0.0.1", "localhost", "::1"):
                 print(f"{PROG}: note: no --token: anyone who can reach {url} can read every checkpoint",

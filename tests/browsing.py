@@ -1,8 +1,8 @@
 """The browser view's test set-up: a real server process, headless Chromium, and repositories
 made quickly with the facts the tests check.
 
-``served(repo)``: the server of ``tests/scripts/browse_server.py`` (``SERVE`` is the one line to
-change when ``cas-ckpt serve`` carries the browser routes). ``chromium()``: Debian's chromium
+``served(repo)``: a ``cas-ckpt serve`` process (the browser view is part of the server).
+``chromium()``: Debian's chromium
 driven by its chromium-driver through selenium (skipped where chromium is missing, unless
 CAS_CKPT_REQUIRE_BROWSER=1, as CI sets). ``visit(driver, url, page)``: open a page, wait until it
 has drawn, fail on any console error.
@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import select
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,11 +26,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from http_servers import serve_process
 
 import cas_ckpt
 from cas_ckpt.codec import Link
 
-SCRIPT = Path(__file__).parent / "scripts" / "browse_server.py"
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 # Flags that work in containers and CI: no sandbox (root), no GPU, nothing fetched in the background.
@@ -43,29 +39,11 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--window-size=1280,900"]
 
 
-def serve_command(repo: Path, token: str | None = None) -> list[str]:
-    """The server to test (with the browser routes on it, as ``cas-ckpt serve`` will have)."""
-    return [sys.executable, str(SCRIPT), str(repo), *(["--token", token] if token else [])]
-
-
 @contextlib.contextmanager
 def served(repo: Path, token: str | None = None) -> Iterator[str]:
-    """A server process of ``repo`` on 127.0.0.1; yields its base URL (``http://127.0.0.1:PORT``)."""
-    with tempfile.TemporaryFile("w+") as log, subprocess.Popen(
-        serve_command(repo, token), stdout=subprocess.PIPE, stderr=log, text=True
-    ) as proc:
-        try:
-            ready, _, _ = select.select([proc.stdout], [], [], 60)
-            line = proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
-            found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-            if not found:
-                proc.kill()
-                proc.wait()
-                log.seek(0)
-                raise AssertionError(f"the server did not start: {line!r} {log.read()[-3000:]}")
-            yield f"http://127.0.0.1:{found.group(1)}"
-        finally:
-            proc.kill()
+    """``cas-ckpt serve REPO`` on 127.0.0.1 (a port the kernel picks); yields its base URL."""
+    with serve_process(repo, *(["--token", token] if token else [])) as server:
+        yield server.url
 
 
 @contextlib.contextmanager

@@ -310,7 +310,7 @@ def test_the_token_rule_holds_for_the_browser_routes(driver: Any, facts: Facts) 
         visit(driver, f"{base}/ui/storage", "storage")
         driver.delete_all_cookies()
         driver.get(f"{base}/ui/storage")
-        assert "missing or wrong token" in driver.page_source
+        assert "needs a token" in driver.page_source
         driver.get_log("browser")  # the refused request's console line
 
 

@@ -2,7 +2,8 @@
 
 ``add_browser_routes(app, repo)`` adds its pages (``/`` and ``/ui/...``), its static assets (shipped
 in the package: nothing is fetched from elsewhere) and its read-only JSON API (``/ui/api/...``) to
-an ``aiohttp.web.Application``: the one ``cas-ckpt serve`` runs. Needs the ``http`` extra (aiohttp).
+the ``aiohttp.web.Application`` that :func:`cas_ckpt.http.server.make_app` builds: ``cas-ckpt
+serve`` serves it, under the server's token rule. Needs the ``http`` extra (aiohttp).
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ if TYPE_CHECKING:
 
     from cas_ckpt.repository import Repository
 
-__all__ = ["TOKEN_COOKIE", "add_browser_routes", "presented_token"]
-
-TOKEN_COOKIE = "cas_ckpt_token"
+__all__ = ["add_browser_routes"]
 
 
 def add_browser_routes(app: web.Application, repo: Repository, **options: Any) -> None:
@@ -24,13 +23,3 @@ def add_browser_routes(app: web.Application, repo: Repository, **options: Any) -
     from cas_ckpt.web.routes import add_routes  # aiohttp only when a server is built
 
     add_routes(app, repo, **options)
-
-
-def presented_token(request: web.Request) -> str | None:
-    """The token a request presents: ``Authorization: Bearer T``, else the browser's cookie
-    (set once from ``/?token=T``), else a ``token`` query parameter; None if none."""
-    header = request.headers.get("Authorization", "")
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        return value.strip()
-    return request.cookies.get(TOKEN_COOKIE) or request.query.get("token") or None

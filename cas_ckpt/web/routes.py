@@ -30,8 +30,8 @@ from cas_ckpt.errors import (
     PathNotFound,
     RefNotFound,
 )
+from cas_ckpt.http.server import TOKEN_COOKIE
 from cas_ckpt.repository import Repository
-from cas_ckpt.web import TOKEN_COOKIE
 from cas_ckpt.web.data import PAGE, BadRequest, Browser
 
 _log = logging.getLogger("cas_ckpt")
