@@ -37,7 +37,6 @@ from browsing import (
 
 import cas_ckpt
 from cas_ckpt.cli import human
-from cas_ckpt.maintenance.runs import storage
 
 BIN = Path(sys.executable).parent
 
@@ -84,7 +83,7 @@ def test_runs_page_lists_every_run_filters_and_shows_storage(driver: Any, server
     assert steps == ["12", "11", str(facts.long_commits), "13", "10"]
     wait_for(driver, "document.getElementById('runs').dataset.storage === 'done'")
     with cas_ckpt.open(facts.path, read_only=True) as repo:
-        report = {r.run: r for r in storage(repo.blocks, repo.refs_store).runs}
+        report = {r.run: r for r in repo.stats().runs}
         every = len(repo.refs())
     stored = {row.get_attribute("data-ref"): row.find_element("css selector", ".stored").text
               for row in rows(driver, "#runs tbody tr")}
@@ -274,16 +273,15 @@ def test_storage_page_gives_the_repository_figures(driver: Any, server: str, fac
     with cas_ckpt.open(facts.path, read_only=True) as repo:
         usage = repo.stats()
         freeable = repo.gc(dry_run=True).unreachable_bytes
-        runs = {r.run: r for r in storage(repo.blocks, repo.refs_store).runs}
+    runs = {r.run: r for r in usage.runs}
     assert driver.find_element("id", "stored").text == human(usage.stored_bytes)
     assert driver.find_element("id", "gc-free").text.startswith(human(freeable))
-    shown = {r.get_attribute("data-run"): r.find_element("css selector", ".exclusive").text
+    shown = {r.get_attribute("data-run"): (r.find_element("css selector", ".exclusive").text,
+                                           r.find_element("css selector", ".shared").text)
              for r in rows(driver, "#run-storage tbody tr")}
-    assert shown == {name: human(r.exclusive_bytes) for name, r in runs.items()}
+    assert shown == {name: (human(r.exclusive_bytes), human(r.shared_bytes)) for name, r in runs.items()}
     assert len(rows(driver, "#run-bars rect.exclusive")) == len(runs)
-    pairs = [[td.text for td in tr.find_elements("css selector", "td")]
-             for tr in rows(driver, "#pairs tbody tr")]
-    assert ["runs/base", "runs/ft"] in [p[:2] for p in pairs]
+    assert runs["runs/base"].shared_bytes > 0 and runs["runs/ft"].shared_bytes > 0  # the fork's weights
 
 
 # -- the token rule ----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Storage by run: each run's bytes, what runs share, and what GC would free, checked against
-``repo.stats()``, ``repo.gc(dry_run=True)`` and what deleting a run really frees."""
+"""Storage by run as the browser view gives it: ``repo.stats()``'s runs (one definition of a run,
+``refs.base.run_of``), checked against ``gc(dry_run=True)`` and what deleting a run really frees;
+the view's link cache, which reads each node once."""
 
 from __future__ import annotations
 
@@ -8,14 +9,8 @@ from pathlib import Path
 import numpy as np
 
 import cas_ckpt
-from cas_ckpt.maintenance.runs import LinkCache, run_of, storage
-
-
-def test_run_of() -> None:
-    assert run_of("runs/a.steps/000000000012") == "runs/a"
-    assert run_of("runs/a") == "runs/a"
-    assert run_of("runs/a.steps/latest") == "runs/a.steps/latest"  # not a manager's step ref
-    assert run_of(".steps/000000000001") == ".steps/000000000001"
+from cas_ckpt.refs.base import run_of
+from cas_ckpt.web.data import Browser, LinkCache
 
 
 def make_runs(path: Path) -> cas_ckpt.Repository:
@@ -32,42 +27,43 @@ def make_runs(path: Path) -> cas_ckpt.Repository:
     return repo
 
 
-def test_storage_by_run_agrees_with_the_repository(tmp_path: Path) -> None:
+def test_storage_by_run_is_the_repositorys_usage(tmp_path: Path) -> None:
     with make_runs(tmp_path / "repo") as repo:
-        report = storage(repo.blocks, repo.refs_store)
+        report = Browser(repo).storage()
         usage = repo.stats()
-        runs = {r.run: r for r in report.runs}
+        runs = {r["run"]: r for r in report["runs"]}
         assert sorted(runs) == ["alone", "runs/a", "runs/b"]
-        assert runs["runs/a"].refs == ["runs/a", "runs/a.steps/000000000001", "runs/a.steps/000000000002"]
-        assert report.stored_bytes == usage.stored_bytes and report.total_bytes == usage.total_bytes
-        assert report.gc_would_free_bytes == repo.gc(dry_run=True).unreachable_bytes
-        heads = {r.ref: r.logical_bytes for r in usage.refs}
-        assert {name: r.logical_bytes for name, r in runs.items()} == {n: heads[n] for n in runs}
-        shared = {(x, y): n for x, y, n in report.shared}
+        assert runs["runs/a"]["refs"] == 3 and runs["runs/a"]["head"] == str(repo.resolve("runs/a"))
+        assert report["stored_bytes"] == usage.stored_bytes and report["total_bytes"] == usage.total_bytes
+        assert report["unreachable_bytes"] == repo.gc(dry_run=True).unreachable_bytes
+        for r in usage.runs:
+            assert runs[r.run]["stored_bytes"] == r.stored_bytes
+            assert runs[r.run]["exclusive_bytes"] == r.exclusive_bytes
+            assert runs[r.run]["shared_bytes"] == r.shared_bytes
         a, b = runs["runs/a"], runs["runs/b"]
-        assert shared == {("runs/a", "runs/b"): a.shared_bytes}  # alone shares nothing
-        assert a.shared_bytes == b.shared_bytes > 1_000_000  # the fork point's weights
-        assert runs["alone"].exclusive_bytes == runs["alone"].stored_bytes
-        union = a.stored_bytes + b.stored_bytes - shared["runs/a", "runs/b"] + runs["alone"].stored_bytes
-        assert union == report.stored_bytes
+        assert a["shared_bytes"] > 1_000_000 and b["shared_bytes"] > 1_000_000  # the fork point's weights
+        assert runs["alone"]["shared_bytes"] == 0
 
 
 def test_a_runs_exclusive_bytes_are_what_deleting_it_frees(tmp_path: Path) -> None:
     with make_runs(tmp_path / "repo") as repo:
-        before = storage(repo.blocks, repo.refs_store)
-        exclusive = next(r.exclusive_bytes for r in before.runs if r.run == "runs/b")
+        view = Browser(repo)
+        before = view.storage()
+        exclusive = next(r["exclusive_bytes"] for r in before["runs"] if r["run"] == "runs/b")
+        assert exclusive > 0
         for name in [n for n in repo.refs() if run_of(n) == "runs/b"]:
             repo.delete_ref(name)
-        assert storage(repo.blocks, repo.refs_store, reflog_expiry=0).gc_would_free_bytes == exclusive
-        repo.gc(reflog_expiry=0)
-        after = storage(repo.blocks, repo.refs_store)
-        assert before.total_bytes - after.total_bytes == exclusive
+        repo.gc(expire_reflogs=["runs/b", "runs/b.steps/"])
+        after = view.storage()  # the refs moved: worked out again
+        assert before["total_bytes"] - after["total_bytes"] == exclusive
+        assert "runs/b" not in {r["run"] for r in after["runs"]}
 
 
 def test_the_link_cache_reads_each_node_once(tmp_path: Path) -> None:
     with make_runs(tmp_path / "repo") as repo:
         cache = LinkCache(repo.blocks)
-        first = storage(repo.blocks, repo.refs_store, cache=cache)
+        heads = [bytes(cid) for cid in repo.refs().values()]
+        first = cache.reach(heads)
         reads = 0
         get = repo.blocks.get
 
@@ -77,21 +73,6 @@ def test_the_link_cache_reads_each_node_once(tmp_path: Path) -> None:
             return get(*args, **kwargs)  # type: ignore[arg-type]
 
         repo.blocks.get = counted  # type: ignore[method-assign]
-        again = storage(repo.blocks, repo.refs_store, cache=cache)
+        again = cache.reach(heads)
         assert reads == 0 and again == first
-
-
-def test_gc_estimate_keeps_what_history_links_keep(tmp_path: Path) -> None:
-    with cas_ckpt.open(tmp_path / "repo") as repo:
-        with cas_ckpt.CheckpointManager(repo, "run", keep_last=1) as manager:  # steps 1, 2 expire
-            for step in (1, 2, 3):
-                manager.save(step, {"w": np.full(50_000, step, np.float32)})
-        repo.save({"junk": np.ones(30_000)}, ref="tmp")
-        repo.delete_ref("tmp")
-        assert sum(repo.expired(c) for c in repo.log("run")) == 2  # their commit nodes stay
-        for expiry in (0.0, 30 * 86400.0):
-            estimate = storage(repo.blocks, repo.refs_store, reflog_expiry=expiry)
-            dry = repo.gc(dry_run=True, reflog_expiry=expiry)
-            assert estimate.gc_would_free_bytes == dry.unreachable_bytes
-            # tmp's junk: its deleted ref's reflog keeps it until the entry expires
-            assert (dry.unreachable_bytes > 240_000) == (expiry == 0.0)
+        assert first == set().union(*(cache.reach([h]) for h in heads))

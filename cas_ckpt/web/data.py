@@ -18,14 +18,18 @@ from typing import Any, Generic, TypeVar
 from multiformats import CID
 
 from cas_ckpt import cid as cidlib
+from cas_ckpt import codec
+from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.cli import describe_leaf, jsonable
-from cas_ckpt.codec import Link, Tagged
+from cas_ckpt.codec import HistoryLink, Link, Tagged
 from cas_ckpt.commit import Commit
 from cas_ckpt.errors import BlockNotFound, CheckpointExpired, DecodeError, PathNotFound, RefNotFound
 from cas_ckpt.maintenance.diff import _leaves_below, _short, leaves
 from cas_ckpt.maintenance.lanes import GraphRow, ancestry, layout
-from cas_ckpt.maintenance.runs import LinkCache, StorageReport, run_of, storage
 from cas_ckpt.maintenance.tensors import change_norms, is_array, tensor_stats
+from cas_ckpt.maintenance.usage import Usage
+from cas_ckpt.maintenance.walk import child_links
+from cas_ckpt.refs.base import run_of
 from cas_ckpt.repository import Repository
 from cas_ckpt.tree import BLOB, NDARRAY, TreeReader
 
@@ -54,7 +58,7 @@ class Browser:
         self._metrics: _Lru[Hashable, dict[str, Any]] = _Lru(8)
         self._json: dict[bytes, tuple[bytes, dict[str, Any]]] = {}
         self._diffs: _Lru[Hashable, list[tuple[str, Any, Any]]] = _Lru(8)
-        self._storage: tuple[Hashable, StorageReport] | None = None
+        self._storage: tuple[Hashable, Usage] | None = None
         self._storage_lock = threading.Lock()
         self._refreshed = 0.0
 
@@ -405,24 +409,29 @@ class Browser:
         return {"found": report.found, **jsonable(report)}
 
     def storage(self) -> dict[str, Any]:
-        """Bytes per run, shared between runs, and what GC would free now (worked out once per
-        state of the refs and pins)."""
+        """Bytes per run (stored, shared with other runs, pins or history, and exclusive: what
+        deleting the run would free) and what GC would free now: ``repo.stats()``, worked out
+        once per state of the refs and pins."""
         refs = self._refs()
         with self._storage_lock:
             report = self._storage_ready(refs)
             if report is None:
                 key = self._storage_key(refs)
-                report = storage(self.repo.blocks, self.repo.refs_store, cache=self.links)
+                report = self.repo.stats()
                 self._storage = (key, report)
-        runs = [{**jsonable(r), "shared_bytes": r.shared_bytes, "head": _text(r.head) if r.head else None}
+        heads = {run_of(name): name for name in refs if run_of(name) == name}
+        runs = [{**jsonable(r), "head": _text(refs[heads[r.run]]) if r.run in heads else None}
                 for r in report.runs]
-        return {**jsonable(report), "runs": runs,
-                "shared": [{"a": a, "b": b, "bytes": n} for a, b, n in report.shared]}
+        return {"runs": runs, "stored_bytes": report.stored_bytes, "logical_bytes": report.logical_bytes,
+                "total_bytes": report.total_bytes, "total_blocks": report.total_blocks,
+                "unreachable_bytes": report.unreachable_bytes,
+                "unreachable_blocks": report.unreachable_blocks, "freeable_bytes": report.freeable_bytes,
+                "reflog_expiry": report.reflog_expiry}
 
     def _storage_key(self, refs: dict[str, CID]) -> Hashable:
         return tuple(sorted((n, bytes(c)) for n, c in refs.items())), tuple(map(bytes, self.repo.pins()))
 
-    def _storage_ready(self, refs: dict[str, CID]) -> StorageReport | None:
+    def _storage_ready(self, refs: dict[str, CID]) -> Usage | None:
         found = self._storage
         if found is not None and found[0] == self._storage_key(refs):
             return found[1]
@@ -470,6 +479,53 @@ def _page(items: list[T], offset: int, limit: int) -> list[T]:
     if offset < 0 or not 1 <= limit <= MAX_PAGE:
         raise BadRequest(f"offset must be >= 0 and limit 1..{MAX_PAGE}")
     return items[offset:offset + limit]
+
+
+class LinkCache:
+    """Each node's data links, decoded once: a CID names one content for ever, so the reach of
+    a checkpoint worked out again after a save reads only the new nodes (bounded: emptied past
+    ``limit`` nodes)."""
+
+    def __init__(self, store: BlockStore, *, limit: int = 2_000_000) -> None:
+        self.store = store
+        self.limit = limit
+        self._links: dict[bytes, tuple[bytes, ...]] = {}
+        self._lock = threading.Lock()
+
+    def links(self, cid: bytes) -> tuple[bytes, ...] | None:
+        """The data links of node ``cid`` (history links left out); None where it is not stored."""
+        found = self._links.get(cid)
+        if found is not None:
+            return found
+        try:
+            node = codec.decode(self.store.get(cid), cid=cid)
+        except BlockNotFound:
+            return None
+        found = tuple(link.cid for link, _ in child_links(node) if not isinstance(link, HistoryLink))
+        with self._lock:
+            if len(self._links) >= self.limit:
+                self._links.clear()
+            self._links[cid] = found
+        return found
+
+    def reach(self, start: Iterable[bytes]) -> set[bytes]:
+        """Every stored block ``start`` reaches through data links (missing blocks left out)."""
+        seen: set[bytes] = set()
+        stack = list(start)
+        while stack:
+            cid = stack.pop()
+            if cid in seen:
+                continue
+            if not cidlib.is_node(cid):
+                if self.store.has(cid):
+                    seen.add(cid)
+                continue
+            links = self.links(cid)
+            if links is None:
+                continue
+            seen.add(cid)
+            stack.extend(c for c in links if c not in seen)
+        return seen
 
 
 K = TypeVar("K", bound=Hashable)

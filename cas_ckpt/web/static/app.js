@@ -642,34 +642,31 @@ async function storagePage() {
     const y = i * (BAR + 4);
     const scale = (n) => (W - label - 90) * n / largest;
     bars.append(svg("text", { x: label - 6, y: y + BAR - 4, "text-anchor": "end" }, r.run),
-      svg("rect", { x: label, y, width: scale(r.exclusive_bytes), height: BAR, fill: "#1f4e79", class: "exclusive" },
-        svg("title", {}, `${r.run}: ${bytes(r.exclusive_bytes)} only in this run`)),
-      svg("rect", { x: label + scale(r.exclusive_bytes), y, width: scale(r.shared_bytes), height: BAR,
+      svg("rect", { x: label, y, width: scale(r.stored_bytes - r.shared_bytes), height: BAR, fill: "#1f4e79",
+                    class: "exclusive" },
+        svg("title", {}, `${r.run}: ${bytes(r.stored_bytes - r.shared_bytes)} only in this run`)),
+      svg("rect", { x: label + scale(r.stored_bytes - r.shared_bytes), y, width: scale(r.shared_bytes), height: BAR,
                     fill: "#9fc0de", class: "shared" },
-        svg("title", {}, `${r.run}: ${bytes(r.shared_bytes)} shared with other runs`)),
+        svg("title", {}, `${r.run}: ${bytes(r.shared_bytes)} shared with other runs, pins or history`)),
       svg("text", { x: label + scale(r.stored_bytes) + 4, y: y + BAR - 4 }, bytes(r.stored_bytes)));
   });
   bars.append(svg("text", { x: label, y: runs.length * (BAR + 4) + 16 },
-    "dark: only in this run (freed if it is deleted); light: shared with other runs"));
+    "dark: only in this run; light: shared with other runs, pins or history"));
   const facts = el("dl", { class: "facts", id: "totals" },
     el("dt", {}, "Reachable from refs"), el("dd", { id: "stored" }, bytes(report.stored_bytes)),
     el("dt", {}, "All blocks stored"), el("dd", {}, `${bytes(report.total_bytes)} in ${report.total_blocks} blocks`),
     el("dt", {}, "GC would free now"), el("dd", { id: "gc-free" },
-      `${bytes(report.gc_would_free_bytes)} (${report.gc_would_free_blocks} blocks no ref, pin, recent reflog entry or history keeps)`));
+      `${bytes(report.unreachable_bytes)} (${report.unreachable_blocks} blocks no ref, pin, reflog entry younger than ` +
+      `${Math.round(report.reflog_expiry / 86400)} days or history keeps)`));
   const table = el("table", { id: "run-storage" }, el("thead", {}, el("tr", {},
-    el("th", {}, "Run"), el("th", { class: "num" }, "Refs"), el("th", { class: "num" }, "Head (logical)"),
-    el("th", { class: "num" }, "Stored"), el("th", { class: "num" }, "Only in this run"),
-    el("th", { class: "num" }, "Shared"))),
+    el("th", {}, "Run"), el("th", { class: "num" }, "Refs"), el("th", { class: "num" }, "Checkpoints (logical)"),
+    el("th", { class: "num" }, "Stored"), el("th", { class: "num" }, "Shared"),
+    el("th", { class: "num" }, "Freed if deleted"))),
     el("tbody", {}, ...runs.map((r) => el("tr", { dataset: { run: r.run } }, el("td", {}, runLink(r.run)),
-      el("td", { class: "num" }, String(r.refs.length)), el("td", { class: "num" }, bytes(r.logical_bytes)),
-      el("td", { class: "num stored" }, bytes(r.stored_bytes)), el("td", { class: "num exclusive" }, bytes(r.exclusive_bytes)),
-      el("td", { class: "num" }, bytes(r.shared_bytes))))));
-  const pairs = report.shared.length ? el("table", { id: "pairs" }, el("thead", {}, el("tr", {},
-    el("th", {}, "Run"), el("th", {}, "Run"), el("th", { class: "num" }, "Bytes both hold"))),
-    el("tbody", {}, ...report.shared.map((p) => el("tr", {}, el("td", {}, p.a), el("td", {}, p.b),
-      el("td", { class: "num" }, bytes(p.bytes)))))) : el("p", { class: "muted" }, "No two runs share a block.");
-  show(el("h1", {}, "Storage"), facts, el("h2", {}, "Bytes per run"), bars, table,
-    el("h2", {}, "Shared between runs"), pairs);
+      el("td", { class: "num" }, String(r.refs)), el("td", { class: "num" }, bytes(r.logical_bytes)),
+      el("td", { class: "num stored" }, bytes(r.stored_bytes)), el("td", { class: "num shared" }, bytes(r.shared_bytes)),
+      el("td", { class: "num exclusive" }, bytes(r.exclusive_bytes))))));
+  show(el("h1", {}, "Storage"), facts, el("h2", {}, "Bytes per run"), bars, table);
   ready("storage");
 }
 
