@@ -39,7 +39,9 @@ _log = logging.getLogger("cas_ckpt")
 STATIC = Path(__file__).parent / "static"
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css", "favicon.svg": "image/svg+xml"}
 PAGES = ("runs", "run", "checkpoint", "diff", "storage")
-WORKERS = 4  # requests worked on at once; more wait (a stats scan can take a while)
+# Browser requests worked on at once, on threads of their own beside the gateway's READ_THREADS:
+# a long statistics scan never holds the threads block reads need.
+WORKERS = 4
 
 BROWSER = web.AppKey("cas_ckpt.web.browser", Browser)
 POOL = web.AppKey("cas_ckpt.web.pool", ThreadPoolExecutor)
