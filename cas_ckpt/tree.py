@@ -1145,6 +1145,10 @@ class TreeReader:
             return cidlib.to_cid(body.cid)
         raise DecodeError(f"unknown extension type {code}")
 
+    def chunk_links(self, header: dict[str, Any]) -> list[bytes]:
+        """The chunk CIDs of an array's or blob's descriptor, in order (link pages read here)."""
+        return self._chunk_links(header)
+
     def _chunk_links(self, header: dict[str, Any]) -> list[bytes]:
         chunks = header.get("chunks")
         if type(chunks) is list and len(chunks) == 1 and type(chunks[0]) is Link \

@@ -204,6 +204,11 @@ def test_a_token_guards_every_route(tmp_path: Path, http: urllib3.PoolManager,
             assert r.status == 401 and r.headers["WWW-Authenticate"].startswith("Bearer"), route
             assert get(http, server.url + route, Authorization="Bearer wrong").status == 401
         assert get(http, f"{server.url}/refs", Authorization="Bearer s3cret").status == 200
+        # the browser's ways to present it, through the same check: its cookie, a first visit's query
+        assert get(http, f"{server.url}/refs", Cookie="cas_ckpt_token=s3cret").status == 200
+        assert get(http, f"{server.url}/refs", Cookie="cas_ckpt_token=wrong").status == 401
+        assert get(http, f"{server.url}/refs?token=s3cret").status == 200
+        assert get(http, f"{server.url}/ui/api/runs?token=wrong").status == 401
         with pytest.raises(RemoteError, match="needs a token"):
             cas_ckpt.open(server.url)
         with cas_ckpt.open(server.url, storage_options={"token": "s3cret"}) as remote:
