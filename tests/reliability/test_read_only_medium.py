@@ -76,13 +76,14 @@ def _documented_read_only_commands() -> list[str]:
 def _cli_runs(out: Path, chunk: str) -> dict[str, list[list[str]]]:
     """How each reading command is run (each must exit 0, or 1 where it reports differences)."""
     return {
-        "log": [["log"], ["log", "other"]],
+        "log": [["log"], ["log", "other"], ["log", "--graph"]],
         "show": [["show", "main"]],
         "ls": [["ls", "main"]],
         "cat": [["cat", chunk]],
         "refs": [["refs"], ["refs", "--json"]],
         "du": [["du"], ["du", "--json", "--by-ref"]],
-        "diff": [["diff", "main~1", "main"]],
+        "diff": [["diff", "main~1", "main"], ["diff", "main~1", "main", "--by-tensor"]],
+        "stats": [["stats", "main", "model"], ["stats", "main", "--find-nonfinite"]],
         "fsck": [["fsck"]],
         "export": [["export", "main", "-o", str(out / "main.car")],
                    ["export", "main", "-o", str(out / "m.safetensors"), "--path", "model"]],
@@ -134,6 +135,8 @@ READS: dict[str, Call] = {
     "fsck": lambda r, _: r.fsck(),
     "stats": lambda r, _: r.stats(),
     "diff": lambda r, _: r.diff("main~1", "main"),
+    "graph": lambda r, _: r.graph(),
+    "find_nonfinite": lambda r, _: r.find_nonfinite("main"),
     "push": lambda r, out: r.push(out / "pushed"),
     "export_car": lambda r, out: r.export_car("main", out / "x.car"),
     "export_safetensors": lambda r, out: r.export_safetensors("main", out / "m.safetensors", path="model"),
