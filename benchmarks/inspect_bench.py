@@ -36,21 +36,10 @@ import numpy as np
 import cas_ckpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dedup import model  # the GPT-2-small-like tensors the dedup benchmark saves
 
 MiB = 1024 * 1024
-
-
-def model(rng: np.random.Generator, scale: float) -> dict[str, np.ndarray]:
-    """GPT-2-small-like float32 tensors, ~scale x 120 MiB."""
-    layers = max(1, round(12 * scale))
-    params = {"wte": rng.standard_normal((int(50257 * min(scale, 1.0)), 768), np.float32)}
-    for i in range(layers):
-        params[f"h.{i}.attn.c_attn.weight"] = rng.standard_normal((768, 2304), np.float32)
-        params[f"h.{i}.attn.c_proj.weight"] = rng.standard_normal((768, 768), np.float32)
-        params[f"h.{i}.mlp.c_fc.weight"] = rng.standard_normal((768, 3072), np.float32)
-        params[f"h.{i}.mlp.c_proj.weight"] = rng.standard_normal((3072, 768), np.float32)
-        params[f"h.{i}.ln_1.weight"] = rng.standard_normal(768, np.float32)
-    return params
 
 
 def measure(work: Callable[[], Any]) -> dict[str, float]:
