@@ -21,6 +21,7 @@ timing. Seconds are medians; ratios are the medians of the repetitions' paired r
 cas_ckpt is faster).
 
     .venv/bin/python benchmarks/http_bench.py --size-mb 1024 --json http-bench.json
+    .venv/bin/python benchmarks/http_bench.py --size-mb 1024 --hash blake3 --json http-bench-b3.json
 """
 
 from __future__ import annotations
@@ -155,17 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arrays", type=int, default=16)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--hash", default="sha2-256", choices=["sha2-256", "blake3"],
+                        help="the repository's hash (both sides verify every block with it)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     state = make_state(args.size_mb, args.arrays)
     nbytes = sum(a.nbytes for a in state.values())
     work = Path(tempfile.mkdtemp(prefix="http-bench-"))
     results: dict[str, Any] = {"size_bytes": nbytes, "arrays": args.arrays, "reps": args.reps,
+                               "hash": args.hash,
                                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                            "platform": platform.platform()},
                                "date": time.strftime("%Y-%m-%d")}
     try:
-        with cas_ckpt.open(work / "repo") as repo:
+        with cas_ckpt.open(work / "repo", hash=args.hash) as repo:
             repo.save(state, ref="main")
         (work / "static").mkdir()
         save_file(state, str(work / "static" / "model.safetensors"))
@@ -211,7 +215,7 @@ def report(results: dict[str, Any]) -> str:
     nbytes = results["size_bytes"]
     runs = results["single"]
     lines = [f"{nbytes / MiB:.0f} MiB, {results['arrays']} float32 arrays, {results['reps']} reps, "
-             f"{results['machine']['cpus']} CPUs",
+             f"{results['machine']['cpus']} CPUs, a {results.get('hash', 'sha2-256')} repository",
              "| operation | seconds | MiB/s | cas_ckpt's speed vs it | peak client memory |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for name, label in (("cas_ckpt", "cas_ckpt verified load over HTTP"),

@@ -1,11 +1,13 @@
-/* SHA-256 of many small buffers on threads that never take the GIL.
+/* SHA-256 or BLAKE3 of many small buffers on threads that never take the GIL.
  *
  * hashlib releases the GIL for each buffer it hashes. For 10,000 blocks of 1-16 KiB that is
  * 10,000 hand-overs, and a thread hashing beside a busy Python thread gets the GIL back once per
  * switch interval (5 ms): hashing could not run beside the walk over the state. Here a job (a
  * list of buffers) is queued under a mutex; the pool's threads hash it with OpenSSL, the same
  * SHA-256 hashlib uses, and a thread asking for a result hashes what is left of it (and of the
- * queue's other jobs while it waits).
+ * queue's other jobs while it waits). A job of a blake3 repository is hashed the same way with
+ * BLAKE3's official C code (vendor/blake3: its SIMD code, picked for the CPU at run time, hashes
+ * a buffer's 1 KiB chunks 4-16 at a time, so one large buffer is already parallel in lanes).
  *
  * The exporters' buffers are held (PyObject_GetBuffer) from submit until the result is taken or
  * the job is freed; the caller must not change them meanwhile, as with hashlib. Threads touch no
@@ -33,12 +35,15 @@
 #include <unistd.h>
 
 #include "_sha256_x16.h"
+#include "blake3.h"
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
 
 #define DIGEST 32
+#define SHA2_256 0x12 /* a job's hash, by its multihash code */
+#define BLAKE3 0x1e
 #define MAX_THREADS 64
 #define CLAIM_BYTES (256 * 1024) /* bytes a thread takes from a job under one lock */
 #define PIECE (64 * 1024)         /* bytes copied, then hashed while in cache */
@@ -61,6 +66,7 @@ static long page_size = 4096;
 static int grouping;             /* x16_available(): buffers of one length hashed 16 at once */
 static unsigned long long grouped; /* buffers hashed in groups so far (for the tests) */
 static unsigned long long mixed;   /* and short ones hashed 16 lanes at a time (do_mixed) */
+static unsigned long long blake3_hashed; /* buffers hashed with BLAKE3 (for the tests) */
 
 typedef struct Job {
     PyObject_HEAD
@@ -70,6 +76,7 @@ typedef struct Job {
     Py_buffer source;      /* with `filling`: the buffers' bytes back to back */
     Py_ssize_t *starts;    /* with `filling`: where each buffer's bytes begin in `source` */
     int filling;
+    int hash;              /* SHA2_256 or BLAKE3 */
     Py_ssize_t count;      /* buffers */
     Py_ssize_t next;       /* first buffer nobody has claimed */
     Py_ssize_t unfinished; /* buffers claimed or not, not yet hashed */
@@ -107,8 +114,11 @@ static Job *next_candidate(Job *first, Job *at) {
     return next == first ? next->later : next;
 }
 
-/* A job a group may take buffers from: one that hashes, of this generation (see finish). */
-static int groupable(const Job *job) { return job->digests != NULL && job->generation == generation; }
+/* Whether `job` hashes with SHA-256 (the only hash the 16 lanes of _sha256_x16.c do). */
+static int sha256_job(const Job *job) { return job->digests != NULL && job->hash == SHA2_256; }
+
+/* A job a group may take buffers from: one that hashes SHA-256, of this generation (see finish). */
+static int groupable(const Job *job) { return sha256_job(job) && job->generation == generation; }
 
 /* Buffers of length `len`, up to 16, that a group led by `job` could take; with the lock held. */
 static int group_size(Job *job, Py_ssize_t len) {
@@ -150,7 +160,7 @@ static void claim(Job *job, Claim *claim) {
     claim->lanes = 0;
     if (claim_group(job, claim)) return;
     Py_ssize_t start = job->next, end = start, size = 0;
-    if (grouping && job->digests != NULL && job->views[start].len < GROUP_MIN_LEN) {
+    if (grouping && sha256_job(job) && job->views[start].len < GROUP_MIN_LEN) {
         /* short buffers, for do_mixed: up to the next long one */
         while (end < job->count && size < MIXED_BYTES && job->views[end].len < GROUP_MIN_LEN)
             size += job->views[end++].len;
@@ -174,25 +184,60 @@ static void populate_pages(char *buf, Py_ssize_t len) {
         populate = 0; /* an older kernel: every later call would fail the same way */
 }
 
+/* The hash of one buffer as it is filled: OpenSSL's SHA-256 or BLAKE3's, or none (a job
+ * that only copies). Each call 1 on success, 0 where OpenSSL failed. */
+typedef struct {
+    int hash; /* 0: none */
+    EVP_MD_CTX *ctx;
+    blake3_hasher blake3;
+} Digest;
+
+static int digest_init(Digest *d) {
+    if (d->hash == BLAKE3) { blake3_hasher_init(&d->blake3); return 1; }
+    return d->hash == 0 || (d->ctx != NULL && EVP_DigestInit_ex(d->ctx, sha256, NULL));
+}
+
+static int digest_update(Digest *d, const void *data, size_t len) {
+    if (d->hash == BLAKE3) { blake3_hasher_update(&d->blake3, data, len); return 1; }
+    return d->hash == 0 || EVP_DigestUpdate(d->ctx, data, len);
+}
+
+static int digest_final(Digest *d, unsigned char *out) {
+    unsigned int size = 0;
+    if (d->hash == BLAKE3) { blake3_hasher_finalize(&d->blake3, out, DIGEST); return 1; }
+    return d->hash == 0 || EVP_DigestFinal_ex(d->ctx, out, &size);
+}
+
+/* Ask the kernel to read [buf, buf + len) ahead, where it is a file's mapping whose pages are
+ * not all in the page cache (a cold load): the whole run of blocks is read in large requests
+ * while the threads copy its first pieces, instead of a fault and a readahead window at a time.
+ * For pages already cached, or anonymous memory, it costs a walk of the range. */
+static void advise_willneed(const void *buf, Py_ssize_t len) {
+    uintptr_t start = (uintptr_t)buf / page_size * page_size;
+    uintptr_t end = (uintptr_t)buf + (uintptr_t)len;
+    if (len > 0) madvise((void *)start, end - start, MADV_WILLNEED); /* a hint: errors change nothing */
+}
+
 /* Buffer i of `job`: filled from its source first if the job fills, then hashed. */
 static int do_buffer(Job *job, Py_ssize_t i, EVP_MD_CTX *ctx) {
     char *buf = job->views[i].buf;
     Py_ssize_t len = job->views[i].len;
-    int hashing = job->digests != NULL;
-    unsigned int size = 0;
-    if (hashing && !EVP_DigestInit_ex(ctx, sha256, NULL)) return 0;
+    Digest d; /* not zeroed: BLAKE3's hasher is 1.9 KiB, and digest_init sets what is used */
+    d.hash = job->digests == NULL ? 0 : job->hash;
+    d.ctx = ctx;
+    if (!digest_init(&d)) return 0;
     if (job->filling) {
         const char *from = (const char *)job->source.buf + job->starts[i];
         populate_pages(buf, len);
         for (Py_ssize_t done = 0; done < len; done += PIECE) {
             size_t piece = (size_t)(len - done < PIECE ? len - done : PIECE);
             memcpy(buf + done, from + done, piece);
-            if (hashing && !EVP_DigestUpdate(ctx, buf + done, piece)) return 0;
+            if (!digest_update(&d, buf + done, piece)) return 0;
         }
-    } else if (hashing && !EVP_DigestUpdate(ctx, buf, (size_t)len)) {
+    } else if (!digest_update(&d, buf, (size_t)len)) {
         return 0;
     }
-    return !hashing || EVP_DigestFinal_ex(ctx, job->digests + DIGEST * i, &size);
+    return digest_final(&d, job->digests == NULL ? NULL : job->digests + DIGEST * i);
 }
 
 /* A group's buffers, filled first where their jobs fill, hashed 16 at once. A lane past the
@@ -248,7 +293,7 @@ static void fill_started(void *arg, size_t b) {
 static int do_mixed(Claim *claim) {
     Job *job = claim->job;
     size_t n = (size_t)(claim->stop - claim->start);
-    if (!grouping || job->digests == NULL || n < MIXED_MIN) return 0;
+    if (!grouping || !sha256_job(job) || n < MIXED_MIN) return 0;
     for (Py_ssize_t i = claim->start; i < claim->stop; i++)
         if (job->views[i].len >= GROUP_MIN_LEN) return 0;
     Sized *sized = malloc(n * sizeof(Sized));
@@ -283,7 +328,6 @@ static void hash_claimed(Claim *claim, EVP_MD_CTX *ctx) {
     if (claim->lanes > 0) {
         do_group(claim);
     } else if (!(in_lanes = do_mixed(claim))) {
-        failed = ctx == NULL;
         for (Py_ssize_t i = claim->start; i < claim->stop && !failed; i++) failed = !do_buffer(claim->job, i, ctx);
     }
     pthread_mutex_lock(&lock);
@@ -293,6 +337,8 @@ static void hash_claimed(Claim *claim, EVP_MD_CTX *ctx) {
             if (--claim->jobs[j]->unfinished == 0) pthread_cond_broadcast(&job_done);
     } else {
         if (in_lanes) mixed += (unsigned long long)(claim->stop - claim->start);
+        if (claim->job->digests != NULL && claim->job->hash == BLAKE3)
+            blake3_hashed += (unsigned long long)(claim->stop - claim->start);
         claim->job->failed |= failed;
         claim->job->unfinished -= claim->stop - claim->start;
         if (claim->job->unfinished == 0) pthread_cond_broadcast(&job_done);
@@ -428,7 +474,7 @@ static void Job_dealloc(Job *job) {
 
 static PyMethodDef Job_methods[] = {
     {"result", (PyCFunction)Job_result, METH_NOARGS,
-     "result() -> list[bytes] | None: the prefix plus the SHA-256 digest of each buffer, in\n"
+     "result() -> list[bytes] | None: the prefix plus the digest of each buffer, in\n"
      "order (None for a job that only copies).\n"
      "Hashes what no pool thread has taken yet, then waits for the rest, without the GIL."},
     {NULL, NULL, 0, NULL}};
@@ -438,7 +484,7 @@ static PyTypeObject JobType = {
     .tp_basicsize = sizeof(Job),
     .tp_dealloc = (destructor)Job_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "SHA-256 digests of a list of buffers, hashed by the pool (see submit()).",
+    .tp_doc = "SHA-256 or BLAKE3 digests of a list of buffers, hashed by the pool (see submit()).",
     .tp_methods = Job_methods,
 };
 
@@ -476,6 +522,7 @@ static int take_buffers(Job *job, PyObject *items, PyObject *source) {
     }
     if (PyObject_GetBuffer(source, &job->source, PyBUF_SIMPLE) < 0) return -1;
     job->filling = 1;
+    advise_willneed(job->source.buf, job->source.len);
     if (job->source.len != total) {
         PyErr_Format(PyExc_ValueError, "the source holds %zd bytes, the buffers %zd",
                      job->source.len, total);
@@ -484,10 +531,17 @@ static int take_buffers(Job *job, PyObject *items, PyObject *source) {
     return 0;
 }
 
-static PyObject *submit(PyObject *module, PyObject *args) {
+static PyObject *submit(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"buffers", "prefix", "threads", "source", "hash", NULL};
     PyObject *buffers, *prefix, *items, *source = Py_None;
-    int threads;
-    if (!PyArg_ParseTuple(args, "OOi|O", &buffers, &prefix, &threads, &source)) return NULL;
+    int threads, hash = SHA2_256;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOi|Oi", keywords, &buffers, &prefix, &threads,
+                                     &source, &hash))
+        return NULL;
+    if (hash != SHA2_256 && hash != BLAKE3) {
+        PyErr_Format(PyExc_ValueError, "hash must be 0x%x (sha2-256) or 0x%x (blake3)", SHA2_256, BLAKE3);
+        return NULL;
+    }
     if (prefix != Py_None && !PyBytes_Check(prefix)) {
         PyErr_SetString(PyExc_TypeError, "prefix must be bytes or None");
         return NULL;
@@ -508,6 +562,7 @@ static PyObject *submit(PyObject *module, PyObject *args) {
     job->prefix = prefix;
     job->count = job->next = job->unfinished = 0;
     job->failed = job->queued = job->filling = 0;
+    job->hash = hash;
     job->later = NULL;
     job->generation = 0;
     job->starts = NULL;
@@ -555,16 +610,26 @@ static PyObject *mixed_count(PyObject *module, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(count);
 }
 
+static PyObject *blake3_count(PyObject *module, PyObject *unused) {
+    pthread_mutex_lock(&lock);
+    unsigned long long count = blake3_hashed;
+    pthread_mutex_unlock(&lock);
+    return PyLong_FromUnsignedLongLong(count);
+}
+
 static PyMethodDef methods[] = {
     {"grouped", grouped_count, METH_NOARGS,
      "grouped() -> int: buffers this process has hashed 16 at once (GROUPING: where it can)."},
     {"mixed", mixed_count, METH_NOARGS,
      "mixed() -> int: buffers below 64 KiB, of any lengths, this process has hashed 16 lanes\n"
      "at a time (GROUPING: where it can)."},
-    {"submit", submit, METH_VARARGS,
-     "submit(buffers, prefix: bytes | None, threads: int, source=None) -> Job\n\n"
-     "Queue the SHA-256 of each contiguous buffer for the pool, started with up to `threads`\n"
-     "threads (0: none; the job's result() then hashes them all on its own thread).\n"
+    {"blake3_hashed", blake3_count, METH_NOARGS,
+     "blake3_hashed() -> int: buffers this process has hashed with BLAKE3 on the pool."},
+    {"submit", (PyCFunction)(void (*)(void))submit, METH_VARARGS | METH_KEYWORDS,
+     "submit(buffers, prefix: bytes | None, threads: int, source=None, hash=SHA2_256) -> Job\n\n"
+     "Queue the hash (SHA2_256 or BLAKE3, by multihash code) of each contiguous buffer for the\n"
+     "pool, started with up to `threads` threads (0: none; the job's result() then hashes them\n"
+     "all on its own thread).\n"
      "With `source` (the buffers' bytes back to back), each writable buffer is first filled\n"
      "from its part of it; a prefix of None then copies without hashing."},
     {NULL, NULL, 0, NULL}};
@@ -572,7 +637,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_hashpool",
-    .m_doc = "SHA-256 of many buffers on threads that never take the GIL (see cas_ckpt.cid).",
+    .m_doc = "SHA-256 or BLAKE3 of many buffers on threads that never take the GIL (see cas_ckpt.cid).",
     .m_size = -1,
     .m_methods = methods,
 };
@@ -590,6 +655,10 @@ PyMODINIT_FUNC PyInit__hashpool(void) {
         grouping = x16_available();
     }
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "GROUPING", grouping) < 0) Py_CLEAR(m);
+    if (m != NULL && (PyModule_AddIntConstant(m, "GROUPING", grouping) < 0
+                      || PyModule_AddIntConstant(m, "SHA2_256", SHA2_256) < 0
+                      || PyModule_AddIntConstant(m, "BLAKE3", BLAKE3) < 0
+                      || PyModule_AddStringConstant(m, "BLAKE3_VERSION", blake3_version()) < 0))
+        Py_CLEAR(m);
     return m;
 }

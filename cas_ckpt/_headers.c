@@ -19,7 +19,9 @@
  * pick_small(container, ...) makes, in one loop, the empty arrays of a container's usual small
  * arrays (a header of exactly dtype, shape, chunk_size and one chunk link), exactly those that
  * TreeReader._load_small would make one call each; tests/test_small_tensors.py checks that on
- * generated containers. They are views, made through numpy's C API, into buffers shared by the
+ * generated containers. Given a tensor kind and a maker (torch.from_numpy), it takes the small
+ * arrays saved from that library's tensors too (the same header with kind) and puts the maker's
+ * tensor over each array in the container, one call each (tests/test_torch.py). They are views, made through numpy's C API, into buffers shared by the
  * small arrays of one load (the arena: 1 MiB first, doubling up to 16 MiB). numpy asks for huge
  * pages for buffers of 4 MiB and more: here, 83 MiB taken in buffers of 1 MiB or less and
  * written once took 46-62 ms, in 16 MiB buffers 12 ms (docs/performance.md).
@@ -194,18 +196,20 @@ static PyObject *decode_map(PyObject *self, PyObject *arg) {
 
 /* ---- the usual small arrays of a container, picked out for a load (see tree.TreeReader) ---- */
 
-static PyObject *s_code, *s_value, *s_cid, *s_dtype, *s_shape, *s_chunk_size, *s_chunks;
+static PyObject *s_code, *s_value, *s_cid, *s_dtype, *s_shape, *s_chunk_size, *s_chunks, *s_kind;
 
 /* Whether item `item` of a container is the usual small array: a Tagged(code, header) whose
- * header is exactly {dtype, shape, chunk_size, chunks} with dtype a name in `dtypes` ({name:
+ * header is exactly {dtype, shape, chunk_size, chunks}, or those and kind equal to `kind` where
+ * it is not NULL (then in the machine's byte order), with dtype a name in `dtypes` ({name:
  * (dtype, itemsize)}), shape a list of at most 64 ints >= 0, one chunk that is a Link, and 1 to
- * `limit` bytes. 1 with its dtype, shape and chunk CID in `picked` (new references) and its
- * size; 0 for anything else (the caller's general path reads it, or says what is wrong); -1 on
- * error. */
+ * `limit` bytes. 1 with its dtype, shape and chunk CID in `picked` (new references), its size
+ * and whether it has the kind; 0 for anything else (the caller's general path reads it, or says
+ * what is wrong); -1 on error. */
 typedef struct {
     PyObject *key, *cid, *shape;
     PyArray_Descr *dtype;
     Py_ssize_t nbytes;
+    int kinded;
 } Picked;
 
 static void picked_clear(Picked *p) {
@@ -216,8 +220,8 @@ static void picked_clear(Picked *p) {
 }
 
 static int small_array(PyObject *item, PyObject *tagged, PyObject *code, PyObject *dtypes,
-                       long long limit, Picked *picked) {
-    int found = 0;
+                       long long limit, PyObject *kind, Picked *picked) {
+    int found = 0, kinded = 0;
     PyObject *tag = NULL, *header = NULL, *chunks, *shape, *name, *described, *dtype;
     if (Py_TYPE(item) != (PyTypeObject *)tagged) return 0;
     if ((tag = PyObject_GetAttr(item, s_code)) == NULL) return -1;
@@ -225,13 +229,22 @@ static int small_array(PyObject *item, PyObject *tagged, PyObject *code, PyObjec
     Py_DECREF(tag);
     if (same <= 0) return same;
     if ((header = PyObject_GetAttr(item, s_value)) == NULL) return -1;
-    if (!PyDict_CheckExact(header) || PyDict_GET_SIZE(header) != 4) goto done;
+    if (!PyDict_CheckExact(header)) goto done;
+    if (PyDict_GET_SIZE(header) == 5 && kind != NULL) { /* saved from a tensor of that kind */
+        PyObject *saved = PyDict_GetItemWithError(header, s_kind);
+        if (saved == NULL || !PyUnicode_CheckExact(saved) || PyUnicode_Compare(saved, kind) != 0) goto done;
+        kinded = 1;
+    } else if (PyDict_GET_SIZE(header) != 4) {
+        goto done;
+    }
     name = PyDict_GetItemWithError(header, s_dtype);
     if (name == NULL || !PyUnicode_CheckExact(name)) goto done;
     described = PyDict_GetItemWithError(dtypes, name);
     if (described == NULL || !PyTuple_Check(described) || PyTuple_GET_SIZE(described) != 2) goto done;
     dtype = PyTuple_GET_ITEM(described, 0);
     if (!PyArray_DescrCheck(dtype)) goto done;
+    /* a tensor library takes arrays in the machine's byte order only: the general path says so */
+    if (kinded && !PyDataType_ISNOTSWAPPED((PyArray_Descr *)dtype)) goto done;
     if (PyDict_GetItemWithError(header, s_chunk_size) == NULL) goto done;
     chunks = PyDict_GetItemWithError(header, s_chunks);
     if (chunks == NULL || !PyList_CheckExact(chunks) || PyList_GET_SIZE(chunks) != 1
@@ -257,6 +270,7 @@ static int small_array(PyObject *item, PyObject *tagged, PyObject *code, PyObjec
     Py_INCREF(dtype);
     picked->dtype = (PyArray_Descr *)dtype;
     picked->nbytes = (Py_ssize_t)nbytes;
+    picked->kinded = kinded;
     found = 1;
 done:
     if (found == 0 && PyErr_Occurred()) found = -1;
@@ -348,11 +362,16 @@ static PyObject *array_in(Picked *picked, PyObject *arena) {
 }
 
 static PyObject *pick_small(PyObject *self, PyObject *args) {
-    PyObject *items, *tagged, *code, *dtypes, *arena, *key, *item;
+    PyObject *items, *tagged, *code, *dtypes, *arena, *key, *item, *kind = Py_None, *make = Py_None;
     long long limit;
-    if (!PyArg_ParseTuple(args, "O!OOO!LO!", &PyDict_Type, &items, &tagged, &code, &PyDict_Type,
-                          &dtypes, &limit, &PyList_Type, &arena))
+    if (!PyArg_ParseTuple(args, "O!OOO!LO!|OO", &PyDict_Type, &items, &tagged, &code, &PyDict_Type,
+                          &dtypes, &limit, &PyList_Type, &arena, &kind, &make))
         return NULL;
+    if ((kind == Py_None) != (make == Py_None) || (kind != Py_None && (!PyUnicode_CheckExact(kind)
+                                                                      || !PyCallable_Check(make)))) {
+        PyErr_SetString(PyExc_TypeError, "kind (a str) and make (a callable) come together, or neither");
+        return NULL;
+    }
     if (link_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "configure() was not called");
         return NULL;
@@ -375,7 +394,8 @@ static PyObject *pick_small(PyObject *self, PyObject *args) {
     while (count < size && PyDict_Next(items, &pos, &key, &item)) {
         Py_INCREF(key);
         Py_INCREF(item);
-        int found = small_array(item, tagged, code, dtypes, limit, &picks[count]);
+        int found = small_array(item, tagged, code, dtypes, limit, kind == Py_None ? NULL : kind,
+                                &picks[count]);
         int failed = found < 0 || PyDict_SetItem(out, key, Py_None) < 0
                      || (!found && PyList_Append(rest, key) < 0);
         if (found > 0)
@@ -385,11 +405,13 @@ static PyObject *pick_small(PyObject *self, PyObject *args) {
         Py_DECREF(item);
         if (failed) goto failed;
     }
-    /* ...then their arrays, side by side in the arena. */
+    /* ...then their arrays, side by side in the arena (the kind's tensors over them in `out`). */
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *array = array_in(&picks[i], arena);
-        int failed = array == NULL || PyDict_SetItem(out, picks[i].key, array) < 0
+        PyObject *value = array == NULL || !picks[i].kinded ? Py_XNewRef(array) : PyObject_CallOneArg(make, array);
+        int failed = value == NULL || PyDict_SetItem(out, picks[i].key, value) < 0
                      || PyList_Append(cids, picks[i].cid) < 0 || PyList_Append(arrays, array) < 0;
+        Py_XDECREF(value);
         Py_XDECREF(array);
         if (failed) goto failed;
     }
@@ -629,11 +651,12 @@ static PyMethodDef methods[] = {
      "decode_map(payload) -> dict | None: a small map of str, unsigned ints and lists of unsigned "
      "ints or links, as msgpack decodes it; None for any other payload."},
     {"pick_small", pick_small, METH_VARARGS,
-     "pick_small(items, tagged_type, code, dtypes, limit, arena) -> (out, cids, arrays, rest):\n"
-     "a container's usual small arrays (see small_array in _headers.c), empty, as views into the\n"
-     "arena's buffers (arena: the list [None, 0, 0] at a load's start, kept for the load), in\n"
-     "`out` under their keys, with their chunks' CIDs; every other key is in `out` with None (in\n"
-     "order) and in `rest`, for the caller's general path."},
+     "pick_small(items, tagged_type, code, dtypes, limit, arena, kind=None, make=None)\n"
+     "-> (out, cids, arrays, rest): a container's usual small arrays (see small_array in\n"
+     "_headers.c), empty, as views into the arena's buffers (arena: the list [None, 0, 0] at a\n"
+     "load's start, kept for the load), in `out` under their keys, with their chunks' CIDs; those\n"
+     "whose header has kind `kind` are in `out` as make(array). Every other key is in `out` with\n"
+     "None (in order) and in `rest`, for the caller's general path."},
     {"small_container", small_container, METH_VARARGS,
      "small_container(keys, arrays, cids, code, parts, limit) -> bytes | int | None: the map\n"
      "(keys: a list of str and ints >= 0) or list (keys: None) of the arrays as one-chunk ext `code` values\n"
@@ -659,7 +682,8 @@ PyMODINIT_FUNC PyInit__headers(void) {
         || (s_dtype = PyUnicode_InternFromString("dtype")) == NULL
         || (s_shape = PyUnicode_InternFromString("shape")) == NULL
         || (s_chunk_size = PyUnicode_InternFromString("chunk_size")) == NULL
-        || (s_chunks = PyUnicode_InternFromString("chunks")) == NULL)
+        || (s_chunks = PyUnicode_InternFromString("chunks")) == NULL
+        || (s_kind = PyUnicode_InternFromString("kind")) == NULL)
         return NULL;
     import_array(); /* numpy's C API, for pick_small's arrays; returns NULL if numpy fails */
     return PyModule_Create(&module);

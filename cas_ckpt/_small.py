@@ -34,15 +34,18 @@ BATCH_BYTES = 512 * 1024  # bytes of small arrays hashed (or read) by one pool t
 
 
 Encode = Callable[[bytes, memoryview, str], "Stored | None"]  # (CID, bytes, dtype name) -> encoding
-Describe = Callable[[list[Any], list[bytes]], list[bytes]]  # (arrays, CIDs) -> their encodings
+# (arrays, CIDs, their kind: None for numpy's, or a tensor library's) -> their encodings
+Describe = Callable[[list[Any], list[bytes], "str | None"], list[bytes]]
 
 
 class SmallArray:
     """An array small enough to be inline, with the header its descriptor needs.
 
-    A plain one (a numpy dtype, C order, no tensor kind: nearly all of them) stays a bare
-    ``np.ndarray`` in the plan instead: no object per array survives the first walk, so the
-    walk over 10,000 of them no longer sets off the cyclic GC (which took half of its time).
+    A plain one (a numpy dtype, C order: nearly all of them) stays a bare ``np.ndarray`` in the
+    plan instead: no object per array survives the first walk, so the walk over 10,000 of them no
+    longer sets off the cyclic GC (which took half of its time). So does a plain tensor's host
+    array in a dict whose bare arrays all come from tensors of that library (the container's
+    ``kind``, which their headers record: see :meth:`SmallBlocks.give_blocks`).
     """
 
     __slots__ = ("data", "header", "nbytes")
@@ -80,19 +83,21 @@ class SmallBlocks:
         self._batch_of: dict[int, Batch] = {}
         self._index_of: dict[int, int] = {}  # ints only: the dict is not tracked by the GC
         self._batches: list[Batch] = []
-        # The encodings around the shape by id(dtype), for container_encoding: kept for one save
-        # only, while its arrays (and so their dtypes) are alive.
-        self._parts: dict[int, tuple[bytes, bytes]] = {}
+        # The encodings around the shape by kind and id(dtype), for container_encoding: kept
+        # for one save only, while its arrays (and so their dtypes) are alive.
+        self._parts: dict[str | None, dict[int, tuple[bytes, bytes]]] = {}
 
     def give_blocks(
-        self, items: Collection[Any], name_of: Callable[[Any], str], chunk_size: int
+        self, items: Collection[Any], name_of: Callable[[Any], str], chunk_size: int,
+        kind: str | None = None,
     ) -> tuple[list[Batch], bool] | None:
         """If the small arrays among ``items`` hold more than ``SMALL_SPLIT`` bytes, give each of
         them a block of its own and return the batches made (in order) and whether they hold
         every item as a plain array (the container is then encoded in one loop: see
         :meth:`container_encoding`). Their container gets a node of its own, however small (a
         sub-tree load reads it alone, not its parent's other children with it). None: they stay
-        inline.
+        inline. ``kind``: the tensor library the plain arrays among ``items`` come from (their
+        headers record it), None for numpy's own.
 
         An array larger than ``chunk_size`` (a repository cutting chunks below 16 KiB) stays
         inline: one chunk must not be larger than the chunk size its array records.
@@ -112,15 +117,16 @@ class SmallBlocks:
             batch.append(item)
             size += item.nbytes
             if size >= BATCH_BYTES:
-                batches.append(self._add(batch, name_of, find=not whole))
+                batches.append(self._add(batch, name_of, kind, find=not whole))
                 batch, size = [], 0
         if batch:
-            batches.append(self._add(batch, name_of, find=not whole))
+            batches.append(self._add(batch, name_of, kind, find=not whole))
         return batches, whole
 
-    def _add(self, arrays: list[Any], name_of: Callable[[Any], str], *, find: bool) -> Batch:
+    def _add(self, arrays: list[Any], name_of: Callable[[Any], str], kind: str | None, *,
+             find: bool) -> Batch:
         names = [name_of(x) for x in arrays] if self._encode is not None else None
-        batch = Batch(arrays, names, self._hasher, self._encode, self._pool)
+        batch = Batch(arrays, names, self._hasher, self._encode, self._pool, kind)
         self._batches.append(batch)
         if find:
             self._find(batch)
@@ -142,7 +148,7 @@ class SmallBlocks:
         if batch is None:
             return None
         if batch.encodings is None:
-            batch.encodings = self._describe(batch.arrays, batch.put(writer))
+            batch.encodings = self._describe(batch.arrays, batch.put(writer), batch.kind)
         return batch.encodings[self._index_of[key]]
 
     def container_encoding(
@@ -160,11 +166,13 @@ class SmallBlocks:
         body: bytes | int | None = None
         if _headers is not None:
             arrays = [x for batch in batches for x in batch.arrays]
+            kind = batches[0].kind  # one per container (give_blocks)
+            parts = self._parts.setdefault(kind, {})
             # An int: the index of an array whose dtype has no parts yet.
-            while type(body := _headers.small_container(keys, arrays, cids, code, self._parts, limit)) is int:
+            while type(body := _headers.small_container(keys, arrays, cids, code, parts, limit)) is int:
                 name = name_of(arrays[body])
-                around = _around_shape(name, chunk_size, packer)
-                self._parts[id(arrays[body].dtype)] = (around[0], around[1] + _LINK_36)
+                around = _around_shape(name, chunk_size, packer, kind)
+                parts[id(arrays[body].dtype)] = (around[0], around[1] + _LINK_36)
         if body is None:
             for batch in batches:
                 self._find(batch)
@@ -193,11 +201,12 @@ class Batch:
     """The CIDs (and encodings) of a batch of small arrays, hashed from the start."""
 
     __slots__ = ("_encode", "_future", "_hasher", "_names", "_pending", "_results", "arrays", "cids",
-                 "encodings")
+                 "encodings", "kind")
 
     def __init__(self, arrays: list[Any], names: list[str] | None, hasher: cidlib.Hasher,
-                 encode: Encode | None, pool: Executor | None) -> None:
+                 encode: Encode | None, pool: Executor | None, kind: str | None = None) -> None:
         self.arrays = arrays  # in order
+        self.kind = kind  # the tensor library its plain arrays come from (None: numpy's own)
         self._names = names  # each array's dtype name, for the encoder
         self.cids: list[bytes] | None = None  # set once all its blocks are put
         self.encodings: list[bytes] | None = None  # each array's, made when first asked for
@@ -269,7 +278,7 @@ def one_chunk_plain(
     code: int, name: str, shape: Any, chunk_size: int, cid: bytes, packer: msgpack.Packer
 ) -> bytes:
     """:func:`one_chunk_array` of the header ``{"dtype": name, "shape": list(shape)}``."""
-    around = _AROUND_SHAPE.get((name, chunk_size))
+    around = _AROUND_SHAPE.get((name, chunk_size, None))
     if around is None:
         around = _around_shape(name, chunk_size, packer)
     link = _LINK_36 + cid if len(cid) == 36 else codec.link(cid)  # 36: the CIDs of both hashes
@@ -279,12 +288,13 @@ def one_chunk_plain(
 
 def one_chunk_encodings(
     code: int, items: list[Any], cids: list[bytes], chunk_size: int, packer: msgpack.Packer,
-    name_of: Callable[[Any], str],
+    name_of: Callable[[Any], str], kind: str | None = None,
 ) -> list[bytes]:
     """:func:`one_chunk_array` of each item (a :class:`SmallArray`, or a plain ``np.ndarray``
-    whose header is its dtype and shape) and its CID, in one loop: the parts around the shape
-    are looked up once per run of one dtype, and no call is made per plain array but msgpack's
-    for its shape (10,000 arrays spent 7.5 us each in the calls of the one-array path)."""
+    whose header is its dtype and shape, and ``kind`` where not None) and its CID, in one loop:
+    the parts around the shape are looked up once per run of one dtype, and no call is made per
+    plain array but msgpack's for its shape (10,000 arrays spent 7.5 us each in the calls of the
+    one-array path)."""
     out = []
     pack = packer.pack
     heads = _EXT8.get(code) or _EXT8.setdefault(code, [bytes((0xC7, n, code)) for n in range(0x100)])
@@ -296,7 +306,8 @@ def one_chunk_encodings(
         if item.dtype is not dtype:
             dtype = item.dtype
             name = name_of(item)
-            before, after = _AROUND_SHAPE.get((name, chunk_size)) or _around_shape(name, chunk_size, packer)
+            before, after = _AROUND_SHAPE.get((name, chunk_size, kind)) \
+                or _around_shape(name, chunk_size, packer, kind)
             after += _LINK_36
         if len(cid) == 36:
             body = b"".join((before, pack(item.shape), after, cid))
@@ -306,20 +317,24 @@ def one_chunk_encodings(
     return out
 
 
-def _around_shape(name: str, chunk_size: int, packer: msgpack.Packer) -> tuple[bytes, bytes]:
-    """The encoding of a one-chunk ndarray map before its shape, and after it up to the link
-    (kept in ``_AROUND_SHAPE``, which the loops over many arrays read first, without a call)."""
-    kept = _AROUND_SHAPE.get((name, chunk_size))
+def _around_shape(name: str, chunk_size: int, packer: msgpack.Packer, kind: str | None = None
+                  ) -> tuple[bytes, bytes]:
+    """The encoding of a one-chunk ndarray map (dtype, shape, then kind where not None) before
+    its shape, and after it up to the link (kept in ``_AROUND_SHAPE``, which the loops over many
+    arrays read first, without a call)."""
+    kept = _AROUND_SHAPE.get((name, chunk_size, kind))
     if kept is not None:
         return kept
-    before = b"\x84" + packer.pack("dtype") + packer.pack(name) + packer.pack("shape")
-    after = packer.pack("chunk_size") + packer.pack(chunk_size) + _CHUNKS_ONE
-    if len(_AROUND_SHAPE) < 1024:  # a few dtypes, one chunk size per repository
-        _AROUND_SHAPE[(name, chunk_size)] = (before, after)
+    entries = b"\x84" if kind is None else b"\x85"
+    before = entries + packer.pack("dtype") + packer.pack(name) + packer.pack("shape")
+    after = b"" if kind is None else packer.pack("kind") + packer.pack(kind)
+    after += packer.pack("chunk_size") + packer.pack(chunk_size) + _CHUNKS_ONE
+    if len(_AROUND_SHAPE) < 1024:  # a few dtypes and kinds, one chunk size per repository
+        _AROUND_SHAPE[(name, chunk_size, kind)] = (before, after)
     return before, after
 
 
-_AROUND_SHAPE: dict[tuple[str, int], tuple[bytes, bytes]] = {}
+_AROUND_SHAPE: dict[tuple[str, int, str | None], tuple[bytes, bytes]] = {}
 _CHUNKS_ONE = msgpack.packb("chunks") + b"\x91"  # the key, then an array of one item
 _LINK_36 = codec.link(bytes(36))[:-36]  # the head of a link to a 36-byte CID
 # The heads of ext values of 17-255 bytes by code (msgpack ext 8; 16 bytes or fewer never hold a

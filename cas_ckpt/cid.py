@@ -5,14 +5,17 @@ The public CID type is :class:`multiformats.CID`. Inside the library a CID trave
 hashing a 1 MiB chunk. The fast path here (a fixed prefix plus the digest, and base32 through the
 standard library) is tested to give exactly what ``multiformats`` gives.
 
-Many small blocks are hashed together (:meth:`Hasher.raw_many`): for sha2-256, on the threads of
-the compiled ``_hashpool`` (``setup.py``), which never take the GIL, so that hashing runs beside
-the Python walk over the state instead of after each block. Where it was not built, hashlib
-gives the same CIDs on the thread that asks for them. The same threads fill a load's buffers
-from a pack's mapping and check them (:func:`start_copies`), a piece at a time while it is in
-cache, with no Python call per block. Where the CPU has AVX-512, the pool hashes 10-16 queued
-buffers of one length (64 KiB or more: a save's chunks, a load's blocks) at once, one per vector
-lane (``_sha256_x16.c``): the same digests, 1.55 times OpenSSL's throughput through the pool.
+Many blocks are hashed together (:meth:`Hasher.raw_many`) on the threads of the compiled
+``_hashpool`` (``setup.py``), which never take the GIL, so that hashing runs beside the Python
+walk over the state instead of after each block: sha2-256 with OpenSSL's SHA-256, blake3 with
+BLAKE3's official C code (vendored in ``vendor/blake3``, its SIMD code picked for the CPU at run
+time). Where it was not built, hashlib and the ``blake3`` package give the same CIDs on the
+thread that asks for them. The same threads fill a load's buffers from a pack's mapping and
+check them (:func:`start_copies`), a piece at a time while it is in cache, with no Python call
+per block. Where the CPU has AVX-512, the pool hashes 10-16 queued SHA-256 buffers of one length
+(64 KiB or more: a save's chunks, a load's blocks) at once, one per vector lane
+(``_sha256_x16.c``): the same digests, 1.55 times OpenSSL's throughput through the pool. BLAKE3
+needs no such groups: it hashes the 1 KiB pieces of one buffer 16 (AVX-512) or 8 (AVX2) at once.
 
 Only the CIDs cas_ckpt writes are accepted: version 1, codec ``raw`` (0x55) or ``messagepack``
 (0x0201), multihash ``sha2-256`` (0x12) or ``blake3`` (0x1e), 32-byte digests, nothing trailing.
@@ -59,7 +62,7 @@ def _sha256(data: object) -> bytes:
 
 
 def _blake3(data: object) -> bytes:
-    # max_threads=1: callers already hash chunks in parallel threads.
+    # One thread (the package's default): callers already hash chunks on several.
     return _blake3_module.blake3(data).digest()  # type: ignore[arg-type]
 
 
@@ -121,21 +124,22 @@ class Hasher:
     @property
     def pooled(self) -> bool:
         """Whether :meth:`raw_many` hashes on the compiled pool (else on the asking thread)."""
-        return _hashpool is not None and self.hash_code == SHA2_256
+        return _hashpool is not None
 
     @property
     def grouped(self) -> bool:
-        """Whether the pool hashes 16 buffers at once here (AVX-512): 10 or more queued of one
-        length (64 KiB or more), or 8 or more shorter ones of one job, of any lengths (see
-        ``_sha256_x16.c``)."""
-        return self.pooled and bool(_hashpool.GROUPING)  # type: ignore[union-attr]
+        """Whether the pool hashes 16 SHA-256 buffers at once here (AVX-512): 10 or more queued
+        of one length (64 KiB or more), or 8 or more shorter ones of one job, of any lengths
+        (see ``_sha256_x16.c``)."""
+        return self.pooled and self.hash_code == SHA2_256 and bool(_hashpool.GROUPING)  # type: ignore[union-attr]
 
     def raw_many(self, buffers: Sequence[object]) -> Pending:
         """Start the CIDs of many raw chunk blocks (C-contiguous buffers): hashed from now on
-        by the compiled pool for sha2-256, else when asked for. The buffers must not change
-        until ``result()`` returns."""
+        by the compiled pool, else when asked for. The buffers must not change until
+        ``result()`` returns."""
         if self.pooled:
-            return _hashpool.submit(buffers, self._raw_prefix, POOL_THREADS)  # type: ignore[no-any-return]
+            return _hashpool.submit(  # type: ignore[no-any-return,union-attr]
+                buffers, self._raw_prefix, POOL_THREADS, hash=self.hash_code)
         return _OnRequest(self.raw, buffers)
 
     def node(self, data: object) -> bytes:
@@ -153,11 +157,24 @@ def matches(cid: bytes, data: object) -> bool:
     return digest_of(cid, data) == cid[-DIGEST_SIZE:]
 
 
+def _pooled_hash(cids: Sequence[bytes]) -> int | None:
+    """The hash the compiled pool checks ``cids`` with: that of their raw prefix, where they all
+    have the same one and the pool is built; else None."""
+    if _hashpool is None or not cids:
+        return None
+    head = cids[0][:-DIGEST_SIZE]
+    code = _RAW_HASHES.get(head)
+    if code is None or not all(cid[:-DIGEST_SIZE] == head for cid in cids):
+        return None
+    return code
+
+
 def start_checks(cids: Sequence[bytes], buffers: Sequence[object]) -> Callable[[], list[int]]:
     """Start checking each buffer against its CID (as :meth:`Hasher.raw_many` hashes them);
     the function returned waits and gives the positions of those that do not match."""
-    if _hashpool is not None and all(cid[:-DIGEST_SIZE] == _SHA256_RAW for cid in cids):
-        pending = _SHA256.raw_many(buffers)
+    code = _pooled_hash(cids)
+    if code is not None:
+        pending = _HASHERS[code].raw_many(buffers)
         return lambda: [i for i, cid in enumerate(pending.result()) if cid != cids[i]]
     return lambda: [i for i, cid in enumerate(cids) if not matches(cid, buffers[i])]
 
@@ -170,12 +187,15 @@ def start_copies(
     against its CID unless ``cids`` is None; the function returned waits and gives the
     positions of those that do not match.
 
-    On the compiled pool where it can hash the CIDs (sha2-256; any, unchecked): its threads
-    populate each buffer's pages, copy and hash it a piece at a time, without the GIL. Elsewhere
-    the copy is made now on this thread and the check by :func:`start_checks`.
+    On the compiled pool where it is built and the CIDs are raw blocks of one hash (or
+    unchecked): its threads populate each buffer's pages, copy and hash it a piece at a time,
+    without the GIL. Elsewhere the copy is made now on this thread and the check by
+    :func:`start_checks`.
     """
-    if _hashpool is not None and (cids is None or all(c[:-DIGEST_SIZE] == _SHA256_RAW for c in cids)):
-        job = _hashpool.submit(buffers, None if cids is None else _SHA256_RAW, POOL_THREADS, source)
+    code = None if cids is None else _pooled_hash(cids)
+    if _hashpool is not None and (cids is None or code is not None):
+        head = None if code is None else prefix(RAW, code)  # None: copies, unchecked
+        job = _hashpool.submit(buffers, head, POOL_THREADS, source, hash=code or SHA2_256)
 
         def wrong() -> list[int]:
             digests = job.result()
@@ -197,8 +217,8 @@ def codec_of(cid: bytes) -> int:
     return _VARINT_CODEC[cid[1:-DIGEST_SIZE - 2]]
 
 
-_SHA256 = Hasher("sha2-256")
-_SHA256_RAW = prefix(RAW, SHA2_256)
+_HASHERS = {code: Hasher(name) for code, name in HASH_NAMES.items()}
+_RAW_HASHES = {prefix(RAW, code): code for code in HASH_NAMES}  # raw blocks' prefixes -> hash
 # The heads of every CID cas_ckpt writes (each codec with each hash), before the digest.
 PREFIXES = frozenset(prefix(c, h) for c in CODEC_NAMES for h in HASH_NAMES)
 

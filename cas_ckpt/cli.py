@@ -42,10 +42,13 @@ from cas_ckpt.errors import (
     RepositoryError,
 )
 from cas_ckpt.http import DEFAULT_PORT, ENV_TOKEN
-from cas_ckpt.maintenance.diff import Folded, leaves
+from cas_ckpt.maintenance.diff import DiffReport, Folded, leaves
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
+from cas_ckpt.maintenance.lanes import GraphRow, passing
+from cas_ckpt.maintenance.tensors import TensorStats
 from cas_ckpt.maintenance.upkeep import UpkeepStatus
 from cas_ckpt.paths import select
+from cas_ckpt.refs.base import run_of
 from cas_ckpt.replication import TransferReport
 from cas_ckpt.repository import Repository
 from cas_ckpt.tree import (
@@ -174,6 +177,9 @@ def _register_reading(sub: Any, json_flag: Any) -> None:
     p = _add(sub, "log", cmd_log, "list commits newest first, following first parents", json_flag)
     p.add_argument("target", nargs="?", metavar="REF", help="ref or CID (default main)")
     p.add_argument("-n", "--limit", type=_positive_int, metavar="N", help="show at most N commits")
+    p.add_argument("--graph", action="store_true",
+                   help="draw forks and merges (no REF: every run; REF: it and the runs it shares "
+                        "history with)")
     p = _add(sub, "show", cmd_show, "print one block as JSON (tensors summarised)", json_flag)
     p.add_argument("target", metavar="TARGET", help="ref or CID")
     p = _add(sub, "ls", cmd_ls, "list the values in a checkpoint with dtype, shape, size", json_flag)
@@ -198,6 +204,14 @@ def _register_reading(sub: Any, json_flag: Any) -> None:
     p.add_argument("b", metavar="B", help="ref or CID")
     p.add_argument("path", nargs="?", metavar="PATH", help="only values below this dotted path")
     p.add_argument("--stat", action="store_true", help="print only the counts")
+    p.add_argument("--by-tensor", action="store_true",
+                   help="the relative change ||a-b||/||a|| of each changed tensor, largest first")
+    p = _add(sub, "stats", cmd_stats, "per-tensor statistics (min, max, mean, std, L2 norm, NaN and "
+             "Inf counts), streamed", json_flag)
+    p.add_argument("target", metavar="TARGET", help="ref or CID")
+    p.add_argument("path", nargs="?", metavar="PATH", help="only the tensors below this dotted path")
+    p.add_argument("--find-nonfinite", action="store_true",
+                   help="the first checkpoint of TARGET's history holding a NaN or Inf (exit 1 if found)")
 
 
 def _register_maintenance(sub: Any, json_flag: Any) -> None:
@@ -629,6 +643,8 @@ def _commit_json(commit: cas_ckpt.Commit) -> dict[str, Any]:
 
 
 def cmd_log(args: argparse.Namespace) -> int:
+    if args.graph:
+        return _log_graph(args)
     with open_repo(args) as repo:
         root = _log_root(repo, args.target)
         if not is_commit(_node(repo, root)):
@@ -653,6 +669,78 @@ def cmd_log(args: argparse.Namespace) -> int:
 def _text(cid: cas_ckpt.CID) -> str:
     """``str(cid)``, without multiformats' generic encoder (2 ms a CID: most of a long log)."""
     return cidlib.to_str(bytes(cid))
+
+
+def _log_graph(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        if args.target is None:
+            names = None
+        else:
+            if not is_commit(_node(repo, resolve(repo, args.target))):
+                raise CommandError(f"{args.target} is not a commit", EXIT_USAGE)
+            related = repo.forks(list(repo.log(args.target)))
+            names = [args.target, *sorted({n for found in related.values() for n in found
+                                           if run_of(n) == n and n != args.target})]
+        rows = repo.graph(names, limit=args.limit)
+        labels: dict[CID, list[str]] = {}
+        for name, cid in sorted(repo.refs().items()):
+            if run_of(name) == name:
+                labels.setdefault(cid, []).append(name)
+        expired = {row.commit.cid for row in rows if repo.expired(row.commit)}
+    if args.json:
+        _print_json([{**_commit_json(row.commit), "expired": row.commit.cid in expired,
+                      "refs": labels.get(row.commit.cid, []), "column": row.column, "color": row.color,
+                      "edges": [list(edge) for edge in row.edges], "children": row.children}
+                     for row in rows])
+        return EXIT_OK
+    for line in graph_lines(rows, lambda row: _graph_text(row, labels, expired)):
+        _print(line)
+    return EXIT_OK
+
+
+def _graph_text(row: GraphRow, labels: dict[CID, list[str]], expired: set[CID]) -> str:
+    c = row.commit
+    parts = [_text(c.cid)[:16], _stamp(c.time), f"step {c.step}" if c.step is not None else "step -"]
+    parts += [f"({', '.join(labels[c.cid])})"] if c.cid in labels else []
+    parts += ["[expired]"] if c.cid in expired else []
+    parts += [text for text in (_metrics_text(c.metadata), c.message) if text]
+    return "  ".join(parts)
+
+
+def graph_lines(rows: Sequence[GraphRow], text: Callable[[GraphRow], str]) -> Iterator[str]:
+    """``rows`` as ``git log --graph`` prints them: ``*`` for a commit, ``|`` for a lane going
+    past, and ``/`` or ``\\`` lines where lanes join (a fork) or part (a merge)."""
+    for i, row in enumerate(rows):
+        cells = _cells(row.edges, passing(rows, i), row.column)
+        yield f"{''.join(cells).rstrip():<{2 * _width(row) - 1}}  {text(row)}".rstrip()
+        if i + 1 == len(rows):
+            break
+        moves = max((abs(end - start) for start, end, _ in row.edges), default=0)
+        for k in range(1, moves + 1):
+            line = [" "] * (2 * _width(row) + 2)
+            for start, end, _ in row.edges:
+                step = (end > start) - (end < start)
+                before = start + step * min(k - 1, abs(end - start))
+                after = start + step * min(k, abs(end - start))
+                if before == after:
+                    line[2 * after] = "|"
+                elif after < before:
+                    line[2 * after + 1] = "/"
+                else:
+                    line[2 * before + 1] = "\\"
+            yield "".join(line).rstrip()
+
+
+def _width(row: GraphRow) -> int:
+    return max([row.column, *(max(s, e) for s, e, _ in row.edges)]) + 1
+
+
+def _cells(edges: Sequence[tuple[int, int, int]], going_past: list[int], column: int) -> list[str]:
+    cells = [" "] * (2 * max([column, *going_past, *(s for s, _, _ in edges)]) + 1)
+    for x in going_past:
+        cells[2 * x] = "|"
+    cells[2 * column] = "*"
+    return cells
 
 
 def _log_root(repo: Repository, target: str | None) -> bytes:
@@ -989,6 +1077,8 @@ def _table(header: list[str], rows: list[list[str]]) -> None:
 def cmd_diff(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
         report = repo.diff(resolve_live(repo, args.a), resolve_live(repo, args.b), path=args.path)
+    if args.by_tensor:
+        return _diff_by_tensor(args, report)
     if args.json:
         _print_json({"identical": report.identical, **jsonable(report)})
     elif args.stat:
@@ -1002,11 +1092,73 @@ def cmd_diff(args: argparse.Namespace) -> int:
         for change in report.changed:
             extra = ""
             if change.max_abs is not None:
-                extra = f" (max |diff| {change.max_abs:g}, L2 {change.l2:g})"
+                extra = f" (max |diff| {change.max_abs:g}, L2 {change.l2:g}, relative {change.relative:.3g})"
             _print(f"~ {change.path}: {change.detail}{extra}")
         _print(f"{report.unchanged} unchanged; {human(report.shared_bytes)} shared "
                f"({human(report.a_bytes)} in A, {human(report.b_bytes)} in B)")
     return EXIT_OK if report.identical else EXIT_CHECK
+
+
+def _diff_by_tensor(args: argparse.Namespace, report: DiffReport) -> int:
+    tensors = report.by_tensor()
+    others = len(report.changed) - len(tensors)
+    if args.json:
+        _print_json({"identical": report.identical, "tensors": [
+            {"path": c.path, "relative": c.relative, "l2": c.l2, "a_norm": c.a_norm, "max_abs": c.max_abs}
+            for c in tensors], "added": report.added, "removed": report.removed,
+            "other_changes": others, "unchanged": report.unchanged})
+    else:
+        width = max([len("PATH"), *(len(c.path) for c in tensors)])
+        _print(f"{'RELATIVE':>10}  {'PATH':<{width}}  {'||A-B||':>10}  {'||A||':>10}  {'MAX |A-B|':>10}")
+        for c in tensors:
+            _print(f"{_number(c.relative):>10}  {c.path:<{width}}  {_number(c.l2):>10}  "
+                   f"{_number(c.a_norm):>10}  {_number(c.max_abs):>10}")
+        _print(f"{_count(len(tensors), 'tensor')} changed, {others} other values changed, "
+               f"{len(report.added)} added, {len(report.removed)} removed, {report.unchanged} unchanged")
+    return EXIT_OK if report.identical else EXIT_CHECK
+
+
+def _number(value: float | int | None) -> str:
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.4g}"
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    if args.find_nonfinite:
+        return _find_nonfinite(args)
+    with open_repo(args) as repo:
+        rows = repo.stats(resolve_live(repo, args.target), args.path)
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    _print_stats(rows)
+    return EXIT_OK
+
+
+def _print_stats(rows: Sequence[TensorStats]) -> None:
+    width = max([len("PATH"), *(len(r.path) for r in rows)])
+    _print(f"{'PATH':<{width}}  {'DTYPE':<9} {'SHAPE':<12} {'MIN':>10} {'MAX':>10} {'MEAN':>10} "
+           f"{'STD':>10} {'L2':>10} {'NAN':>6} {'INF':>6}")
+    for r in rows:
+        shape = "x".join(map(str, r.shape)) or "scalar"
+        _print(f"{r.path:<{width}}  {r.dtype:<9} {shape:<12} {_number(r.min):>10} {_number(r.max):>10} "
+               f"{_number(r.mean):>10} {_number(r.std):>10} {_number(r.l2):>10} {r.nan:>6} {r.inf:>6}")
+
+
+def _find_nonfinite(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        report = repo.find_nonfinite(args.target, path=args.path)
+    if args.json:
+        _print_json({"found": report.found, **jsonable(report)})
+    elif report.found:
+        _print(f"step {report.step if report.step is not None else '-'} ({report.commit}) is the first "
+               f"checkpoint of {report.ref} with NaN or Inf, in {_count(len(report.tensors), 'tensor')}:")
+        _print_stats(report.tensors)
+    else:
+        _print(f"no NaN or Inf in {_count(report.checked, 'checkpoint')} of {report.ref}"
+               + (f" ({report.expired} expired, not checked)" if report.expired else ""))
+    return EXIT_CHECK if report.found else EXIT_OK
 
 
 def _car_progress(bar: Progress, total: int | None) -> car.Progress:
@@ -1164,6 +1316,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         def ready(url: str) -> None:
             _print(f"serving {repo.location} read-only at {url} (Ctrl-C stops)")
+            _print(f"browse it at {url}/" + ("?token=<token> (once: a cookie keeps it)" if token else ""))
             sys.stdout.flush()
             if not token and args.host not in ("127.0.0.1", "localhost", "::1"):
                 print(f"{PROG}: note: no --token: anyone who can reach {url} can read every checkpoint",

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from multiformats import CID
@@ -46,6 +46,7 @@ from cas_ckpt.errors import (
     InvalidRefName,
     MapLocationError,
     MediumError,
+    PathNotFound,
     RefConflict,
     RefError,
     ReflogEntryNotFound,
@@ -59,6 +60,14 @@ from cas_ckpt.maintenance.fsck import FsckReport
 from cas_ckpt.maintenance.fsck import check as fsck_check
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY, GCReport
 from cas_ckpt.maintenance.gc import collect as gc_collect
+from cas_ckpt.maintenance.lanes import GraphRow, ancestry, layout
+from cas_ckpt.maintenance.tensors import (
+    NonFiniteReport,
+    NonFiniteScan,
+    TensorStats,
+    array_leaves,
+    tensor_stats,
+)
 from cas_ckpt.maintenance.upkeep import Policy as UpkeepPolicy
 from cas_ckpt.maintenance.upkeep import UpkeepReport, UpkeepStatus
 from cas_ckpt.maintenance.upkeep import due as upkeep_due
@@ -801,18 +810,108 @@ class Repository:
         with self._writing():
             return self.history.update(self.refs_store, consolidate=consolidate)
 
-    def stats(self, *, reflog_expiry: float = DEFAULT_REFLOG_EXPIRY) -> Usage:
-        """Logical versus stored bytes per ref, per run (shared, and exclusive: what deleting the
-        run would free) and for the repository (shared bytes once), and what GC would free: its
-        ``unreachable`` is :meth:`gc`'s with the same ``reflog_expiry`` (see :class:`Usage`), and
-        where upkeep stands (``Usage.upkeep``)."""
-        found = usage(self.blocks, self.refs_store, reflog_expiry=reflog_expiry)
-        found.upkeep = self.upkeep_status()
-        return found
+    @overload
+    def stats(self, *, reflog_expiry: float = DEFAULT_REFLOG_EXPIRY) -> Usage: ...
+
+    @overload
+    def stats(self, target: Target, path: str | None = None) -> list[TensorStats]: ...
+
+    def stats(
+        self, target: Target | None = None, path: str | None = None, *,
+        reflog_expiry: float = DEFAULT_REFLOG_EXPIRY,
+    ) -> Usage | list[TensorStats]:
+        """Without ``target``: logical versus stored bytes per ref, per run (shared, and
+        exclusive: what deleting the run would free) and for the repository (shared bytes once),
+        and what GC would free: its ``unreachable`` is :meth:`gc`'s with the same
+        ``reflog_expiry`` (see :class:`Usage`), and where upkeep stands (``Usage.upkeep``).
+
+        With ``target``: the statistics of every tensor of that checkpoint (below the dotted
+        ``path``, or of the one tensor there), in the state's order: min, max, mean, std and L2
+        norm of the finite elements, and the count of NaN and infinite ones
+        (:class:`~cas_ckpt.maintenance.tensors.TensorStats`). Chunks are streamed: memory stays at
+        a few chunks whatever the checkpoint's size.
+        """
+        if target is None:
+            if path is not None:
+                raise TypeError("stats(path=...) needs a target")
+            found = usage(self.blocks, self.refs_store, reflog_expiry=reflog_expiry)
+            found.upkeep = self.upkeep_status()
+            return found
+        root = self._resolve(target)
+        reader = TreeReader(self.blocks, self.pool)
+        tree = self._tree_of(root, reader)
+        with self._expired_named(root, tree):
+            start: Any = Link(tree)
+            if path:
+                start = select(reader, start, path, cidlib.to_str(root)).value
+            return [tensor_stats(reader, where, leaf)
+                    for where, leaf in array_leaves(reader, start, path or "")]
+
+    def find_nonfinite(self, ref: Target = "main", *, path: str | None = None) -> NonFiniteReport:
+        """The first checkpoint of ``ref``'s history (oldest first, following first parents) in
+        which any tensor (below the dotted ``path``) holds a NaN or an infinity, with those
+        tensors' statistics. Checkpoints whose data GC removed are passed over and counted. Each
+        chunk is read once, however many checkpoints share it.
+        """
+        history = list(self.log(ref))[::-1]
+        reader = TreeReader(self.blocks, self.pool)
+        scan = NonFiniteScan(reader)
+        report = NonFiniteReport(ref if isinstance(ref, str) else cidlib.to_str(self._resolve(ref)))
+        missing: PathNotFound | None = None
+        for commit in history:
+            if self.expired(commit):
+                report.expired += 1
+                continue
+            start: Any = Link(bytes(commit.tree))
+            if path:
+                try:
+                    start = select(reader, start, path, cidlib.to_str(bytes(commit.cid))).value
+                except PathNotFound as exc:
+                    missing = missing or exc
+                    continue
+            report.checked += 1
+            found = scan.scan(start, path or "")
+            if found:
+                report.commit, report.step = commit.cid, commit.step
+                report.tensors = [tensor_stats(reader, where, leaf) for where, leaf in found]
+                return report
+        if missing is not None and not report.checked:
+            raise missing
+        return report
+
+    def graph(self, refs: Iterable[str] | None = None, *, limit: int | None = None) -> list[GraphRow]:
+        """The commits of ``refs`` (default: every ref but a manager's ``<run>.steps/<step>``
+        ones) through every parent, children first and otherwise newest first, each in its lane
+        as ``git log --graph`` draws it: forks join where they branched, merges open a lane per
+        parent (:class:`~cas_ckpt.maintenance.lanes.GraphRow`). ``limit``: the first rows only.
+        """
+        names = [n for n in self.refs() if run_of(n) == n] if refs is None else list(refs)
+        rows = layout(ancestry([self.resolve(name) for name in names], self._commit_or_none))
+        return rows if limit is None else rows[:limit]
+
+    def _commit_or_none(self, cid: CID) -> Commit | None:
+        """The commit ``cid`` names; None where its node is gone or is not a commit."""
+        try:
+            return self.commit(cid)
+        except (BlockNotFound, DecodeError):
+            return None
+
+    @contextlib.contextmanager
+    def _expired_named(self, root: bytes, tree: bytes) -> Iterator[None]:
+        """A block missing below a checkpoint GC expired raises CheckpointExpired, not damage."""
+        try:
+            yield
+        except BlockNotFound as exc:
+            if tree != root and not self._held(root):
+                raise CheckpointExpired(cidlib.to_str(root), exc.cid) from None
+            raise
 
     def diff(self, a: Target, b: Target, *, path: str | None = None) -> DiffReport:
         """Values added, removed and changed from checkpoint ``a`` to ``b`` (below the dotted
-        ``path`` only, if given), in the state's order, and the bytes the two share."""
+        ``path`` only, if given), in the state's order, and the bytes the two share. A changed
+        array of one shape carries ``max_abs``, ``l2`` (``‖a-b‖``), ``a_norm`` and ``relative``
+        (``‖a-b‖/‖a‖``), streamed chunk by chunk from both sides; arrays with the same CIDs are
+        unchanged and never read (``report.by_tensor()`` sorts the changed ones)."""
         reader = TreeReader(self.blocks, self.pool, tensor_factory=lambda array, _: array)
         tree_a = self._tree_of(self._resolve(a), reader)
         tree_b = self._tree_of(self._resolve(b), reader)

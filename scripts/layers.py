@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("repository", ("commit", "commit_graph", "history", "maintenance", "car", "hf", "replication",
                     "repository")),
     ("training", ("records", "two_tier", "manager", "integrations", "dcp")),
-    ("tools", ("testing", "http", "cli", "demo", "__main__")),
+    ("tools", ("testing", "http", "web", "cli", "demo", "__main__")),
 )
 
 

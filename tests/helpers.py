@@ -158,9 +158,8 @@ class CountingStore(BlockStore):
     def keys(self) -> Iterator[bytes]:
         return self.inner.keys()
 
-    def writer(
-        self, *, verify_existing: bool = False, verify_incoming: bool = False, compression: str = "none"
-    ) -> BlockWriter:
+    def writer(self, *, verify_existing: bool = False, verify_incoming: bool = False,
+               compression: str = "none") -> BlockWriter:
         return self.inner.writer(verify_existing=verify_existing, verify_incoming=verify_incoming,
                                  compression=compression)
 

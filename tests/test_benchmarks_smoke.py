@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ def test_benchmark_runner_tiny(tmp_path: Path) -> None:
     for name, state in results["states"].items():
         ops = state["ops"]
         assert set(ops) == {"cas_ckpt", "torch", "safetensors", "npz"}, name
-        assert CAS_OPS <= set(ops["cas_ckpt"]) <= CAS_OPS | {"load_mmap"}, name
+        assert CAS_OPS <= set(ops["cas_ckpt"]) <= CAS_OPS | {"load_mmap", "load_mmap_verify"}, name
         for tool in ("torch", "safetensors", "npz"):
             assert set(ops[tool]) == BASE_OPS, (name, tool)
         for tool, per_op in ops.items():
@@ -79,6 +80,63 @@ def test_benchmark_runner_tiny(tmp_path: Path) -> None:
 
     targets = results["targets"]
     assert targets and all(isinstance(row["pass"], bool) for row in targets)
+
+
+def test_benchmark_runner_torch_states_cold_and_contended(tmp_path: Path) -> None:
+    """The torch states (issue #41): cas_ckpt given torch tensors (and loading them back as
+    tensors, checked inside the runner), in both hashes, beside its own numpy form and
+    safetensors' torch and numpy paths, cold loads included, with a CPU-bound process running."""
+    out = tmp_path / "bench.json"
+    tools = "cas_ckpt,cas_blake3,safetensors,cas_numpy,safetensors_np"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--size", "tiny", "--reps", "1", "--quiet", "--only", "ta,tc",
+         "--tools", tools, "--cold", "--contend", "1", "--json", str(out),
+         "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())
+    assert results["config"]["contend"] == 1 and "1 CPU-bound process(es)" in proc.stdout
+    assert set(results["states"]) == {"ta", "tc"}
+    for name, state in results["states"].items():
+        ops = state["ops"]
+        assert set(ops) == set(tools.split(",")), name
+        for tool in ("cas_ckpt", "cas_blake3"):
+            assert {"load_verify_cold", "load_mmap_verify"} <= set(ops[tool]), (name, tool)
+        assert set(ops["cas_numpy"]) == {"save_fresh", "load_verify"}
+        assert {"save", "load", "load_cold"} <= set(ops["safetensors"]) & set(ops["safetensors_np"])
+        for per_op in ops.values():
+            for op, summary in per_op.items():
+                for run in summary["runs"]:
+                    if op.startswith("load"):
+                        assert run["checksum"] == run["source_checksum"], (name, op)
+    labels = {(row["state"], row["target"]) for row in results["targets"]}
+    assert ("ta", "blake3: verified cold load <= 1.2x safetensors' cold") in labels
+    assert ("tc", "torch small tensors: save <= 1.1x the numpy state's") in labels
+    assert all(row.get("cas_tool") == "cas_blake3" for row in results["targets"]
+               if row["target"].startswith("blake3"))
+
+
+def test_evict_drops_a_files_pages_from_the_page_cache(tmp_path: Path) -> None:
+    """A cold load starts with nothing of the file in the page cache (fincore counts its pages)."""
+    if shutil.which("fincore") is None:
+        pytest.skip("util-linux's fincore is not installed")
+    kind = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout
+    if kind.strip() == "tmpfs":
+        pytest.skip("the temporary directory is in memory: its pages have no disk to be read from")
+    bench = _bench_module()
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(4 << 20))
+    path.read_bytes()
+
+    def cached() -> int:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                             capture_output=True, text=True, check=True).stdout
+        return int(out.split()[0])
+
+    assert cached() > 0
+    bench.evict(tmp_path)
+    assert cached() == 0
 
 
 def _bench_module():  # type: ignore[no-untyped-def]
@@ -160,8 +218,10 @@ def test_before_and_after_runner(tmp_path: Path) -> None:
         assert set(one) == {"base", "head"}
         for side in one.values():
             assert set(side) == {"save_fresh", "load_verify"} and all(len(s) == 1 for s in side.values())
+    assert [set(one) for one in results["cpu_rounds"]] == [{"base", "head"}] * 2
     for op, verdict in results["verdict"].items():
         assert len(verdict["ratios"]) == 2 and verdict["ratio"] > 0, op
+        assert verdict["before_cpu_seconds"] > 0 and verdict["cpu_ratio"] > 0, op
         assert op in proc.stdout
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True,
                                text=True, check=True).stdout

@@ -233,7 +233,8 @@ def test_a_deleted_ref_is_listed_in_its_reflog_kept_by_gc_and_restored(repo: Pat
     assert cas(repo, "reflog", "--drop", "exp").returncode == cli.EXIT_ERROR  # exists: kept
     assert cas(repo, "ref", "delete", "exp").returncode == 0
     assert cas(repo, "reflog", "--drop", "exp").stdout == "dropped the reflog of exp\n"
-    assert cas(repo, "reflog", "exp", "--json").returncode == cli.EXIT_NOT_FOUND  # neither ref nor reflog
+    gone = cas(repo, "reflog", "exp", "--json")  # neither the ref nor a reflog of it now
+    assert gone.returncode == cli.EXIT_NOT_FOUND and gone.stdout == "" and "not found" in gone.stderr
     assert cas(repo, "ref", "restore", "exp").returncode == cli.EXIT_NOT_FOUND
 
 

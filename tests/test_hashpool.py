@@ -1,9 +1,11 @@
-"""The compiled hashing pool (cas_ckpt/_hashpool.c) against hashlib and multiformats.
+"""The compiled hashing pool (cas_ckpt/_hashpool.c) against hashlib, the blake3 package and
+multiformats.
 
 ``Hasher.raw_many`` must give exactly the CIDs ``Hasher.raw`` gives, with the pool and without
-it, and a save or a verified load must not depend on which one ran. The pool's own contract:
-it holds each buffer from submit until the result is taken or the job dropped, refuses a buffer
-it cannot read whole, and works in a forked child (which has none of the parent's threads).
+it, for both hashes, and a save or a verified load must not depend on which one ran. The pool's
+own contract: it holds each buffer from submit until the result is taken or the job dropped,
+refuses a buffer it cannot read whole, and works in a forked child (which has none of the
+parent's threads).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import ml_dtypes
 import numpy as np
 import pytest
@@ -33,10 +36,13 @@ from cas_ckpt.errors import CorruptBlock
 
 if os.environ.get("CAS_CKPT_REQUIRE_NATIVE") == "1":
     assert cidlib._hashpool is not None, "cas_ckpt._hashpool was not built (setup.py)"
+    assert cidlib._hashpool.BLAKE3_VERSION, "cas_ckpt._hashpool was built without BLAKE3"
 hashpool = pytest.importorskip("cas_ckpt._hashpool", reason="the compiled pool was not built")
 
 SHA = cidlib.Hasher("sha2-256")
+BLAKE = cidlib.Hasher("blake3")
 PREFIX = cidlib.prefix(cidlib.RAW, cidlib.SHA2_256)
+B3_PREFIX = cidlib.prefix(cidlib.RAW, cidlib.BLAKE3)
 
 
 def reference(data: bytes) -> bytes:
@@ -69,15 +75,96 @@ def test_raw_many_equals_raw_with_either_backend(blobs: list[bytes]) -> None:
         cidlib._hashpool = saved
 
 
-def test_blake3_is_hashed_without_the_pool() -> None:
-    """The pool is SHA-256 only: a blake3 hasher falls back, to blake3's CIDs, whatever the
-    buffer's format (blake3 itself refuses a float32 array's)."""
-    blake = cidlib.Hasher("blake3")
+def test_blake3_is_hashed_on_the_pool_with_either_backend(backend: str) -> None:
+    """A blake3 hasher's raw_many runs on the pool where it is built, and falls back to the
+    blake3 package where it is not: the same CIDs, whatever the buffer's format (the package
+    itself refuses a float32 array's)."""
     blobs: list[object] = [os.urandom(3000) for _ in range(20)]
     blobs += [np.arange(n, dtype=np.float32) for n in (1, 700, 4096)] + [np.zeros((3, 5), np.int16)]
-    want = [blake.raw(memoryview(b).cast("B")) for b in blobs]  # type: ignore[arg-type]
-    assert blake.raw_many(blobs).result() == want
-    assert type(blake.raw_many(blobs)) is not type(SHA.raw_many(blobs))
+    want = [B3_PREFIX + blake3.blake3(memoryview(b).cast("B")).digest() for b in blobs]  # type: ignore[arg-type]
+    before = hashpool.blake3_hashed()
+    assert BLAKE.raw_many(blobs).result() == want
+    assert BLAKE.pooled == (backend == "pool")
+    assert hashpool.blake3_hashed() - before == (len(blobs) if backend == "pool" else 0)
+
+
+# Every length class of BLAKE3: empty, one byte, around one 64-byte block, around one 1 KiB chunk,
+# powers of two of chunks and one past (the tree's shapes), odd lengths, 1 MiB and past it.
+B3_LENGTHS = sorted({0, 1, 2, 31, 63, 64, 65, 127, 128, 129, 1023, 1024, 1025, 2047, 2048, 2049,
+                     3072, 3073, 4095, 4096, 4097, 8191, 8192, 8193, 16383, 16384, 16385, 31744,
+                     65535, 65536, 65537, 100_003, 262_143, 262_144, 262_145, 1 << 20,
+                     (1 << 20) - 1, (1 << 20) + 1, 3 * (1 << 20) + 777})
+
+
+@pytest.mark.parametrize("filling", [False, True])
+@pytest.mark.parametrize("threads", [0, 2])
+def test_blake3_on_the_pool_is_the_blake3_package_for_every_length_class(
+    filling: bool, threads: int
+) -> None:
+    """Each length alone in a job and all of them in one (claimed in ranges by several threads),
+    hashed or filled from one source and hashed 64 KiB at a time: the blake3 package's digests,
+    which are multiformats' blake3 multihashes."""
+    rng = np.random.default_rng(21)
+    blobs = [rng.bytes(n) for n in B3_LENGTHS]
+    want = [B3_PREFIX + blake3.blake3(b).digest() for b in blobs]
+    assert want[:3] == [bytes(CID("base32", 1, "raw", multihash.digest(b, "blake3", size=32)))
+                        for b in blobs[:3]]
+
+    def run(part: list[bytes]) -> list[bytes]:
+        if not filling:
+            return hashpool.submit(part, B3_PREFIX, threads, hash=hashpool.BLAKE3).result()
+        outs = [np.zeros(len(b), np.uint8) for b in part]
+        got = hashpool.submit(outs, B3_PREFIX, threads, b"".join(part), hash=hashpool.BLAKE3).result()
+        assert [o.tobytes() for o in outs] == part
+        return got
+
+    assert [run([b])[0] for b in blobs] == want
+    assert run(blobs) == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(blobs=st.lists(st.binary(max_size=70_000), max_size=40), threads=st.integers(0, 3),
+       filling=st.booleans())
+def test_blake3_on_the_pool_gives_the_blake3_packages_cids(
+    blobs: list[bytes], threads: int, filling: bool
+) -> None:
+    want = [B3_PREFIX + blake3.blake3(b).digest() for b in blobs]
+    if filling:
+        outs = [bytearray(len(b)) for b in blobs]
+        got = hashpool.submit(outs, B3_PREFIX, threads, b"".join(blobs), hash=hashpool.BLAKE3).result()
+        assert outs == blobs
+    else:
+        got = hashpool.submit(blobs, B3_PREFIX, threads, hash=hashpool.BLAKE3).result()
+    assert got == want == [BLAKE.raw(b) for b in blobs]
+
+
+@settings(max_examples=30, deadline=None)
+@given(plan=st.lists(st.tuples(st.booleans(), st.sampled_from([100, 5000, 64 * 1024, 1 << 20]),
+                               st.integers(1, 17)), max_size=10),
+       threads=st.integers(0, 3), seed=st.integers(0, 2**32 - 1))
+def test_jobs_of_both_hashes_queued_together_each_get_their_own_hash(
+    plan: list[tuple[bool, int, int]], threads: int, seed: int
+) -> None:
+    """SHA-256 jobs of buffers of one length (groups, taken across the queue's jobs) or of short
+    ones (lanes), queued between BLAKE3 jobs of the same lengths: no group or lane takes a
+    BLAKE3 job's buffers, and each job gets its own hash's CIDs."""
+    rng = np.random.default_rng(seed)
+    jobs, wants = [], []
+    for is_blake3, length, count in plan:
+        blobs = [rng.bytes(length) for _ in range(count)]
+        if is_blake3:
+            jobs.append(hashpool.submit(blobs, B3_PREFIX, threads, hash=hashpool.BLAKE3))
+            wants.append([B3_PREFIX + blake3.blake3(b).digest() for b in blobs])
+        else:
+            jobs.append(hashpool.submit(blobs, PREFIX, threads))
+            wants.append([PREFIX + hashlib.sha256(b).digest() for b in blobs])
+    assert [job.result() for job in jobs] == wants
+
+
+def test_a_hash_the_pool_does_not_know_is_refused() -> None:
+    with pytest.raises(ValueError, match="hash must be"):
+        hashpool.submit([b"x"], PREFIX, 1, hash=0x13)
+    assert hashpool.submit([b"x"], PREFIX, 1, hash=hashpool.SHA2_256).result() == [SHA.raw(b"x")]
 
 
 @pytest.mark.parametrize("hash_name", ["sha2-256", "blake3"])
@@ -328,6 +415,42 @@ def test_chunks_of_large_arrays_hashed_on_the_pool_make_the_same_tree(
     with cas_ckpt.open(tmp_path / "none") as repo, pytest.raises(CorruptBlock) as info:
         repo.load("main")
     assert cidlib.to_str(victim) in str(info.value)
+
+
+@pytest.mark.parametrize("hash_name", ["sha2-256", "blake3"])
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_repository_of_either_hash_saves_and_checks_its_loads_on_the_pool(
+        tmp_path: Path, backend: str, hash_name: str, mmap: bool) -> None:
+    """Large arrays (chunks of 1 MiB and a tail) and small ones: a save hashes them on the pool
+    (blake3's count says so), to the CIDs hashlib and the blake3 package give; a verified load,
+    copied or mapped, checks every chunk there and names a damaged one."""
+    rng = np.random.default_rng(5)
+    state = {"big": rng.standard_normal(700_000).astype(np.float32),
+             "small": {f"p{i}": rng.standard_normal(int(n)).astype(np.float32)
+                       for i, n in enumerate(rng.integers(300, 4000, 40))}}
+    pooled = backend == "pool"
+    before = hashpool.blake3_hashed()
+    with cas_ckpt.open(tmp_path / "r", hash=hash_name) as repo:
+        repo.save(state, ref="main")
+        data = memoryview(state["big"]).cast("B")  # type: ignore[arg-type]
+        chunks = [repo.hasher.raw(bytes(data[i : i + (1 << 20)])) for i in range(0, data.nbytes, 1 << 20)]
+        assert all(repo.blocks.has(c) for c in chunks)
+    saved_on_pool = hashpool.blake3_hashed() - before
+    assert saved_on_pool >= (len(chunks) + 40 if pooled and hash_name == "blake3" else 0)
+    assert saved_on_pool <= (0 if not pooled or hash_name != "blake3" else 10_000)
+    with cas_ckpt.open(tmp_path / "r", verify=True) as repo:
+        before = hashpool.blake3_hashed()
+        loaded = repo.load("main", mmap=mmap)
+        checked = hashpool.blake3_hashed() - before
+        assert loaded["big"].tobytes() == state["big"].tobytes()
+        assert all(loaded["small"][k].tobytes() == v.tobytes() for k, v in state["small"].items())  # type: ignore[attr-defined]
+        assert (checked >= len(chunks) + 40) == (pooled and hash_name == "blake3")
+        path, offset, _ = repo.blocks.locate(chunks[1])
+    del loaded  # a mapped array holds its pack open
+    flip_byte(path, offset + 4321)
+    with cas_ckpt.open(tmp_path / "r", verify=True) as repo, pytest.raises(CorruptBlock) as info:
+        repo.load("main", mmap=mmap)
+    assert cidlib.to_str(chunks[1]) in str(info.value)
 
 
 def test_a_damaged_small_block_with_a_good_copy_elsewhere_loads_right(

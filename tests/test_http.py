@@ -204,6 +204,11 @@ def test_a_token_guards_every_route(tmp_path: Path, http: urllib3.PoolManager,
             assert r.status == 401 and r.headers["WWW-Authenticate"].startswith("Bearer"), route
             assert get(http, server.url + route, Authorization="Bearer wrong").status == 401
         assert get(http, f"{server.url}/refs", Authorization="Bearer s3cret").status == 200
+        # the browser's ways to present it, through the same check: its cookie, a first visit's query
+        assert get(http, f"{server.url}/refs", Cookie="cas_ckpt_token=s3cret").status == 200
+        assert get(http, f"{server.url}/refs", Cookie="cas_ckpt_token=wrong").status == 401
+        assert get(http, f"{server.url}/refs?token=s3cret").status == 200
+        assert get(http, f"{server.url}/ui/api/runs?token=wrong").status == 401
         with pytest.raises(RemoteError, match="needs a token"):
             cas_ckpt.open(server.url)
         with cas_ckpt.open(server.url, storage_options={"token": "s3cret"}) as remote:
@@ -389,8 +394,8 @@ def test_a_server_killed_mid_transfer_is_an_error_not_a_hang(tmp_path: Path) -> 
     with cas_ckpt.open(tmp_path / "repo") as repo:
         big = {"w": np.random.default_rng(9).random(16 * 262_144, np.float32)}  # 16 MiB
         root = repo.save(big)
-    server = ServerProcess(tmp_path / "repo")
-    with cas_ckpt.open(server.url, storage_options={**FAST, "workers": 2}) as remote:
+    with serve_process(tmp_path / "repo") as server, \
+            cas_ckpt.open(server.url, storage_options={**FAST, "workers": 2}) as remote:
         started = threading.Event()
         original = remote.blocks.get_into
 

@@ -236,6 +236,37 @@ class TestS3Store(PackedStoreTests):
                 store.get(victim)
             assert store.bucket.uploads("") == []  # the refused multipart upload was aborted
 
+    @pytest.mark.parametrize("size", [3000, 1024 * 1024], ids=["one PUT", "multipart"])
+    def test_a_create_refused_for_an_object_deleted_since_is_made_again(
+        self, s3_url: str, tmp_path: Path, size: int
+    ) -> None:
+        """As a local link would: a content-named object (a commit-graph layer two merges write)
+        that exists when S3 refuses the create and is deleted by another writer before the
+        check is created again; put_file raised "refused to create ... and it does not exist"
+        (test_commit_graph_faults on S3, long mode)."""
+        body = tmp_path / "layer"
+        body.write_bytes(bytes(range(256)) * (size // 256))
+        with closing(S3Store(s3_url, part_size=5 * 2**20)) as store:
+            bucket = store.bucket
+            assert bucket.put_file("graph/x", body, part_size=5 * 2**20) is True
+            refused = []
+
+            def delete_after_refusal(http_response: Any, parsed: Any, **_: Any) -> None:
+                if http_response.status_code == 412 and not refused:  # the other writer's merge
+                    refused.append(True)
+                    bucket.client.delete_object(Bucket=bucket.bucket, Key=bucket.prefix + "graph/x")
+
+            events = bucket.client.meta.events
+            for op in ("PutObject", "CompleteMultipartUpload"):
+                events.register(f"after-call.s3.{op}", delete_after_refusal)
+            try:
+                assert bucket.put_file("graph/x", body, part_size=5 * 2**20) is True
+            finally:
+                for op in ("PutObject", "CompleteMultipartUpload"):
+                    events.unregister(f"after-call.s3.{op}", delete_after_refusal)
+            assert refused and bucket.get("graph/x")[0] == body.read_bytes()  # type: ignore[index]
+            assert bucket.uploads("") == []
+
     def test_delete_rewrites_a_pack_with_the_survivors(self, s3_url: str) -> None:
         blocks = dict(raw_block(i, 5000) for i in range(10))
         with closing(S3Store(s3_url)) as store, store.writer() as writer:

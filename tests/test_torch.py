@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -11,8 +13,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cas_ckpt
+from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import MapLocationError
 
 torch = pytest.importorskip("torch")
@@ -330,6 +335,28 @@ def test_a_bfloat16_checkpoint_loads_in_a_fresh_process(tmp_path: Path) -> None:
     assert out.split("\n")[:2] == ["False torch.float32", "torch.bfloat16 [0.0, 1.0, 2.0, 3.0] [0.0, 1.0]"]
 
 
+def test_tensors_of_numpys_dtypes_save_and_load_without_importing_ml_dtypes(tmp_path: Path) -> None:
+    """ml_dtypes' import (0.5-1.4 s) is paid only by a state holding bfloat16 or float8."""
+    out = _run(
+        """
+        import sys
+        import torch
+        import cas_ckpt
+        repo = cas_ckpt.open("r")
+        state = {"tiny": torch.ones(3), "small": {f"p{i}": torch.ones(300) for i in range(100)},
+                 "big": torch.arange(100_000, dtype=torch.int64), "flag": torch.tensor(True)}
+        repo.save(state)
+        loaded = repo.load()
+        assert all(type(v) is torch.Tensor for v in [*loaded["small"].values(), loaded["big"]])
+        print("ml_dtypes" in sys.modules)
+        repo.save({"b": torch.ones(3, dtype=torch.bfloat16)})
+        print(repo.load()["b"].dtype, "ml_dtypes" in sys.modules)
+        """,
+        tmp_path,
+    )
+    assert out.split() == ["False", "torch.bfloat16", "True"]
+
+
 def test_works_with_torch_blocked_and_reads_torch_checkpoints_as_numpy(tmp_path: Path) -> None:
     with cas_ckpt.open(tmp_path / "repo") as repo:
         repo.save({"t": torch.arange(4, dtype=torch.bfloat16), "i": torch.arange(3)}, ref="torch")
@@ -467,3 +494,205 @@ def test_a_module_or_optimizer_passed_as_state_says_to_save_its_state_dict() -> 
             repo.save({"x": object()})
         assert "state_dict" not in str(info.value)
         assert repo.refs() == {}
+
+
+# -- many small tensors at the cost of numpy arrays (issue #41) ------------------------------
+def _small_tensor(kind: str, n: int, seed: int) -> object:
+    """A value of a state dict: a plain small tensor (1-16 KiB, taken by its host array), one
+    the general path converts (bfloat16, strided, a Parameter needing grad), a tiny or a large
+    tensor, a numpy array beside them, or an int."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "plain":
+        return torch.randn(256 + n % 3800, generator=gen)
+    if kind == "int64":
+        return torch.randint(0, 1 << 40, (130 + n % 1900,), generator=gen)
+    if kind == "param":
+        return torch.nn.Parameter(torch.randn(300 + n % 3000, generator=gen))
+    if kind == "2d":
+        return torch.randn(4, 100 + n % 900, generator=gen)
+    if kind == "bf16":
+        return torch.randn(600 + n % 7000, generator=gen).to(torch.bfloat16)
+    if kind == "strided":
+        return torch.randn(2 * (300 + n % 1500), generator=gen)[::2]
+    if kind == "tiny":
+        return torch.randn(1 + n % 250, generator=gen)
+    if kind == "large":
+        return torch.randn(5000 + n % 20_000, generator=gen)
+    if kind == "numpy":
+        return np.random.default_rng(seed).standard_normal(300 + n % 3700).astype(np.float32)
+    return n
+
+
+def _same_value(got: object, want: object) -> bool:
+    if isinstance(want, torch.Tensor):
+        return (type(got) is torch.Tensor and got.dtype == want.dtype and got.shape == want.shape
+                and not got.requires_grad and bits(got) == bits(want))
+    if isinstance(want, np.ndarray):
+        return type(got) is np.ndarray and got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    return got == want
+
+
+KINDS = ["plain", "plain", "plain", "int64", "param", "2d", "bf16", "strided", "tiny", "large", "numpy",
+         "int"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(containers=st.lists(st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 10_000)),
+                                    min_size=1, max_size=40), min_size=1, max_size=4),
+       compiled=st.booleans())
+def test_small_tensors_store_the_tree_the_tensor_by_tensor_path_stores(
+    containers: list[list[tuple[str, int]]], compiled: bool
+) -> None:
+    """Dicts of tensors taken by their host arrays (plain ones kept bare, a container's kind in
+    their headers, encoded in one loop where the compiled encoding is built) store the very
+    blocks a save that converts each tensor through the adapter stores; numpy arrays beside them
+    keep their own kind. Each value loads back as itself."""
+    from cas_ckpt import _small, tree
+
+    state = {"c": [{f"k{i}": _small_tensor(kind, n, i) for i, (kind, n) in enumerate(items)}
+                   for items in containers]}
+    roots = []
+    for fast in (True, False):
+        with pytest.MonkeyPatch.context() as patched:
+            if not compiled:
+                patched.setattr(_small, "_headers", None)
+            if not fast:  # every tensor through adapter_for and _prepare_array, one at a time
+                patched.setattr(tree, "_plain_adapter", lambda kind: None)
+            with cas_ckpt.open("memory://") as repo:
+                repo.save(state, ref="main")
+                roots.append(next(iter(repo.log("main"))).tree)
+                loaded = repo.load("main")
+        for got, want in zip(loaded["c"], state["c"], strict=True):
+            assert got.keys() == want.keys()
+            assert all(_same_value(got[k], want[k]) for k in want)
+    assert roots[0] == roots[1]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_whole_containers_of_either_kind_in_one_save_keep_their_own_kinds(compiled: bool) -> None:
+    """A dict of small numpy arrays and a dict of small tensors of the same dtype, both encoded
+    in one loop in one save: each container's headers say its own kind."""
+    from cas_ckpt import _small, tree
+
+    state = {"numpy": {f"p{i}": np.full(300 + i, i, np.float32) for i in range(80)},
+             "torch": {f"p{i}": torch.full((300 + i,), float(i)) for i in range(80)}}
+    roots = []
+    for fast in (True, False):
+        with pytest.MonkeyPatch.context() as patched:
+            if not compiled:
+                patched.setattr(_small, "_headers", None)
+            if not fast:
+                patched.setattr(tree, "_plain_adapter", lambda kind: None)
+            with cas_ckpt.open("memory://") as repo:
+                repo.save(state, ref="main")
+                roots.append(next(iter(repo.log("main"))).tree)
+                loaded = repo.load("main")
+        for name, container in state.items():
+            assert all(_same_value(loaded[name][k], v) for k, v in container.items()), name
+    assert roots[0] == roots[1]
+
+
+def _tensor_blocks(n: int) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(n)
+    blocks = [{f"p{j}": torch.randn(int(torch.randint(256, 4096, (1,), generator=gen)), generator=gen)
+               for j in range(100)} for _ in range(n)]
+    blocks[0]["n"] = np.arange(2000, dtype=np.float32)  # a numpy array among them stays one
+    blocks[1]["w"] = torch.randn(6, 300, generator=gen)
+    blocks[1]["i"] = torch.arange(1000, dtype=torch.int16)
+    return {"blocks": blocks}
+
+
+def _disjoint(tensors: list[torch.Tensor]) -> bool:
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+    return all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+
+
+def test_a_loads_small_tensors_are_made_in_one_loop_like_the_general_paths(
+        local_repo: cas_ckpt.Repository, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The small tensors of a dict come out of the compiled loop (one ``torch.from_numpy`` each,
+    over buffers the load's small arrays share): the dtype, shape, strides and bits the general
+    path gives, plain CPU tensors needing no grad, writable, none sharing memory with another."""
+    from cas_ckpt import tree
+
+    state = _tensor_blocks(3)
+    local_repo.save(state, ref="main")
+    made: list[object] = []
+    maker = tree._ADAPTERS["torch"].tensor_maker
+
+    def counted() -> object:
+        make = maker()  # type: ignore[misc]
+        return lambda array: made.append(array) or make(array)
+
+    counting = dataclasses.replace(tree._ADAPTERS["torch"], tensor_maker=counted)
+    monkeypatch.setitem(tree._ADAPTERS, "torch", counting)
+    fast = local_repo.load("main")
+    if tree._pick_small is not None:
+        assert len(made) == 3 * 100 + 2  # every small tensor, not the numpy array
+    monkeypatch.setattr(tree.TreeReader, "_tensor_maker", lambda self: ())
+    general = local_repo.load("main")
+    tensors = []
+    for got, other, want in zip(fast["blocks"], general["blocks"], state["blocks"], strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert _same_value(got[key], value) and _same_value(other[key], value), key
+            if isinstance(value, torch.Tensor):
+                assert got[key].stride() == other[key].stride() == value.stride()
+                assert got[key].device.type == "cpu" and got[key].is_contiguous()
+                tensors.append(got[key])
+    assert _disjoint(tensors)
+    before = [bits(t) for t in tensors]
+    for t in tensors[::7]:
+        t += 1  # writable, without a warning (filterwarnings = error)
+    changed = {i for i, t in enumerate(tensors) if bits(t) != before[i]}
+    assert changed == set(range(0, len(tensors), 7))
+
+
+def test_small_tensors_placed_by_map_location_take_the_general_path(local_repo: cas_ckpt.Repository) -> None:
+    """A map_location moves each tensor at once, so the bytes must be there first: those loads
+    do not take the loop whose reads finish later."""
+    state = _tensor_blocks(2)
+    local_repo.save(state, ref="main")
+    for where in ("cpu", {"cpu": "cpu"}):
+        loaded = local_repo.load("main", map_location=where)
+        for got, want in zip(loaded["blocks"], state["blocks"], strict=True):
+            assert all(_same_value(got[k], v) for k, v in want.items())
+
+
+def test_the_loop_takes_only_small_arrays_of_its_kind_in_the_machines_byte_order() -> None:
+    from cas_ckpt import _headers, tree
+    from cas_ckpt.codec import Link, Tagged
+
+    cid = cidlib.prefix(cidlib.RAW, cidlib.SHA2_256) + bytes(32)
+
+    def header(dtype: str, kind: str | None) -> Tagged:
+        fields = {"dtype": dtype, "shape": [400], **({"kind": kind} if kind else {}),
+                  "chunk_size": 4096, "chunks": [Link(cid)]}
+        return Tagged(tree.NDARRAY, fields)
+
+    items = {"t": header("<f4", "torch"), "n": header("<f4", None), "other": header("<f4", "jax"),
+             "swapped": header(">f4", "torch"), "numpy-swapped": header(">f4", None)}
+    out, cids, arrays, rest = tree._pick_small(items, [None, 0, 0], "torch", torch.from_numpy)
+    assert type(out["t"]) is torch.Tensor and type(out["n"]) is np.ndarray
+    assert rest == ["other", "swapped"] and len(arrays) == len(cids) == 3
+    assert tree._pick_small(items, [None, 0, 0])[3] == ["t", "other", "swapped"]
+    with pytest.raises(TypeError, match="come together"):
+        _headers.pick_small(items, Tagged, tree.NDARRAY, {}, 16384, [None, 0, 0], "torch")
+
+
+def test_host_array_takes_only_what_tensor_to_numpy_gives_as_a_view() -> None:
+    """One call for a plain CPU tensor of a numpy dtype (a view of it); None for every tensor
+    the general conversion must look at."""
+    from cas_ckpt.integrations import torch as adapter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        others = [torch.ones(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.complex32),
+                  torch.ones(3, dtype=torch.complex64).conj(), torch.ones(2, device="meta"),
+                  torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), torch.eye(2).to_sparse()]
+    assert all(adapter.host_array(t) is None for t in others)
+    plain = [torch.arange(5.0), torch.nn.Parameter(torch.ones(3)), torch.ones(4, 4)[:, ::2], torch.tensor(2)]
+    for t in plain:
+        array = adapter.host_array(t)
+        want = adapter.tensor_to_numpy(t, "x")[0]
+        assert array is not None and array.dtype == want.dtype and array.shape == want.shape
+        assert array.__array_interface__["data"][0] == t.data_ptr()

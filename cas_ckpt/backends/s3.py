@@ -43,6 +43,7 @@ WORKERS = 16  # parallel requests per bucket (uploads, downloads, index reads)
 MAX_ATTEMPTS = 6  # boto3 "standard" retries (5xx, throttling, connection errors), backoff <= 20 s
 STREAM_ATTEMPTS = 4  # a response body cut short (reset, timeout) is fetched again this often
 _CONFLICT = ("PreconditionFailed", "ConditionalRequestConflict")
+CREATE_ATTEMPTS = 4  # creates refused while nothing holds the key, before put_file gives up
 _ALIASES = {"404": "NoSuchKey", "NotFound": "NoSuchKey", "412": "PreconditionFailed"}
 
 
@@ -404,7 +405,19 @@ class S3Bucket:
 
         With ``create`` (the default) only if absent: returns False if the object already existed
         (nothing was written). Without it the object is replaced, atomically as S3 does.
+        A create S3 refuses although no object is there when asked (a conflict with a concurrent
+        writer of the key, or an object deleted since the refusal) is tried again: the key is
+        free, as a local ``link`` would find it.
         """
+        for _ in range(CREATE_ATTEMPTS):
+            created = self._put_file_once(key, path, part_size, create)
+            if created is not None:
+                return created
+        raise RepositoryError(f"S3 refused to create {self.where(key)} {CREATE_ATTEMPTS} times, "
+                              "and it does not exist")
+
+    def _put_file_once(self, key: str, path: Path, part_size: int, create: bool) -> bool | None:
+        """:meth:`put_file`'s one attempt; None when a create was refused and nothing is there."""
         size = path.stat().st_size
         if size <= part_size:
             with open(path, "rb") as body:  # streamed (and rewound for a retry), not read whole
@@ -422,12 +435,11 @@ class S3Bucket:
                 self.abort_upload(key, upload)
             raise
 
-    def _created(self, key: str, etag: str | None) -> bool:
+    def _created(self, key: str, etag: str | None) -> bool | None:
+        """True if written; else False if the object exists, None if it does not."""
         if etag is not None:
             return True
-        if self.head(key) is None:  # a 409 conflict with a concurrent writer, not an existing object
-            raise RepositoryError(f"S3 refused to create {self.where(key)} and it does not exist")
-        return False
+        return False if self.head(key) is not None else None
 
     def _upload_part(self, key: str, upload: str, n: int, path: Path, part_size: int) -> dict[str, Any]:
         with open(path, "rb") as f:
@@ -437,7 +449,7 @@ class S3Bucket:
                        Body=data)
         return {"PartNumber": n + 1, "ETag": r["ETag"]}
 
-    def _complete(self, key: str, upload: str, parts: list[dict[str, Any]], *, create: bool) -> bool:
+    def _complete(self, key: str, upload: str, parts: list[dict[str, Any]], *, create: bool) -> bool | None:
         condition = {"IfNoneMatch": "*"} if create and not self.unsafe else {}
         if create and self.unsafe and self.head(key) is not None:
             self.abort_upload(key, upload)
@@ -447,7 +459,7 @@ class S3Bucket:
                        **condition)
         if not isinstance(r, str):
             return True
-        if r != "NoSuchUpload":  # it exists: an identical object (or a conflict _created reports)
+        if r != "NoSuchUpload":  # it exists (False), or the create was refused with nothing there (None)
             with contextlib.suppress(RepositoryError):
                 self.abort_upload(key, upload)
             return self._created(key, None)

@@ -10,7 +10,8 @@ Routes (the protocol is specified in ``docs/format.md``, "HTTP"):
   ``cas-ckpt export`` writes), ``entity`` or ``block``; memory stays a few blocks whatever its size;
 * ``/refs``, ``/refs/{name}``, ``/resolve/{target}``, ``/log/{target}``, ``/reflog/{name}``,
   ``/pins``, ``/config``: JSON;
-* ``/ipns/...``: 501.
+* ``/ipns/...``: 501;
+* ``/`` and ``/ui/...``: the browser view (:mod:`cas_ckpt.web`): pages, assets and its JSON API.
 
 aiohttp serves it: one asyncio loop holds any number of slow clients without a thread each, and
 ``StreamResponse.write`` waits for the socket to drain, so a stream never runs ahead of its
@@ -68,14 +69,18 @@ _OTHER_FORMATS = {"tar", "dag-json", "dag-cbor", "json", "cbor", "ipns-record"}
 _FORMATS = {"raw": RAW, "car": CAR}
 IDENTITY_EMPTY = "bafkqaaa"  # the spec's probe: the identity CID of no bytes
 
+TOKEN_COOKIE = "cas_ckpt_token"  # the browser's token, set from ``/?token=T`` on its first visit
 REPO = web.AppKey("repo", Repository)
 READS = web.AppKey("reads", ThreadPoolExecutor)
 T = TypeVar("T")
 
 
 def make_app(repo: Repository, *, token: str | None = None) -> web.Application:
-    """The server's application for ``repo``; with ``token`` every route (added here or later by
-    other modules) answers 401 unless the request carries ``Authorization: Bearer <token>``."""
+    """The server's application for ``repo``: the gateway, the JSON API and the browser view.
+    With ``token`` every route (added here or later by other modules) answers 401 unless the
+    request presents it (see :func:`presented_token`)."""
+    from cas_ckpt.web import add_browser_routes  # the web layer builds on this module
+
     app = web.Application(middlewares=[_require_token(token)] if token else [])
     app[REPO] = repo
     app[READS] = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="cas_ckpt-serve")
@@ -90,6 +95,7 @@ def make_app(repo: Repository, *, token: str | None = None) -> web.Application:
     app.router.add_get(r"/reflog/{name:.+}", reflog)
     app.router.add_get("/pins", pins)
     app.router.add_get("/config", config)
+    add_browser_routes(app, repo)
     return app
 
 
@@ -97,15 +103,27 @@ async def _stop_reads(app: web.Application) -> None:
     app[READS].shutdown(wait=False, cancel_futures=True)
 
 
+def presented_token(request: web.Request) -> str | None:
+    """The token a request presents: ``Authorization: Bearer T``; else the browser's cookie
+    (:data:`TOKEN_COOKIE`); else a ``token`` query parameter (a browser's first visit,
+    ``/?token=T``, which the page answers by setting the cookie). None if none."""
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return request.cookies.get(TOKEN_COOKIE) or request.query.get("token") or None
+
+
 def _require_token(token: str) -> Any:
-    expected = f"Bearer {token}".encode()
+    """The one check of the token, for every route: constant-time compare."""
+    expected = token.encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
+        given = (presented_token(request) or "").encode()
         if not hmac.compare_digest(given, expected):
-            raise web.HTTPUnauthorized(text="this server needs Authorization: Bearer <token>\n",
+            raise web.HTTPUnauthorized(text="this server needs a token: Authorization: Bearer <token> "
+                                            "(a browser: open /?token=<token> once)\n",
                                        headers={"WWW-Authenticate": 'Bearer realm="cas_ckpt"'})
         return await handler(request)
 

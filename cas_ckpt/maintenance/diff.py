@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import DecodeError, OutOfMemory, PathNotFound
+from cas_ckpt.maintenance.tensors import change_norms
 from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.paths import select
 from cas_ckpt.tree import NDARRAY, TUPLE, TreeReader, join_path
@@ -18,12 +18,18 @@ from cas_ckpt.tree import NDARRAY, TUPLE, TreeReader, join_path
 
 @dataclass
 class Change:
-    """A value present in both checkpoints whose content differs."""
+    """A value present in both checkpoints whose content differs.
+
+    For two arrays of one shape: ``max_abs`` (the largest ``|a-b|``), ``l2`` (``‖a-b‖``),
+    ``a_norm`` (``‖a‖``) and ``relative`` (``‖a-b‖ / ‖a‖``), streamed from both sides' chunks.
+    """
 
     path: str
     detail: str
     max_abs: float | None = None
     l2: float | None = None
+    a_norm: float | None = None
+    relative: float | None = None
 
 
 FOLD_AT = 16  # listings show a list or tuple of more plain scalars than this as one value
@@ -79,6 +85,11 @@ class DiffReport:
     @property
     def identical(self) -> bool:
         return not (self.added or self.removed or self.changed)
+
+    def by_tensor(self) -> list[Change]:
+        """The changed arrays that carry norms, largest relative change first (NaN before all)."""
+        arrays = [c for c in self.changed if c.relative is not None]
+        return sorted(arrays, key=lambda c: (not math.isnan(c.relative or 0.0), -(c.relative or 0.0)))
 
 
 def leaves(reader: TreeReader, value: Any, path: str = "") -> dict[str, Any]:
@@ -167,20 +178,14 @@ def _change(reader: TreeReader, path: str, old: Any, new: Any) -> Change:
         return Change(path, f"{old.kind} -> {new.kind}")
     if _is_array(old) and _is_array(new):
         ha, hb = old.value, new.value
+        detail = "array values changed"
         if ha.get("dtype") != hb.get("dtype") or ha.get("shape") != hb.get("shape"):
-            return Change(
-                path, f"array {ha.get('dtype')}{ha.get('shape')} -> {hb.get('dtype')}{hb.get('shape')}"
-            )
-        x = np.asarray(reader.load(old))
-        y = np.asarray(reader.load(new))
-        delta = np.abs(x.astype(np.complex128 if x.dtype.kind == "c" else np.float64)
-                       - y.astype(np.complex128 if y.dtype.kind == "c" else np.float64))
-        return Change(
-            path,
-            "array values changed",
-            max_abs=float(delta.max()) if delta.size else 0.0,
-            l2=float(np.sqrt(np.sum(delta.astype(np.float64) ** 2))),
-        )
+            detail = f"array {ha.get('dtype')}{ha.get('shape')} -> {hb.get('dtype')}{hb.get('shape')}"
+            if ha.get("shape") != hb.get("shape"):
+                return Change(path, detail)
+        norms = change_norms(reader, old, new)
+        return Change(path, detail, max_abs=norms.max_abs, l2=norms.l2, a_norm=norms.a_norm,
+                      relative=norms.relative)
     return Change(path, f"{_short(reader, old)} -> {_short(reader, new)}")
 
 

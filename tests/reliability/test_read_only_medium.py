@@ -37,8 +37,8 @@ def _mount(*argv: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A read-only tmpfs holding a repository: refs ``main`` (two steps) and ``other``, a pin, and
-    the kept reflog of deleted ref ``gone``."""
+    """A read-only tmpfs holding a repository: refs ``main`` (two steps) and ``other``, a pin,
+    and the kept reflog of deleted ref ``gone``."""
     if os.geteuid() != 0:
         pytest.skip("mounting a read-only filesystem needs root")
     where = tmp_path_factory.mktemp("ro-medium")
@@ -54,7 +54,7 @@ def medium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             repo.save({"v": 1}, ref="other")
             repo.pin("other")
             repo.save({"v": 2}, ref="gone")
-            repo.delete_ref("gone")  # its reflog is kept: restore_ref and drop_reflog have work
+            repo.delete_ref("gone")
         remounted = _mount("-o", "remount,ro", str(where))
         assert remounted.returncode == 0, remounted.stderr
         with pytest.raises(OSError):
@@ -76,13 +76,14 @@ def _documented_read_only_commands() -> list[str]:
 def _cli_runs(out: Path, chunk: str) -> dict[str, list[list[str]]]:
     """How each reading command is run (each must exit 0, or 1 where it reports differences)."""
     return {
-        "log": [["log"], ["log", "other"]],
+        "log": [["log"], ["log", "other"], ["log", "--graph"]],
         "show": [["show", "main"]],
         "ls": [["ls", "main"]],
         "cat": [["cat", chunk]],
         "refs": [["refs"], ["refs", "--json"]],
         "du": [["du"], ["du", "--json", "--by-ref"]],
-        "diff": [["diff", "main~1", "main"]],
+        "diff": [["diff", "main~1", "main"], ["diff", "main~1", "main", "--by-tensor"]],
+        "stats": [["stats", "main", "model"], ["stats", "main", "--find-nonfinite"]],
         "fsck": [["fsck"]],
         "export": [["export", "main", "-o", str(out / "main.car")],
                    ["export", "main", "-o", str(out / "m.safetensors"), "--path", "model"]],
@@ -128,13 +129,15 @@ READS: dict[str, Call] = {
     "forks": lambda r, _: r.forks(list(r.log())),
     "refs": lambda r, _: r.refs(),
     "reflog": lambda r, _: r.reflog("main"),
+    "run_refs": lambda r, _: r.run_refs("main"),
     "pins": lambda r, _: r.pins(),
     "gc": lambda r, _: r.gc(dry_run=True),
     "fsck": lambda r, _: r.fsck(),
     "stats": lambda r, _: r.stats(),
     "upkeep_status": lambda r, _: r.upkeep_status(),
-    "run_refs": lambda r, _: r.run_refs("main"),
     "diff": lambda r, _: r.diff("main~1", "main"),
+    "graph": lambda r, _: r.graph(),
+    "find_nonfinite": lambda r, _: r.find_nonfinite("main"),
     "push": lambda r, out: r.push(out / "pushed"),
     "export_car": lambda r, out: r.export_car("main", out / "x.car"),
     "export_safetensors": lambda r, out: r.export_safetensors("main", out / "m.safetensors", path="model"),
@@ -150,11 +153,11 @@ WRITES: dict[str, Call] = {
     "set_compression": lambda r, _: r.set_compression("zstd"),
     "set_ref": lambda r, _: r.set_ref("new", "main"),
     "delete_ref": lambda r, _: r.delete_ref("other"),
+    "upkeep": lambda r, _: r.upkeep(force=True),
+    "rename_ref": lambda r, _: r.rename_ref("other", "renamed"),
     "delete_run": lambda r, _: r.delete_run("main"),
     "restore_ref": lambda r, _: r.restore_ref("gone"),
     "drop_reflog": lambda r, _: r.drop_reflog("gone"),
-    "upkeep": lambda r, _: r.upkeep(force=True),
-    "rename_ref": lambda r, _: r.rename_ref("other", "renamed"),
     "fork": lambda r, _: r.fork("main", "forked"),
     "pin": lambda r, _: r.pin("main"),
     "unpin": lambda r, _: r.unpin("other"),
