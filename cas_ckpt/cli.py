@@ -1001,7 +1001,8 @@ def cmd_upkeep(args: argparse.Namespace) -> int:
     else:
         done = ", ".join(report.ran) or "nothing was due"
         _print(f"ran: {done}; merged {report.packs_merged} packs into {report.packs_written} "
-               f"({human(report.bytes_copied)} copied) in {report.seconds:.2f} s")
+               f"({human(report.bytes_copied)} copied), {report.commits_added} commits into the "
+               f"commit graph in {report.seconds:.2f} s")
         if after is not None:
             _print(f"after: {_layout_line(after)}")
     return EXIT_OK

@@ -207,6 +207,21 @@ class History:
         return {cid: found[cid] for cid in wanted if cid in found}
 
     # -- keeping the graph up to date ----------------------------------------------------------
+    def behind(self) -> bool:
+        """Whether :meth:`update` has work, judged from what this process knows (no request): a
+        damaged layer, or a stored commit that a layer or a waiting commit names as a parent and
+        no layer holds (history older than the graph, which saves do not walk to)."""
+        graph = self.graph
+        if graph is None or not graph.loaded or self.blocks.read_only:
+            return False
+        with self._lock:
+            if graph.damaged:
+                return True
+            named = graph.frontier().union(
+                *(_parents(c, n) or () for c, n in self._pending.items()))
+            return any(cid not in self._pending and cid not in self._absent and not graph.covers(cid)
+                       and self.blocks.has(cid) for cid in named)
+
     def saved(self, heads: Iterable[bytes], written: Mapping[bytes, bytes]) -> None:
         """Refs moved to ``heads``; ``written``: the commit nodes the transaction stored. Takes
         them (and at most :data:`WALK_LIMIT` commits read back from them) into the graph, a layer

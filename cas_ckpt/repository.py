@@ -325,22 +325,25 @@ class Repository:
             self._auto_upkeep()
 
     def upkeep(self, *, force: bool = False) -> UpkeepReport:
-        """Merge small packs and write an index snapshot if due (every task with ``force``), as
-        saves do by themselves unless the repository was opened with ``upkeep=False``. Safe beside
-        saves, loads and GC in any process; one upkeep runs at a time (a second one returns a
-        report saying so). See ``docs/gc.md``, "Upkeep"."""
+        """Merge small packs, write an index snapshot and take stored history the commit graph
+        lacks into it, each if due (every task with ``force``), as saves do by themselves unless
+        the repository was opened with ``upkeep=False``. Safe beside saves, loads and GC in any
+        process; one upkeep runs at a time (a second one returns a report saying so). See
+        ``docs/gc.md``, "Upkeep"."""
         with self._writing():
             self._ensure_format()
-            return upkeep_run(self.blocks, self.refs_store, self.upkeep_policy, force=force)
+            return upkeep_run(self.blocks, self.refs_store, self.upkeep_policy, self.history, force=force)
 
     def upkeep_status(self) -> UpkeepStatus | None:
         """Packs, small packs, what an open reads besides the index snapshot, and which upkeep
         tasks are due (None for a store without packs)."""
-        return upkeep_status(self.blocks, self.refs_store, self.upkeep_policy)
+        return upkeep_status(self.blocks, self.refs_store, self.upkeep_policy, self.history)
 
     def _auto_upkeep(self) -> None:
         """Upkeep after a write, when due; its failure is logged, never raised (the write is done)."""
-        if not self.upkeep_policy.auto or not upkeep_due(self.blocks, self.refs_store, self.upkeep_policy):
+        if not self.upkeep_policy.auto or not upkeep_due(
+            self.blocks, self.refs_store, self.upkeep_policy, self.history
+        ):
             return
         try:
             self.upkeep()

@@ -207,19 +207,24 @@ def test_history_written_without_the_graph_is_taken_in_a_bounded_walk_per_save(
     local_repo: cas_ckpt.Repository,
 ) -> None:
     """A repository written by 0.2 (or by writers that never wrote a layer): each save reads at
-    most WALK_LIMIT commits of the old history, and resumes where the last one stopped."""
+    most WALK_LIMIT commits of the old history, and resumes where the last one stopped (upkeep,
+    off here, would take the rest in at once: tests/test_upkeep.py)."""
     plain = cas_ckpt.open(local_repo.location)
     plain.history.graph = None  # a writer without a commit graph
     save_many(plain, 3 * WALK_LIMIT + 7)
+    repo = cas_ckpt.open(local_repo.location, upkeep=False)
     covered = 0
     for i in range(5):
-        save_many(local_repo, 1, start=1000 + i)
-        now = len(graph(local_repo)) + len(local_repo.history._pending)
+        save_many(repo, 1, start=1000 + i)
+        now = len(graph(repo)) + len(repo.history._pending)
         assert now - covered <= WALK_LIMIT + 1
+        assert repo.history.behind() == (i < 3)  # 3 walks of 32 leave 7 of the 103 for the 4th
         covered = now
     assert covered == 3 * WALK_LIMIT + 7 + 5
-    assert graph(local_repo).frontier() <= set(local_repo.history._pending)  # nothing left behind
-    assert list(local_repo.log("main")) == from_blocks(local_repo, local_repo.resolve("main"))
+    assert graph(repo).frontier() <= set(repo.history._pending)  # nothing left behind
+    assert list(repo.log("main")) == from_blocks(repo, repo.resolve("main"))
+    repo.close()
+    plain.close()
 
 
 def test_update_takes_in_every_ref_and_pin_and_consolidates(repo: cas_ckpt.Repository) -> None:

@@ -58,7 +58,7 @@ def test_without_automatic_upkeep_nothing_is_tidied_until_asked(tmp_path: Path) 
         report = repo.upkeep()
         assert report.ran == ["consolidate-index"] and report.snapshot in index_files(repo)
         report = repo.upkeep(force=True)
-        assert report.ran == ["merge-small-packs", "consolidate-index"]
+        assert report.ran == ["merge-small-packs", "consolidate-index", "update-commit-graph"]
         assert report.packs_merged == 12 and report.packs_written == 1
         assert len(pack_files(repo)) == 1 and len(index_files(repo)) == 1
         assert [repo.load(cid)["step"] for cid in cids] == list(range(12))
@@ -108,7 +108,8 @@ def test_one_upkeep_at_a_time(tmp_path: Path) -> None:
             report = repo.upkeep(force=True)
         assert report.ran == [] and report.skipped is not None
         assert len(pack_files(repo)) == 3
-        assert repo.upkeep(force=True).ran == ["merge-small-packs", "consolidate-index"]
+        assert repo.upkeep(force=True).ran == ["merge-small-packs", "consolidate-index",
+                                               "update-commit-graph"]
 
 
 def test_a_failed_upkeep_never_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -123,6 +124,27 @@ def test_a_failed_upkeep_never_fails_the_save(tmp_path: Path, monkeypatch: pytes
         cid = repo.save(state(1))
         assert repo.resolve("main") == cid
     assert "upkeep of" in caplog.text and "No space left" in caplog.text
+
+
+def test_history_older_than_the_commit_graph_is_taken_in_by_upkeep(tmp_path: Path) -> None:
+    """History no layer holds (a writer without the graph: cas_ckpt 0.2) is taken in whole by
+    the upkeep of the first save that sees it, not a bounded walk per save."""
+    with cas_ckpt.open(tmp_path / "repo", upkeep=False) as plain:
+        plain.history.graph = None
+        saves(plain, 100)
+    with cas_ckpt.open(tmp_path / "repo", upkeep=False) as repo:
+        repo.save(state(100), step=100)
+        assert repo.history.behind()
+        assert "update-commit-graph" in repo.upkeep_status().due  # type: ignore[union-attr]
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        repo.save(state(101), step=101)  # its upkeep catches up
+        graph = repo.history.graph
+        assert graph is not None and not repo.history.behind()
+        assert len(graph) + len(repo.history._pending) == 102
+        assert [c.step for c in repo.log()] == list(range(101, -1, -1))
+        reads = []
+        repo.blocks.get = lambda cid, _get=repo.blocks.get: reads.append(cid) or _get(cid)  # type: ignore[method-assign]
+        assert len(list(repo.log())) == 102 and reads == []  # every commit from the graph
 
 
 class CountSaves:
@@ -149,7 +171,8 @@ def extra_task() -> Iterator[CountSaves]:
 
 
 def test_another_task_is_one_registration(extra_task: CountSaves) -> None:
-    assert [t.name for t in upkeep_module.TASKS][-2:] == ["count-saves", "consolidate-index"]
+    names = [t.name for t in upkeep_module.TASKS]
+    assert names[-3:] == ["count-saves", "consolidate-index", "update-commit-graph"]
     with pytest.raises(ValueError, match="exists"):
         upkeep_module.register(CountSaves())
     with cas_ckpt.open("memory://") as repo:

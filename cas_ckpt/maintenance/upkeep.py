@@ -3,11 +3,13 @@
 A repository written to for weeks piles up small packs (one per small save) and packs no index
 file covers yet (each a read at every open, a request on S3). Upkeep merges the small packs and
 writes a fresh snapshot of the index (:meth:`~cas_ckpt.blocks.PackedBlockStore.consolidate`), so
-that an open, a save and a read cost the same after ten thousand saves as after ten.
+that an open, a save and a read cost the same after ten thousand saves as after ten. It also
+brings the commit graph up to date where history no layer holds is stored (a repository 0.2 wrote,
+or a damaged layer), so that ``log`` and retention read a few files, not a block per commit.
 
 Each job is a :class:`Task`: a name, :meth:`Task.due` (judged from what the process already
 knows, without a request) and :meth:`Task.run`. :data:`TASKS` holds them in the order they run;
-:func:`register` adds one (a commit graph brought up to date is the next). A run takes the save
+:func:`register` adds one. A run takes the save
 lock shared, as a save does (GC waits for it; it deletes nothing a save could count on: a merged
 pack's blocks are all in the new pack first), and a lock of its own, ``"upkeep"``, taken only if
 free: one upkeep at a time per repository, and a save whose upkeep finds another one running
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from cas_ckpt.blocks.base import BlockStore, Layout
+from cas_ckpt.history import History
 from cas_ckpt.refs import RefStore
 
 SMALL_PACKS = 32  # merge once this many packs are small (git's gc.autoPackLimit is 50)
@@ -63,6 +66,7 @@ class Context:
     policy: Policy
     layout: Layout
     report: UpkeepReport
+    history: History | None = None  # the repository's commits; None: no commit-graph task
 
 
 class Task(Protocol):
@@ -87,6 +91,7 @@ class UpkeepReport:
     packs_written: int = 0
     bytes_copied: int = 0
     snapshot: str | None = None  # the index snapshot written
+    commits_added: int = 0  # commits taken into the commit graph
     seconds: float = 0.0
 
 
@@ -145,7 +150,22 @@ def uncovered_limit(context: Context) -> int:
     return UNCOVERED if getattr(cheap, "cheap_listing", True) else UNCOVERED_REMOTE
 
 
-TASKS: list[Task] = [MergeSmallPacks(), ConsolidateIndex()]
+class UpdateCommitGraph:
+    """Take the stored history no commit-graph layer holds into the graph, and rewrite what a
+    damaged layer held (:meth:`~cas_ckpt.history.History.update`). Saves add their own commits;
+    this catches up with history they do not walk to (a repository 0.2 wrote)."""
+
+    name = "update-commit-graph"
+
+    def due(self, context: Context) -> bool:
+        return context.history is not None and context.history.behind()
+
+    def run(self, context: Context) -> None:
+        assert context.history is not None
+        context.report.commits_added += context.history.update(context.refs).commits_added
+
+
+TASKS: list[Task] = [MergeSmallPacks(), ConsolidateIndex(), UpdateCommitGraph()]
 
 
 def register(task: Task, *, before: str | None = None) -> None:
@@ -156,12 +176,14 @@ def register(task: Task, *, before: str | None = None) -> None:
     TASKS.insert(at, task)
 
 
-def status(blocks: BlockStore, refs: RefStore, policy: Policy) -> UpkeepStatus | None:
+def status(
+    blocks: BlockStore, refs: RefStore, policy: Policy, history: History | None = None
+) -> UpkeepStatus | None:
     """Where the repository stands (None for a store without packs)."""
     layout = blocks.layout()
     if layout is None:
         return None
-    context = Context(blocks, refs, policy, layout, UpkeepReport())
+    context = Context(blocks, refs, policy, layout, UpkeepReport(), history)
     return UpkeepStatus(
         auto=policy.auto, packs=layout.packs, small_packs=layout.small_packs, pack_bytes=layout.bytes,
         snapshot=layout.snapshot, uncovered=layout.uncovered, damaged_indexes=layout.damaged_indexes,
@@ -169,13 +191,16 @@ def status(blocks: BlockStore, refs: RefStore, policy: Policy) -> UpkeepStatus |
     )
 
 
-def due(blocks: BlockStore, refs: RefStore, policy: Policy) -> bool:
+def due(blocks: BlockStore, refs: RefStore, policy: Policy, history: History | None = None) -> bool:
     """Whether any task is due (cheap: what this process knows)."""
-    found = status(blocks, refs, policy)
+    found = status(blocks, refs, policy, history)
     return found is not None and bool(found.due)
 
 
-def run(blocks: BlockStore, refs: RefStore, policy: Policy, *, force: bool = False) -> UpkeepReport:
+def run(
+    blocks: BlockStore, refs: RefStore, policy: Policy, history: History | None = None, *,
+    force: bool = False,
+) -> UpkeepReport:
     """Run every task that is due (every task, with ``force``), one upkeep at a time per
     repository; a run that finds another in progress does nothing and says so."""
     started = time.perf_counter()
@@ -189,7 +214,7 @@ def run(blocks: BlockStore, refs: RefStore, policy: Policy, *, force: bool = Fal
             layout = blocks.layout()
             if layout is None:
                 break
-            context = Context(blocks, refs, policy, layout, report)
+            context = Context(blocks, refs, policy, layout, report, history)
             if force or task.due(context):
                 task.run(context)
                 report.ran.append(task.name)
