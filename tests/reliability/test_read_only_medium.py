@@ -90,6 +90,7 @@ def _cli_runs(out: Path, chunk: str) -> dict[str, list[list[str]]]:
         "pin": [["pin"]],
         "reflog": [["reflog", "main"]],
         "gc": [["gc", "--dry-run"]],
+        "upkeep": [["upkeep", "--dry-run"], ["upkeep", "--dry-run", "--json"]],
         "push": [["push", str(out / "pushed")]],
         "clone": [],  # below: its source is the read-only repository
     }
