@@ -312,23 +312,12 @@ def run_child(tree: Path, name: str, *args: Any, env: dict[str, str] | None = No
 
 @contextlib.contextmanager
 def moto() -> Iterator[dict[str, str]]:
-    """A moto S3 server on a free loopback port; the environment that points clients at it."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "s3_server.py"), "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(600):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
-        yield {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-               "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-    finally:
-        proc.terminate()
-        proc.wait()
+    """A moto S3 server for the run (s3_bench's); the environment that points clients at it."""
+    from s3_bench import s3_server
+
+    with s3_server() as url:
+        yield {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+               "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def new_bucket(env: dict[str, str]) -> str:
