@@ -8,11 +8,15 @@ counted inside the child, at botocore's HTTP send (retries included). Measured:
 
 * **history**: one repository saved to again and again (a 20 KiB array that changes, a 256 KiB
   one that does not): at each point of ``--saves``, a fresh process's ``open`` (seconds, S3
-  requests, resident memory it added), the mean time and requests of the ten saves before that
-  point against saves 6-15, and (directory) the peak memory of a process that opens and runs
+  requests, resident memory it added), the time and requests of the ten saves before that
+  point against saves 6-15 (means, and medians: a mean takes in the upkeep some saves run), the
+  mean of the last 100, and (directory) the peak memory of a process that opens and runs
   ``gc()``;
-* **ranks**: an unchanged DCP save of a sharded state by R gloo ranks (``--ranks``) on S3, into
-  a repository with 40 saves of history: rank 0's seconds, and the requests of each rank;
+* **ranks**: a DCP job of R gloo ranks (``--ranks``) restarted on S3, on a repository with
+  ``--rank-history`` saves of history: each rank opens the repository and saves a sharded state
+  already stored (unchanged); the slowest rank's seconds, open alone and open plus save, the
+  CPU seconds of all ranks together (the cores they share bound the wall time), and each
+  rank's requests;
 * **blocks**: a repository of N blocks (``--blocks``, 256-byte raw blocks linked from list
   nodes, in packs of 10,000): ``open`` seconds and the memory it added per block, 10,000 new
   blocks put (each a dedup check against the index), and the peak memory of ``gc()`` with every
@@ -36,6 +40,7 @@ import os
 import resource
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,8 +54,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MiB = 1024 * 1024
 FULL = {"saves": [100, 1000, 10000], "ranks": [1, 2, 4, 8], "blocks": [10**4, 10**5, 10**6],
-        "mmap": [256, 1024, 4096]}
-QUICK = {"saves": [20, 100], "ranks": [1, 2], "blocks": [10**4, 10**5], "mmap": [256]}
+        "mmap": [256, 1024, 4096], "rank_history": [200]}
+QUICK = {"saves": [20, 100], "ranks": [1, 2], "blocks": [10**4, 10**5], "mmap": [256], "rank_history": [40]}
 
 
 # ============================================================================================
@@ -258,15 +263,20 @@ state = {"model": {k: DTensor.from_local(torch.chunk(v, world)[rank].clone(), me
                    for k, v in full.items()}, "step": 1}
 repo = cas_ckpt.open(location)
 dcp.save(state, storage_writer=Writer(repo, "dcp", step=1))  # the first save of this state
+repo.close()
 dist.barrier()
-before = sum(counter.values())
+# A job (re)started: each rank opens the repository, then saves what is already stored.
+before, cpu = sum(counter.values()), time.process_time()
 began = time.perf_counter()
+repo = cas_ckpt.open(location)
+opened, open_requests = time.perf_counter() - began, sum(counter.values()) - before
 dcp.save(state, storage_writer=Writer(repo, "dcp", step=2))  # unchanged
-seconds = time.perf_counter() - began
+seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
 requests = sum(counter.values()) - before
 dist.barrier()
 with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-    json.dump({"seconds": seconds, "requests": requests}, f)
+    json.dump({"seconds": seconds, "requests": requests, "open_seconds": opened,
+               "open_requests": open_requests, "cpu_seconds": cpu}, f)
 dist.destroy_process_group()
 repo.close()
 sys.stdout.flush()
@@ -274,12 +284,14 @@ os._exit(0)  # skip torch's teardown, which now and then aborts after passing (t
 """
 
 
-def child_ranks(location: str, world: int, folder: str) -> dict[str, Any]:
-    """An unchanged DCP save by ``world`` ranks into ``location`` (40 saves of history first)."""
+def child_ranks(location: str, world: int, folder: str, history: int) -> dict[str, Any]:
+    """A DCP job of ``world`` ranks restarted on ``location`` (``history`` saves first): each
+    rank opens the repository and saves what is already stored. The slowest rank's seconds
+    (open included) and each rank's requests."""
     import cas_ckpt
 
     with cas_ckpt.open(location) as repo:
-        for i in range(40):
+        for i in range(history):
             repo.save(history_state(i), ref="history", step=i)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -292,7 +304,11 @@ def child_ranks(location: str, world: int, folder: str) -> dict[str, Any]:
         if proc.returncode:
             raise RuntimeError(output.decode(errors="replace")[-3000:])
     ranks = [json.loads((Path(folder) / f"rank-{r}.json").read_text()) for r in range(world)]
-    return {"seconds": ranks[0]["seconds"], "requests_per_rank": [r["requests"] for r in ranks]}
+    return {"seconds": ranks[0]["seconds"], "slowest_seconds": max(r["seconds"] for r in ranks),
+            "open_seconds": max(r["open_seconds"] for r in ranks),
+            "cpu_seconds": sum(r["cpu_seconds"] for r in ranks),
+            "requests_per_rank": [r["requests"] for r in ranks],
+            "open_requests_per_rank": [r["open_requests"] for r in ranks]}
 
 
 CHILDREN = {"history": child_history, "open": child_open, "gc": child_gc, "blocks_build": child_blocks_build,
@@ -336,6 +352,10 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
 def history_curve(tree: Path, location: str, points: list[int], env: dict[str, str] | None,
                   gc: bool, log: Any) -> list[dict[str, Any]]:
     rows, done, per_save = [], 0, {"seconds": [], "requests": []}  # type: ignore[var-annotated]
@@ -349,6 +369,10 @@ def history_curve(tree: Path, location: str, points: list[int], env: dict[str, s
                "save_seconds_late": mean(per_save["seconds"][point - 10 : point]),
                "save_requests_early": mean(per_save["requests"][5:15]),
                "save_requests_late": mean(per_save["requests"][point - 10 : point]),
+               "save_seconds_median_early": median(per_save["seconds"][5:15]),
+               "save_seconds_median_late": median(per_save["seconds"][point - 10 : point]),
+               "save_seconds_mean_last_100": mean(per_save["seconds"][max(0, point - 100) : point]),
+               "save_requests_mean_last_100": mean(per_save["requests"][max(0, point - 100) : point]),
                "save_seconds_max_late": max(per_save["seconds"][max(0, point - 100) : point]),
                "open": run_child(tree, "open", location, env=env)}
         if gc:
@@ -370,7 +394,8 @@ def measure_side(tree: Path, sizes: dict[str, list[int]], work: Path, s3_env: di
     for world in sizes["ranks"]:
         folder = work / f"ranks-{world}"
         folder.mkdir()
-        result = run_child(tree, "ranks", new_bucket(s3_env), world, folder, env=s3_env)
+        result = run_child(tree, "ranks", new_bucket(s3_env), world, folder, sizes["rank_history"][0],
+                           env=s3_env)
         found["ranks"].append({"ranks": world, **result})
         log(f"  ranks {world}: {json.dumps(result)}")
     found["blocks"] = []
@@ -412,16 +437,23 @@ def render(results: dict[str, dict[str, Any]]) -> str:
                 o = r["open"]
                 rows.append([side, str(r["saves"]), f"{o['seconds']:.3f}",
                              str(o["requests"]) if medium == "s3" else "-", f"{o['rss_added'] / MiB:.1f}",
-                             f"{r['save_seconds_early'] * 1e3:.0f} / {r['save_seconds_late'] * 1e3:.0f}",
-                             (f"{r['save_requests_early']:.1f} / {r['save_requests_late']:.1f}"
+                             " / ".join(f"{r[f'save_seconds_median_{at}'] * 1e3:.0f}"
+                                        for at in ("early", "late")),
+                             f"{r['save_seconds_mean_last_100'] * 1e3:.0f}",
+                             (f"{r['save_requests_early']:.1f} / {r['save_requests_mean_last_100']:.1f}"
                               if medium == "s3" else "-"),
                              f"{r['gc']['peak_above_imports'] / MiB:.0f}" if "gc" in r else "-"])
         table(f"History, {'a directory' if medium == 'local' else 'S3 (moto)'}",
-              ["side", "saves", "open s", "open requests", "open MiB", "save ms 6-15 / last 10",
-               "save requests 6-15 / last 10", "gc peak MiB"], rows)
-    rows = [[side, str(r["ranks"]), f"{r['seconds']:.2f}", " ".join(map(str, r["requests_per_rank"]))]
+              ["side", "saves", "open s", "open requests", "open MiB", "save ms, median 6-15 / last 10",
+               "save ms, mean last 100", "save requests, mean 6-15 / last 100", "gc peak MiB"], rows)
+    rows = [[side, str(r["ranks"]), f"{r['open_seconds']:.2f}", f"{r['slowest_seconds']:.2f}",
+             f"{r['cpu_seconds']:.2f}",
+             " ".join(map(str, r["open_requests_per_rank"])), " ".join(map(str, r["requests_per_rank"]))]
             for side in sides for r in results[side]["ranks"]]
-    table("DCP unchanged save on S3", ["side", "ranks", "rank 0 s", "requests per rank"], rows)
+    table("DCP job restarted on S3: open, then an unchanged save",
+          ["side", "ranks", "open s (slowest)", "open + save s (slowest)", "CPU s, all ranks",
+           "open requests per rank",
+           "open + save requests per rank"], rows)
     rows = [[side, f"{r['blocks']:,}", f"{r['open']['seconds']:.2f}", f"{r['open']['bytes_per_block']:.0f}",
              f"{r['open']['put_10k']:.2f}", f"{r['gc']['peak_above_imports'] / MiB:.0f}",
              f"{r['gc']['live_blocks']:,}"]
@@ -439,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", help="also measure this revision (before), e.g. 3327dd7")
     parser.add_argument("--quick", action="store_true", help="small curves: a run of minutes")
     for key in FULL:
-        parser.add_argument(f"--{key}", help=f"comma-separated (default {','.join(map(str, FULL[key]))})")
+        default = ",".join(map(str, FULL[key]))
+        parser.add_argument(f"--{key.replace('_', '-')}", help=f"comma-separated (default {default})")
     parser.add_argument("--base-s3-max", type=int, default=1000,
                         help="the most saves of the S3 history curve on the base side (default 1000: "
                              "before, each save listed every pack)")

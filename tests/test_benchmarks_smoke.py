@@ -268,7 +268,8 @@ def test_scale_bench_runs_its_curves(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "scale_bench.py"), "--saves", "3,8", "--ranks", "1",
-         "--blocks", "300", "--mmap", "8", "--workdir", str(tmp_path / "work"), "--json", str(out)],
+         "--blocks", "300", "--mmap", "8", "--rank-history", "3", "--workdir", str(tmp_path / "work"),
+         "--json", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
@@ -277,7 +278,8 @@ def test_scale_bench_runs_its_curves(tmp_path: Path) -> None:
     assert all(r["open"]["step"] == r["saves"] - 1 for r in after["history_local"] + after["history_s3"])
     assert all(r["open"]["requests"] > 0 for r in after["history_s3"])  # counted at botocore's send
     assert all(r["gc"]["live_blocks"] > 0 for r in after["history_local"])
-    assert after["ranks"][0]["requests_per_rank"][0] > 0
+    assert after["ranks"][0]["requests_per_rank"][0] > after["ranks"][0]["open_requests_per_rank"][0] > 0
+    assert after["ranks"][0]["slowest_seconds"] > after["ranks"][0]["open_seconds"] > 0
     assert after["blocks"][0]["gc"]["live_blocks"] >= 300
     assert after["mmap"][0]["mapped"] is True
     assert "| after | 8 |" in proc.stdout

@@ -19,7 +19,7 @@ from cas_ckpt.blocks.index_file import (
     JOURNAL,
     SNAPSHOT,
     IndexFile,
-    encode,
+    encode_parts,
     file_name,
     parse,
     parse_name,
@@ -72,14 +72,16 @@ class Catalog:
     ) -> ObjectInfo:
         """Publish a new index file durably; its name sorts after every one seen. A snapshot's
         ``epoch``: that of the snapshot it follows, or None when blocks were removed (its own)."""
-        data = encode(IndexFile(kind, packs, table, sorted(folded)))
+        parts = encode_parts(IndexFile(kind, packs, table, sorted(folded)))
+        size = sum(len(part) for part in parts)
         while True:
             self.seen = max(self.seen + 1, time.time_ns() // 1000)
             name = file_name(kind, self.seen, self.seen if epoch is None else epoch)
             with self.backend.create() as sink:
-                sink.write(data)
+                for part in parts:
+                    sink.write(part)
                 if sink.publish(name):
-                    return ObjectInfo(name, len(data), 0.0)
+                    return ObjectInfo(name, size, 0.0)
 
     def delete(self, names: Iterable[str]) -> None:
         for name in names:

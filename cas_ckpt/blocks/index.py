@@ -52,6 +52,7 @@ _KIND_BYTE = {prefix: bytes([kind]) for prefix, kind in KINDS.items()}
 _PREFIX_OF = {kind: prefix for prefix, kind in KINDS.items()}
 _MERGE_MIN = 65536  # the delta folds into the base past max(this, an eighth of the base)
 _RECENT = 4096  # lookups remembered (BlockIndex.copies)
+_FIND_MANY = 65536  # keys looked up at once by Table.find_many
 
 
 def key_of(cid: bytes) -> bytes:
@@ -83,21 +84,28 @@ def keys_of(cids: Sequence[bytes]) -> np.ndarray:
 
 
 class Table:
-    """Rows sorted by key: ``keys`` (33 bytes each) and ``locations`` (21 bytes each), immutable.
+    """Rows sorted by key: ``n`` keys (33 bytes each), then their ``n`` locations (21 bytes each),
+    immutable, read in place from the buffers they came in (an index file's bytes as read: no
+    copy of a million rows at open).
 
     ``_buckets[b]`` is the first row whose key's leading bits are ``b`` or more: a lookup searches
     only its bucket (a few rows) with ``bytes.find``.
     """
 
-    __slots__ = ("_buckets", "_shift", "keys", "locations", "n")
+    __slots__ = ("_buckets", "_key_at", "_keys", "_location_at", "_locations", "_shift", "n")
 
-    def __init__(self, keys: bytes, locations: bytes) -> None:
-        self.keys, self.locations = keys, locations
-        self.n = len(keys) // KEY_SIZE
+    def __init__(self, keys: bytes, locations: bytes, n: int | None = None, *, key_at: int = 0,
+                 location_at: int = 0) -> None:
+        """Rows whose keys lie in ``keys`` from ``key_at`` and locations in ``locations`` from
+        ``location_at`` (``n`` rows: by default, all of ``keys``)."""
+        self._keys, self._key_at = keys, key_at
+        self._locations, self._location_at = locations, location_at
+        self.n = len(keys) // KEY_SIZE if n is None else n
         bits = max(0, min(24, self.n.bit_length() - 2))
         self._shift = 24 - bits
-        prefixes = np.frombuffer(keys, np.uint8).reshape(self.n, KEY_SIZE)[:, :3].astype(np.uint32)
-        top = ((prefixes[:, 0] << 16) | (prefixes[:, 1] << 8) | prefixes[:, 2]) >> self._shift
+        # each key's first 4 bytes, big endian, read in place (a strided view: no copy)
+        leading = np.ndarray((self.n,), ">u4", keys, key_at, (KEY_SIZE,)) if self.n else np.zeros(0, ">u4")
+        top = leading >> np.uint32(self._shift + 8)
         starts = np.searchsorted(top, np.arange((1 << bits) + 1, dtype=np.uint32))
         self._buckets = array.array("I", starts.astype(np.uint32).tobytes())
 
@@ -109,44 +117,61 @@ class Table:
 
     @property
     def key_array(self) -> np.ndarray:
-        return np.frombuffer(self.keys, KEY_DTYPE)
+        return np.frombuffer(self._keys, KEY_DTYPE, self.n, self._key_at)
 
     @property
     def location_array(self) -> np.ndarray:
-        return np.frombuffer(self.locations, LOCATION_DTYPE)
+        return np.frombuffer(self._locations, LOCATION_DTYPE, self.n, self._location_at)
+
+    @property
+    def key_bytes(self) -> memoryview:
+        """Every key, back to back (as an index file holds them)."""
+        return memoryview(self._keys)[self._key_at : self._key_at + self.n * KEY_SIZE]
+
+    @property
+    def location_bytes(self) -> memoryview:
+        """Every location, back to back."""
+        return memoryview(self._locations)[self._location_at : self._location_at + self.n * LOCATION.size]
+
+    def key(self, row: int) -> bytes:
+        at = self._key_at + row * KEY_SIZE
+        return self._keys[at : at + KEY_SIZE]
 
     def find(self, key: bytes) -> int:
         """The first row of ``key``, or -1."""
         bucket = int.from_bytes(key[:3], "big") >> self._shift
-        buckets, keys = self._buckets, self.keys
-        end = buckets[bucket + 1] * KEY_SIZE
-        at = keys.find(key, buckets[bucket] * KEY_SIZE, end)
-        while at > 0 and at % KEY_SIZE:  # matched across two rows: not a key
+        buckets, keys, base = self._buckets, self._keys, self._key_at
+        end = base + buckets[bucket + 1] * KEY_SIZE
+        at = keys.find(key, base + buckets[bucket] * KEY_SIZE, end)
+        while at > 0 and (at - base) % KEY_SIZE:  # matched across two rows: not a key
             at = keys.find(key, at + 1, end)
-        return -1 if at < 0 else at // KEY_SIZE
+        return -1 if at < 0 else (at - base) // KEY_SIZE
 
     def rows(self, key: bytes) -> Iterator[int]:
         """Every row of ``key`` (its copies)."""
         row = self.find(key)
         if row < 0:
             return
-        keys = self.keys
-        while row < self.n and keys[row * KEY_SIZE : (row + 1) * KEY_SIZE] == key:
+        while row < self.n and self.key(row) == key:
             yield row
             row += 1
 
     def location(self, row: int) -> tuple[int, int, int, int, int]:
-        return LOCATION.unpack_from(self.locations, row * LOCATION.size)  # type: ignore[return-value]
+        return LOCATION.unpack_from(  # type: ignore[return-value]
+            self._locations, self._location_at + row * LOCATION.size)
 
     def find_many(self, keys: np.ndarray) -> np.ndarray:
         """The first row of each key (``S33`` array), -1 where absent."""
         if not self.n:
             return np.full(len(keys), -1, np.int64)
-        mine = self.key_array
-        rows = np.searchsorted(mine, keys)
-        found = rows < self.n
-        found[found] = mine[rows[found]] == keys[found]
-        return np.where(found, rows, -1)
+        mine, out = self.key_array, np.empty(len(keys), np.int64)
+        for start in range(0, len(keys), _FIND_MANY):  # in pieces: each copies what it compares
+            part = keys[start : start + _FIND_MANY]
+            rows = np.searchsorted(mine, part)
+            found = rows < self.n
+            found[found] = mine[rows[found]] == part[found]
+            out[start : start + len(part)] = np.where(found, rows, -1)
+        return out
 
 
 EMPTY = Table(b"", b"")
@@ -270,9 +295,15 @@ class BlockIndex:
         """Fold everything into one table of the live packs, their ids renumbered from 0."""
         if base is None or delta is None:
             base, delta, _ = self._state
+        names = self._state[2]
+        if not self._dead and len(self.ids) == len(names) and not (base.n and delta.n):
+            # One table of every pack, numbered from 0 (an index file just read): nothing to
+            # fold, and sorting a million rows again would cost seconds and twice their memory.
+            self._state = (base if base.n else delta, EMPTY, names)
+            self._recent = {}
+            return
         keys = np.concatenate([base.key_array, delta.key_array])
         locations = np.concatenate([base.location_array, delta.location_array])
-        names = self._state[2]
         live = sorted(self.ids.values())
         renumber = np.zeros(len(names), np.uint32)
         renumber[live] = np.arange(len(live), dtype=np.uint32)
@@ -318,13 +349,13 @@ class BlockIndex:
         for table in (base, delta):
             row = table.find(key) if table.n else -1
             while row >= 0:  # this row, and the copies after it
-                pack, offset, length, codec, size = LOCATION.unpack_from(table.locations, row * LOCATION.size)
+                pack, offset, length, codec, size = table.location(row)
                 if not (dead and pack in dead):
                     loc = Location(names[pack], offset, length, codec, size)
                     if loc not in found:
                         found.append(loc)
                 row += 1
-                if row >= table.n or table.keys[row * KEY_SIZE : (row + 1) * KEY_SIZE] != key:
+                if row >= table.n or table.key(row) != key:
                     break
         if not self._first and not self.bad:
             return found
@@ -448,8 +479,11 @@ class BlockIndex:
     def snapshot(self, excluding: Collection[str] = ()) -> tuple[Table, list[str]]:
         """Every live row in one table, and the packs its ids name in order (an index file's),
         without the packs ``excluding`` names."""
-        keys, locations, names = self.live_rows()
+        base, delta, names = self._state
         used = sorted(pack for name, pack in self.ids.items() if name not in excluding)
+        if not delta.n and used == list(range(len(names))):
+            return base, list(names)  # every row live and numbered from 0: the table as it is
+        keys, locations, names = self.live_rows()
         if len(used) < len(self.ids):
             keep = np.zeros(len(names), bool)
             keep[used] = True
@@ -459,6 +493,8 @@ class BlockIndex:
         renumber[used] = np.arange(len(used), dtype=np.uint32)
         locations = locations.copy()
         locations["pack"] = renumber[locations["pack"]]
+        if not delta.n:  # rows taken out of a sorted table stay sorted
+            return Table(keys.tobytes(), locations.tobytes()), [names[pack] for pack in used]
         return Table.sorted(keys, locations), [names[pack] for pack in used]
 
     def entries(self, packs: Collection[str] | None = None) -> dict[str, list[Entry]]:

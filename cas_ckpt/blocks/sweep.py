@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cas_ckpt.blocks.index import KEY_SIZE, Table, cid_of, key_of
+from cas_ckpt.blocks.index import Table, cid_of, key_of
 
 
 class RowMarks:
@@ -73,14 +73,15 @@ class RowMarks:
 
     def flags_for(self, other: Table) -> np.ndarray:
         """Whether each row of another table (the index folded again) holds a kept CID."""
+        if other is self.table:  # nothing changed since the marks were made
+            return self.rows.copy()
         rows = self.table.find_many(other.key_array)
         flags = np.zeros(other.n, bool)
         found = rows >= 0
         flags[found] = self.rows[rows[found]]
         if self.outside:
             for row in np.flatnonzero(~found).tolist():
-                key = other.keys[row * KEY_SIZE : (row + 1) * KEY_SIZE]
-                flags[row] = cid_of(key) in self.outside
+                flags[row] = cid_of(other.key(row)) in self.outside
         return flags
 
 

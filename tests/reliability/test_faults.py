@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -231,6 +232,31 @@ def test_fault_during_save(where: Path, monkeypatch: pytest.MonkeyPatch, categor
     )
 
 
+def _fault_nth(monkeypatch: pytest.MonkeyPatch, root: Path, prefixes: tuple[str, ...], err: int,
+               nth: int, operation: Callable[[], object]) -> bool:
+    """Run ``operation`` with the ``nth`` write under ``prefixes`` failing with ``err``.
+
+    Returns whether the fault fired (False: the operation got through untouched, so the loop
+    over ``nth`` is done). When it fired, the operation raised that error, except a full disk
+    under a merge, which only skips the merge (GC and upkeep must work on a full disk).
+    """
+    with monkeypatch.context() as mp:
+        fault = Fault(root, lambda op, rel: rel.startswith(prefixes), err, nth, False)
+        fault.install(mp)
+        try:
+            operation()
+            error: BaseException | None = None
+        except BaseException as exc:
+            error = exc
+        fault.armed = False
+    if fault.fired is None:
+        assert error is None and nth > 1
+        return False
+    if error is not None or err != errno.ENOSPC:
+        assert isinstance(error, OSError) and error.errno == err, repr(error)
+    return True
+
+
 def test_fault_during_gc(where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """GC repacks live blocks out of packs with garbage; a fault there loses nothing.
 
@@ -242,32 +268,18 @@ def test_fault_during_gc(where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     refs = cas_ckpt.refs.LocalRefStore(root)
     for err in ERRNOS:
         for nth in range(1, 200):
-            if root.exists():
-                import shutil
-
-                shutil.rmtree(root)
+            shutil.rmtree(root, ignore_errors=True)
             cas_ckpt.open(root).close()
             store = cas_ckpt.blocks.LocalStore(root, pack_size=100_000)
             with cas_ckpt.Repository(store, refs, create=False) as repo:
                 for i in range(3):
                     repo.save(make_state(4, i, scale=0.1), ref="main")
                 expected = digest(repo.load("main"))
-                with monkeypatch.context() as mp:
-                    fault = Fault(root, lambda op, rel: rel.startswith(("tmp/", "packs")), err, nth, False)
-                    fault.install(mp)
-                    try:
-                        repo.gc(reflog_expiry=0)  # main's older checkpoints are garbage
-                        error: BaseException | None = None
-                    except BaseException as exc:
-                        error = exc
-                    fault.armed = False
-                if fault.fired is None:
-                    assert error is None and nth > 1
+                # main's older checkpoints are garbage
+                if not _fault_nth(monkeypatch, root, ("tmp/", "packs"), err, nth,
+                                  lambda: repo.gc(reflog_expiry=0)):
                     break
                 faults += 1
-                if error is not None or err != errno.ENOSPC:
-                    assert isinstance(error, OSError) and error.errno == err, repr(error)
-                # else: a full disk under the merge only skips it; the garbage packs went first
                 assert digest(repo.load("main")) == expected
                 _check_clean(root)
                 repo.gc()
@@ -284,29 +296,14 @@ def test_fault_during_upkeep(where: Path, monkeypatch: pytest.MonkeyPatch) -> No
     faults = 0
     for err in ERRNOS:
         for nth in range(1, 200):
-            if root.exists():
-                import shutil
-
-                shutil.rmtree(root)
+            shutil.rmtree(root, ignore_errors=True)
             with cas_ckpt.open(root, upkeep=False) as repo:
                 cids = [repo.save(make_state(4, i, scale=0.05), ref="main") for i in range(4)]
                 expected = [digest(repo.load(cid)) for cid in cids]
-                with monkeypatch.context() as mp:
-                    fault = Fault(root, lambda op, rel: rel.startswith(("tmp/", "packs", "index")),
-                                  err, nth, False)
-                    fault.install(mp)
-                    try:
-                        repo.upkeep(force=True)
-                        error: BaseException | None = None
-                    except BaseException as exc:
-                        error = exc
-                    fault.armed = False
-                if fault.fired is None:
-                    assert error is None and nth > 1
+                if not _fault_nth(monkeypatch, root, ("tmp/", "packs", "index"), err, nth,
+                                  lambda: repo.upkeep(force=True)):
                     break
                 faults += 1
-                if error is not None or err != errno.ENOSPC:
-                    assert isinstance(error, OSError) and error.errno == err, repr(error)
                 assert [digest(repo.load(cid)) for cid in cids] == expected
                 _check_clean(root)
                 report = repo.upkeep(force=True)
