@@ -74,7 +74,8 @@ def s3_server() -> Iterator[str]:
                     break
             time.sleep(0.05)
         os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
-                          AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+                          AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                          S3_BENCH_SERVER_PID=str(proc.pid))  # its CPU time can be read
         yield os.environ["AWS_ENDPOINT_URL"]
     finally:
         proc.terminate()

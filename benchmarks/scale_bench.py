@@ -15,7 +15,8 @@ counted inside the child, at botocore's HTTP send (retries included). Measured:
 * **ranks**: a DCP job of R gloo ranks (``--ranks``) restarted on S3, on a repository with
   ``--rank-history`` saves of history: each rank opens the repository and saves a sharded state
   already stored (unchanged); the slowest rank's seconds, open alone and open plus save, the
-  CPU seconds of all ranks together (the cores they share bound the wall time), and each
+  CPU seconds of all ranks together and of the S3 server meanwhile (the cores they share bound
+  the wall time), and each
   rank's requests;
 * **blocks**: a repository of N blocks (``--blocks``, 256-byte raw blocks linked from list
   nodes, in packs of 10,000): ``open`` seconds and the memory it added per block, 10,000 new
@@ -74,6 +75,16 @@ def count_requests() -> collections.Counter[str]:
 
     botocore.endpoint.Endpoint._send = send
     return counter
+
+
+def cpu_of(pid: str) -> float:
+    """CPU seconds (user and system) process ``pid`` has used; NaN when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def rss() -> int:
@@ -247,8 +258,9 @@ import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 sys.path.insert(0, sys.argv[6])
-from scale_bench import count_requests
+from scale_bench import count_requests, cpu_of
 counter = count_requests()
+server = os.environ.get("S3_BENCH_SERVER_PID", "")
 import cas_ckpt
 from cas_ckpt.dcp import Writer
 rank, world, port, location, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
@@ -266,7 +278,7 @@ dcp.save(state, storage_writer=Writer(repo, "dcp", step=1))  # the first save of
 repo.close()
 dist.barrier()
 # A job (re)started: each rank opens the repository, then saves what is already stored.
-before, cpu = sum(counter.values()), time.process_time()
+before, cpu, served = sum(counter.values()), time.process_time(), cpu_of(server)
 began = time.perf_counter()
 repo = cas_ckpt.open(location)
 opened, open_requests = time.perf_counter() - began, sum(counter.values()) - before
@@ -274,9 +286,10 @@ dcp.save(state, storage_writer=Writer(repo, "dcp", step=2))  # unchanged
 seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
 requests = sum(counter.values()) - before
 dist.barrier()
+served = cpu_of(server) - served  # the S3 server's CPU over every rank's open and save
 with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
     json.dump({"seconds": seconds, "requests": requests, "open_seconds": opened,
-               "open_requests": open_requests, "cpu_seconds": cpu}, f)
+               "open_requests": open_requests, "cpu_seconds": cpu, "server_cpu_seconds": served}, f)
 dist.destroy_process_group()
 repo.close()
 sys.stdout.flush()
@@ -307,6 +320,7 @@ def child_ranks(location: str, world: int, folder: str, history: int) -> dict[st
     return {"seconds": ranks[0]["seconds"], "slowest_seconds": max(r["seconds"] for r in ranks),
             "open_seconds": max(r["open_seconds"] for r in ranks),
             "cpu_seconds": sum(r["cpu_seconds"] for r in ranks),
+            "server_cpu_seconds": ranks[0]["server_cpu_seconds"],
             "requests_per_rank": [r["requests"] for r in ranks],
             "open_requests_per_rank": [r["open_requests"] for r in ranks]}
 
@@ -336,7 +350,8 @@ def moto() -> Iterator[dict[str, str]]:
 
     with s3_server() as url:
         yield {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-               "AWS_DEFAULT_REGION": "us-east-1"}
+               "AWS_DEFAULT_REGION": "us-east-1",
+               "S3_BENCH_SERVER_PID": os.environ.get("S3_BENCH_SERVER_PID", "")}
 
 
 def new_bucket(env: dict[str, str]) -> str:
@@ -447,11 +462,11 @@ def render(results: dict[str, dict[str, Any]]) -> str:
               ["side", "saves", "open s", "open requests", "open MiB", "save ms, median 6-15 / last 10",
                "save ms, mean last 100", "save requests, mean 6-15 / last 100", "gc peak MiB"], rows)
     rows = [[side, str(r["ranks"]), f"{r['open_seconds']:.2f}", f"{r['slowest_seconds']:.2f}",
-             f"{r['cpu_seconds']:.2f}",
+             f"{r['cpu_seconds']:.2f} / {r.get('server_cpu_seconds', float('nan')):.2f}",
              " ".join(map(str, r["open_requests_per_rank"])), " ".join(map(str, r["requests_per_rank"]))]
             for side in sides for r in results[side]["ranks"]]
     table("DCP job restarted on S3: open, then an unchanged save",
-          ["side", "ranks", "open s (slowest)", "open + save s (slowest)", "CPU s, all ranks",
+          ["side", "ranks", "open s (slowest)", "open + save s (slowest)", "CPU s, all ranks / S3 server",
            "open requests per rank",
            "open + save requests per rank"], rows)
     rows = [[side, f"{r['blocks']:,}", f"{r['open']['seconds']:.2f}", f"{r['open']['bytes_per_block']:.0f}",

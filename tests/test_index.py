@@ -128,6 +128,15 @@ class IndexAgainstModel(RuleBasedStateMachine):
                 assert Location(names[pack], offset, length, codec, size) in self.copies(cid)
         assert sorted(self.index.cids()) == sorted({e.cid for es in self.model.values() for e in es})
         assert self.index.entries() == self.model
+        base, delta, _ = self.index._state
+        rows = sorted((name, e.cid, e.offset) for name, es in self.model.items() for e in es)
+        for table, names in [(base, None), (delta, None), self.index.snapshot()]:
+            keys = table.key_array
+            assert (keys[1:] >= keys[:-1]).all()  # merged, never left unsorted
+            if names is not None:  # the snapshot: every live row, its packs numbered from 0
+                found = [(names[pack], cid_of(key), offset) for key, (pack, offset, *_)
+                         in zip(keys.tolist(), table.location_array.tolist(), strict=True)]
+                assert sorted(found) == rows
 
 
 TestIndexAgainstModel = IndexAgainstModel.TestCase
