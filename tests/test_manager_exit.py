@@ -15,13 +15,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import cas_ckpt
 
 SIZE = 1 << 20  # float64 values: 8 MiB, chunked, so hashing goes through the repository's pool
 
 PRELUDE = f"""
-import sys, threading
+import faulthandler, signal, sys, threading
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung child shows where it waits
 import numpy as np
 import cas_ckpt
 
@@ -117,8 +119,15 @@ def test_ctrl_c_during_wait_stays_a_keyboard_interrupt_and_the_save_completes(
         time.sleep(0.3)  # the child is blocked in wait(): the save cannot take the lock
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # every thread's stack, to stderr
+        time.sleep(1)
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the child hung after Ctrl-C; its threads:\n{err[-8000:]}\nits output: {out!r}")
     finally:
         proc.kill()
+        proc.communicate()  # reaped, its pipes closed, whatever happened
     assert proc.returncode == 0, err
     assert out.splitlines() == ["KeyboardInterrupt False", "True [1]"], err
     assert_saved(tmp_path)
