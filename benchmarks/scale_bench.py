@@ -87,20 +87,21 @@ def cpu_of(pid: str) -> float:
         return float("nan")
 
 
-def rss() -> int:
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (0 where it has none)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def rss() -> int:
+    return _status_bytes("VmRSS")
 
 
 def rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("RssAnon")
 
 
 def peak_rss() -> int:

@@ -19,6 +19,7 @@ For every N until the operation gets through, the failed operation must:
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import threading
@@ -233,12 +234,13 @@ def test_fault_during_save(where: Path, monkeypatch: pytest.MonkeyPatch, categor
 
 
 def _fault_nth(monkeypatch: pytest.MonkeyPatch, root: Path, prefixes: tuple[str, ...], err: int,
-               nth: int, operation: Callable[[], object]) -> bool:
+               nth: int, operation: Callable[[], object], *, full_disk_skips: bool = True) -> bool:
     """Run ``operation`` with the ``nth`` write under ``prefixes`` failing with ``err``.
 
     Returns whether the fault fired (False: the operation got through untouched, so the loop
     over ``nth`` is done). When it fired, the operation raised that error, except a full disk
-    under a merge, which only skips the merge (GC and upkeep must work on a full disk).
+    under a merge with ``full_disk_skips``, which only skips the merge (GC and upkeep must
+    work on a full disk).
     """
     with monkeypatch.context() as mp:
         fault = Fault(root, lambda op, rel: rel.startswith(prefixes), err, nth, False)
@@ -252,7 +254,7 @@ def _fault_nth(monkeypatch: pytest.MonkeyPatch, root: Path, prefixes: tuple[str,
     if fault.fired is None:
         assert error is None and nth > 1
         return False
-    if error is not None or err != errno.ENOSPC:
+    if error is not None or err != errno.ENOSPC or not full_disk_skips:
         assert isinstance(error, OSError) and error.errno == err, repr(error)
     return True
 
@@ -316,25 +318,19 @@ def test_fault_during_upkeep(where: Path, monkeypatch: pytest.MonkeyPatch) -> No
     record("faults", upkeep=faults, total=faults)
 
 
+def _create(root: Path) -> None:
+    cas_ckpt.open(root).close()
+
+
 @pytest.mark.parametrize("err", ERRNOS)
 def test_fault_creating_a_repository(where: Path, monkeypatch: pytest.MonkeyPatch, err: int) -> None:
     faults = 0
     for nth in range(1, 50):
         root = where / f"repo{nth}"
-        with monkeypatch.context() as mp:
-            fault = Fault(where, lambda op, rel: True, err, nth, False)
-            fault.install(mp)
-            try:
-                cas_ckpt.open(root).close()
-                error: BaseException | None = None
-            except BaseException as exc:
-                error = exc
-            fault.armed = False
-        if fault.fired is None:
-            assert error is None and nth > 1
+        if not _fault_nth(monkeypatch, where, ("",), err, nth, functools.partial(_create, root),
+                          full_disk_skips=False):
             break
         faults += 1
-        assert isinstance(error, OSError) and error.errno == err, repr(error)
         # Whatever the failed creation left, opening again creates (or opens) the repository.
         with cas_ckpt.open(root) as repo:
             repo.save({"x": 1}, ref="main")
