@@ -24,6 +24,9 @@ SIZE = 1 << 20  # float64 values: 8 MiB, chunked, so hashing goes through the re
 PRELUDE = f"""
 import faulthandler, signal, sys, threading
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung child shows where it waits
+# Ctrl-C raises KeyboardInterrupt, as in a terminal, also where the tests run as a background job:
+# there SIGINT is inherited ignored, and Python then installs no handler for it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np
 import cas_ckpt
 
