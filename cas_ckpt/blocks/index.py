@@ -184,6 +184,8 @@ def merge(a: Table, b: Table, keep: np.ndarray | None = None, renumber: np.ndarr
     Merged, not sorted again, straight into the new table's buffer: folding a few thousand rows
     into a million costs one pass and the new table's memory, where a sort took seconds and four
     copies of every row."""
+    if keep is not None and keep.all():
+        keep = None  # no pack left out: no row to drop
     if a.n < b.n:  # the large one compressed in place below, whichever it is (a's copies stay first)
         a, b, b_first = b, a, True
     else:

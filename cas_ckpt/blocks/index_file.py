@@ -176,7 +176,6 @@ def _check_rows(keys: np.ndarray, locations: np.ndarray, packs: list[tuple[str, 
         _check_locations(keys[start:stop], locations[start:stop], limits, where)
 
 
-
 def _check_locations(keys: np.ndarray, locations: np.ndarray, limits: np.ndarray, where: object) -> None:
     kinds = np.ascontiguousarray(keys).view(np.uint8)[KEY_SIZE - 1 :: KEY_SIZE]
     if not np.isin(kinds, list(KINDS.values())).all():
