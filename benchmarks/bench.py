@@ -455,6 +455,35 @@ def forked(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return payload
 
 
+def adopt(state: BenchState) -> None:
+    """Give this forked child objects of its own for the state's arrays and tensors (over the
+    same memory), before anything is timed, as a training process holds the tensors it made.
+
+    The parent's objects lie in pages the child shares copy-on-write, and the first write to each
+    (a reference count) copies its page. A torch tensor has three objects to touch (the Python
+    one, its TensorImpl and storage) where a numpy array has one: a save of 10,000 small tensors
+    took 6,100 page faults against 3,600 for the same numpy arrays, and 27% longer against 15% in
+    the process that made them. No process saving its own state pays that; every tool is given
+    the same objects."""
+    state.arrays = {k: v.view() for k, v in state.arrays.items()}
+    state.tensors = {k: v.detach() for k, v in state.tensors.items()}
+    state.nested = _own(state.nested)
+    if state.numpy_nested is not None:
+        state.numpy_nested = _own(state.numpy_nested)
+
+
+def _own(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _own(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_own(v) for v in tree)
+    if isinstance(tree, np.ndarray):
+        return tree.view()
+    if type(tree).__module__.startswith("torch"):
+        return tree.detach()
+    return tree
+
+
 def touch(array: np.ndarray) -> int:
     """Read every byte of ``array`` (XOR-fold as uint64): a lazy or mmap load pays for its I/O."""
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
@@ -579,6 +608,28 @@ def cas_save(state: BenchState, repo_dir: Path, step: int, hash_name: str = "sha
         "disk_bytes_added": disk - disk0,
         "disk_bytes_total": disk,
     }
+
+
+# What torch's own calls add to the numpy state's save and load (issue #41's floor): a writer
+# needs each tensor's host array; a load returning tensors makes one per array, and its reader
+# (a sum of each, through numpy as every tool's is read) takes each one's host array again.
+TORCH_FLOORS = {"torch_save_floor": "Tensor.numpy() each",
+                "torch_load_floor": "from_numpy(), .numpy() each"}
+
+
+def torch_floor(state: BenchState, op: str) -> dict[str, Any]:
+    """The calls of :data:`TORCH_FLOORS` ``op`` for every tensor of a torch state, nothing else."""
+    import torch
+
+    tensors = [v for v in _leaves(state.nested) if type(v).__module__.startswith("torch")]
+    arrays = [v for v in _leaves(state.numpy_nested) if isinstance(v, np.ndarray)]
+    with Meter() as m:
+        if op == "torch_save_floor":
+            hosts = [torch_to_numpy(t) for t in tensors]
+        else:
+            hosts = [torch_to_numpy(t) for t in map(torch.from_numpy, arrays)]
+    assert len(hosts) == len(state.arrays)
+    return {**m.figures(), "logical_bytes": state.nbytes}
 
 
 def hash_floor(state: BenchState, hash_name: str) -> dict[str, Any]:
@@ -836,6 +887,10 @@ def bench_state(state: BenchState, reps: int, workdir: Path, tools: tuple[str, .
     if "torch" in tools or state.is_torch:
         attach_torch(state)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {t: {} for t in tools}
+
+    def in_child(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        return forked(lambda: (adopt(state), fn())[1])
+
     change_rng = rng_for(state_seed(1_000_003, state.name))
     changed_bytes = _nbytes({k: state.arrays[k] for k in state.changed})
 
@@ -851,44 +906,52 @@ def bench_state(state: BenchState, reps: int, workdir: Path, tools: tuple[str, .
         log(f"  rep {rep + 1}/{reps}")
         for tool in order:
             if tool == "cas_numpy":  # the same state as numpy arrays: what torch's inputs cost
+                # The same saves as cas_ckpt's before its load, so that both load from the same
+                # history: the 10% changed tensors' blocks in a pack of their own.
                 repo = workdir / f"{state.name}-{tool}-r{rep}"
-                record(tool, "save_fresh", forked(lambda r=repo: cas_save(state, r, 1, numpy_form=True)))
-                record(tool, "load_verify", forked(
+                record(tool, "save_fresh", in_child(lambda r=repo: cas_save(state, r, 1, numpy_form=True)))
+                record(tool, "save_unchanged",
+                       in_child(lambda r=repo: cas_save(state, r, 2, numpy_form=True)))
+                changed_bytes = modify(state, change_rng)
+                record(tool, "save_changed", in_child(lambda r=repo: cas_save(state, r, 3, numpy_form=True)))
+                record(tool, "load_verify", in_child(
                     lambda r=repo: cas_load(state, r, verify=True, sub=False, numpy_form=True)))
                 shutil.rmtree(repo)
+                for op in TORCH_FLOORS:
+                    record(tool, op, in_child(lambda op=op: torch_floor(state, op)))
             elif tool in CAS_HASH:
                 repo, h = workdir / f"{state.name}-{tool}-r{rep}", CAS_HASH[tool]
-                record(tool, "hash_floor", forked(lambda h=h: hash_floor(state, h)))
-                record(tool, "save_fresh", forked(lambda r=repo, h=h: cas_save(state, r, 1, h)))
+                record(tool, "hash_floor", in_child(lambda h=h: hash_floor(state, h)))
+                record(tool, "save_fresh", in_child(lambda r=repo, h=h: cas_save(state, r, 1, h)))
                 record(tool, "save_unchanged",
-                       forked(lambda r=repo, h=h: cas_save(state, r, 2, h)))
+                       in_child(lambda r=repo, h=h: cas_save(state, r, 2, h)))
                 changed_bytes = modify(state, change_rng)
-                record(tool, "save_changed", forked(lambda r=repo, h=h: cas_save(state, r, 3, h)))
+                record(tool, "save_changed", in_child(lambda r=repo, h=h: cas_save(state, r, 3, h)))
                 record(tool, "load_verify",
-                       forked(lambda r=repo: cas_load(state, r, verify=True, sub=False)))
+                       in_child(lambda r=repo: cas_load(state, r, verify=True, sub=False)))
                 if cold:
                     record(tool, "load_verify_cold",
-                           forked(lambda r=repo: cas_load(state, r, verify=True, sub=False, cold=True)))
+                           in_child(lambda r=repo: cas_load(state, r, verify=True, sub=False, cold=True)))
                 record(tool, "load_noverify",
-                       forked(lambda r=repo: cas_load(state, r, verify=False, sub=False)))
-                record(tool, "copy_hash_floor", forked(lambda h=h: copy_hash_floor(state, h, floor_source)))
+                       in_child(lambda r=repo: cas_load(state, r, verify=False, sub=False)))
+                record(tool, "copy_hash_floor", in_child(lambda h=h: copy_hash_floor(state, h, floor_source)))
                 record(tool, "load_sub",
-                       forked(lambda r=repo: cas_load(state, r, verify=True, sub=True)))
+                       in_child(lambda r=repo: cas_load(state, r, verify=True, sub=True)))
                 if has_mmap_loads():
-                    record(tool, "load_mmap", forked(
+                    record(tool, "load_mmap", in_child(
                         lambda r=repo: cas_load(state, r, verify=False, sub=False, mmap=True)))
-                    record(tool, "load_mmap_verify", forked(
+                    record(tool, "load_mmap_verify", in_child(
                         lambda r=repo: cas_load(state, r, verify=True, sub=False, mmap=True)))
                 shutil.rmtree(repo)
             else:
                 path = workdir / f"{state.name}-{tool}-r{rep}{EXT[tool]}"
-                record(tool, "save", forked(lambda t=tool, p=path: base_save(t, state, p)))
-                record(tool, "load", forked(lambda t=tool, p=path: base_load(t, state, p, sub=False)))
+                record(tool, "save", in_child(lambda t=tool, p=path: base_save(t, state, p)))
+                record(tool, "load", in_child(lambda t=tool, p=path: base_load(t, state, p, sub=False)))
                 if cold:
                     record(tool, "load_cold",
-                           forked(lambda t=tool, p=path: base_load(t, state, p, sub=False, cold=True)))
+                           in_child(lambda t=tool, p=path: base_load(t, state, p, sub=False, cold=True)))
                 record(tool, "load_sub",
-                       forked(lambda t=tool, p=path: base_load(t, state, p, sub=True)))
+                       in_child(lambda t=tool, p=path: base_load(t, state, p, sub=True)))
                 path.unlink()
     floor_source.unlink(missing_ok=True)
 
@@ -967,6 +1030,10 @@ TARGETS: list[tuple[Any, ...]] = [
      "copy_hash_floor", 1.2),
     (("tc",), "torch small tensors: save <= 1.1x the numpy state's", "save_fresh", "cas_numpy",
      "save_fresh", 1.1),
+    (("tc",), "torch small tensors: unchanged re-save <= 1.1x numpy's", "save_unchanged", "cas_numpy",
+     "save_unchanged", 1.1),
+    (("tc",), "torch small tensors: 10% changed re-save <= 1.1x numpy's", "save_changed", "cas_numpy",
+     "save_changed", 1.1),
     (("tc",), "torch small tensors: verified load <= 1.1x numpy's", "load_verify", "cas_numpy",
      "load_verify", 1.1),
     (("tc",), "torch small tensors: save <= 1.5x safetensors numpy's", "save_fresh", "safetensors_np",
@@ -1004,6 +1071,12 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                          "baseline_seconds": base_s, "ratio": ratio, "ratios": ratios,
                          "ratio_of_medians": cas_s / base_s, "limit": limit,
                          "pass": ratio <= limit})
+        for op, numpy_op in (("torch_save_floor", "save_fresh"), ("torch_load_floor", "load_verify")):
+            if op in ops.get("cas_numpy", {}):
+                runs = zip(ops["cas_numpy"][numpy_op]["runs"], ops["cas_numpy"][op]["runs"], strict=True)
+                ratios = [(n["seconds"] + f["seconds"]) / n["seconds"] for n, f in runs]
+                rows.append({"state": name, "target": f"  floor: numpy {numpy_op} + {TORCH_FLOORS[op]}",
+                             "ratio": statistics.median(ratios), "ratios": ratios, "floor": True})
         if "cas_ckpt" in ops:
             peak = max(ops["cas_ckpt"][op]["peak_bytes_max"]
                        for op in ("save_fresh", "save_unchanged", "save_changed"))
@@ -1097,8 +1170,9 @@ def render(results: dict[str, Any]) -> str:
             else:
                 spread = (f"  ({min(row['ratios']):.2f}-{max(row['ratios']):.2f})"
                           if len(row.get("ratios", ())) > 1 else "")
-                lines.append(f"  {row['state']:<6}{row['target']:<56}{row['ratio']:>8.2f}"
-                             f"{row['limit']:>8.2f}  {'PASS' if row['pass'] else 'MISS'}{spread}")
+                verdict = f"{'':>8}  floor" if row.get("floor") else \
+                    f"{row['limit']:>8.2f}  {'PASS' if row['pass'] else 'MISS'}"
+                lines.append(f"  {row['state']:<6}{row['target']:<56}{row['ratio']:>8.2f}{verdict}{spread}")
     return "\n".join(lines)
 
 

@@ -103,7 +103,8 @@ def test_benchmark_runner_torch_states_cold_and_contended(tmp_path: Path) -> Non
         assert set(ops) == set(tools.split(",")), name
         for tool in ("cas_ckpt", "cas_blake3"):
             assert {"load_verify_cold", "load_mmap_verify"} <= set(ops[tool]), (name, tool)
-        assert set(ops["cas_numpy"]) == {"save_fresh", "load_verify"}
+        assert set(ops["cas_numpy"]) == {"save_fresh", "save_unchanged", "save_changed", "load_verify",
+                                        "torch_save_floor", "torch_load_floor"}
         assert {"save", "load", "load_cold"} <= set(ops["safetensors"]) & set(ops["safetensors_np"])
         for per_op in ops.values():
             for op, summary in per_op.items():
@@ -113,6 +114,10 @@ def test_benchmark_runner_torch_states_cold_and_contended(tmp_path: Path) -> Non
     labels = {(row["state"], row["target"]) for row in results["targets"]}
     assert ("ta", "blake3: verified cold load <= 1.2x safetensors' cold") in labels
     assert ("tc", "torch small tensors: save <= 1.1x the numpy state's") in labels
+    # The floor torch's own calls set, beside each: above 1, and no verdict of its own.
+    floors = [row for row in results["targets"] if row.get("floor")]
+    assert {row["state"] for row in floors} == {"ta", "tc"} and len(floors) == 4
+    assert all(row["ratio"] > 1 and "pass" not in row for row in floors)
     assert all(row.get("cas_tool") == "cas_blake3" for row in results["targets"]
                if row["target"].startswith("blake3"))
 

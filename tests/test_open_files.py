@@ -182,3 +182,29 @@ def test_the_s3_block_cache_keeps_few_descriptors(tmp_path: Path) -> None:
         print(len(os.listdir("/proc/self/fd")))
         """, str(tmp_path / "cache"))
     assert int(out.split()[-1]) < 16
+
+
+def test_a_mapped_load_of_many_small_tensors_holds_no_descriptor_each(tmp_path: Path) -> None:
+    """``mmap=True`` copies small tensors: a copy-on-write mapping each held a descriptor (Python's
+    mmap keeps a duplicate), so a state of more small tensors than the process may open failed
+    the second time it was loaded, the first load's tensors still alive. A large tensor is still
+    mapped, copy-on-write."""
+    out = run_limited("""
+        import os, sys
+        import torch
+        import cas_ckpt
+        state = {f"t{i}": torch.full((1024,), float(i)) for i in range(3 * 128)}
+        state["big"] = torch.arange(1 << 16, dtype=torch.float32)
+        with cas_ckpt.open(sys.argv[1]) as repo:
+            repo.save(state, ref="main")
+            kept = [repo.load("main", mmap=True) for _ in range(3)]
+            for loaded in kept:
+                assert all(torch.equal(loaded[k], v) for k, v in state.items())
+                loaded["t0"] += 1.0  # writable, and private to this load
+                loaded["big"] += 1.0
+            assert torch.equal(repo.load("main")["big"], state["big"])
+            maps = open("/proc/self/maps").read()
+            print(maps.count(os.path.realpath(sys.argv[1])), len(os.listdir("/proc/self/fd")))
+        """, str(tmp_path / "repo"))
+    mapped, descriptors = (int(x) for x in out.split()[-2:])
+    assert 3 <= mapped < 16 and descriptors < 64  # the big tensor's mapping in each load

@@ -890,6 +890,26 @@ def test_a_container_larger_than_a_page_is_paged_as_before(monkeypatch: pytest.M
     assert roots[0] != roots[1]
 
 
+def _pages_item_by_item(sizes: list[int], limit: int) -> list[tuple[int, int]]:
+    """The page cuts as the writer made them before ``page_runs``: one step per item."""
+    runs: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, n in enumerate(sizes):
+        if size + n > limit and i > start:
+            runs.append((start, i))
+            start, size = i, 0
+        size += n
+    return runs + ([(start, len(sizes))] if sizes else [])
+
+
+@given(st.lists(st.integers(1, 300), max_size=60), st.integers(1, 400))
+@settings(max_examples=300, deadline=None)
+def test_page_runs_cut_where_the_item_by_item_loop_cut(sizes: list[int], limit: int) -> None:
+    """The same pages as the loop it replaced (so the same CIDs): the longest run that fits,
+    and an item larger than the limit on a page of its own."""
+    assert tree.page_runs(sizes, limit) == _pages_item_by_item(sizes, limit)
+
+
 def test_a_re_save_stores_a_small_block_again_whose_only_copy_failed_its_hash(tmp_path: Path) -> None:
     """An unchanged re-save reuses its small blocks in one check for all of them, but not a
     block this process has seen fail its hash: that one is written again, and then loads."""

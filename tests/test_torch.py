@@ -689,10 +689,21 @@ def test_host_array_takes_only_what_tensor_to_numpy_gives_as_a_view() -> None:
         others = [torch.ones(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.complex32),
                   torch.ones(3, dtype=torch.complex64).conj(), torch.ones(2, device="meta"),
                   torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), torch.eye(2).to_sparse()]
-    assert all(adapter.host_array(t) is None for t in others)
+    assert all(adapter.host_arrays([t])[0] is None for t in others)
     plain = [torch.arange(5.0), torch.nn.Parameter(torch.ones(3)), torch.ones(4, 4)[:, ::2], torch.tensor(2)]
     for t in plain:
-        array = adapter.host_array(t)
+        array = adapter.host_arrays([t])[0]
         want = adapter.tensor_to_numpy(t, "x")[0]
         assert array is not None and array.dtype == want.dtype and array.shape == want.shape
         assert array.__array_interface__["data"][0] == t.data_ptr()
+    # One call for a container's values: aligned with them, whatever is mixed in (a tensor
+    # Tensor.numpy refuses sends the whole list through the one-at-a-time path).
+    grad = torch.nn.Parameter(torch.ones(2))
+    for values in ([*plain, np.ones(2), "text", grad, *others], [*plain, np.ones(2), "text"]):
+        got = adapter.host_arrays(values)
+        assert len(got) == len(values)
+        for value, array in zip(values, got, strict=True):
+            if any(value is t for t in others) or type(value) not in (torch.Tensor, torch.nn.Parameter):
+                assert array is None
+            else:
+                assert array is not None and array.__array_interface__["data"][0] == value.data_ptr()

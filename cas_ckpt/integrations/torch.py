@@ -139,6 +139,18 @@ def host_array(tensor: Any) -> np.ndarray[Any, Any] | None:
         return None
 
 
+def host_arrays(values: list[Any]) -> list[np.ndarray[Any, Any] | None]:
+    """:func:`host_array` of each plain tensor among ``values``, None for any other value, in
+    one comprehension: a state dict's tensors pay no Python call each (most have no grad and a
+    numpy dtype, and ``Tensor.numpy`` takes them all; the first it refuses sends the whole list
+    through :func:`host_array`)."""
+    plain = plain_types()
+    try:
+        return [value.numpy() if type(value) in plain else None for value in values]
+    except (TypeError, RuntimeError):
+        return [host_array(value) if type(value) in plain else None for value in values]
+
+
 def plain_types() -> tuple[type, ...]:
     """The tensor types :func:`host_array` takes: subclasses (DTensor...) are refused by
     :func:`check_tensor`."""
@@ -332,4 +344,4 @@ def _numpy_dtype(dtype: Any) -> np.dtype[Any] | None:
 
 # The data model reaches torch only through this adapter (``import cas_ckpt`` registers it).
 register_tensor_adapter(TensorAdapter("torch", "torch", _is_tensor, _to_numpy, _from_numpy,
-                                      _cast_floats, _numpy_dtype, host_array, plain_types, tensor_maker))
+                                      _cast_floats, _numpy_dtype, host_arrays, plain_types, tensor_maker))
