@@ -111,11 +111,11 @@ def test_a_python_rng_state_saved_as_625_ints_still_restores() -> None:
 
 
 def test_a_training_state_lists_in_a_few_lines() -> None:
-    from cas_ckpt import cli
+    from cas_ckpt.maintenance.describe import describe_leaf
 
     repo = cas_ckpt.open("memory://")
     repo.save(training_state(extra={"step": 1}, aug=random.Random(1)))
     reader = TreeReader(repo.blocks, repo.pool)
     rows = leaves(reader, Link(bytes(repo.tree())))
     assert len(rows) < 20, list(rows)
-    assert cli.describe_leaf("rng.python.1", rows["rng.python.1"])["shape"] == [625]
+    assert describe_leaf("rng.python.1", rows["rng.python.1"])["shape"] == [625]

@@ -20,10 +20,10 @@ from multiformats import CID
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore
-from cas_ckpt.cli import describe_leaf, jsonable
 from cas_ckpt.codec import HistoryLink, Link, Tagged
 from cas_ckpt.commit import Commit
 from cas_ckpt.errors import BlockNotFound, CheckpointExpired, DecodeError, PathNotFound, RefNotFound
+from cas_ckpt.maintenance.describe import describe_leaf, jsonable
 from cas_ckpt.maintenance.diff import _leaves_below, _short, leaves
 from cas_ckpt.maintenance.lanes import GraphRow, ancestry, layout
 from cas_ckpt.maintenance.tensors import change_norms, is_array, tensor_stats
