@@ -193,7 +193,10 @@ class Repository:
         create: bool = True,
         location: str = "",
         upkeep: bool | Mapping[str, Any] = True,
+        occupied: Callable[[], str | None] = lambda: None,
     ) -> None:
+        """``occupied``: asked before a repository is created in ``refs``, what else lies there
+        (a sentence; None: nothing), which then refuses the creation."""
         self.blocks = blocks
         self.refs_store = refs
         self.location = location
@@ -201,6 +204,7 @@ class Repository:
         self.config = _ensure_config(
             refs, location or "this store", create=create and not blocks.read_only, hash=hash,
             chunk_size=chunk_size, compression=compression, read_only=blocks.read_only,
+            occupied=occupied,
         )
         self.hasher = cidlib.Hasher(self.config.hash)
         self._pool: ThreadPoolExecutor | None = None
@@ -1281,12 +1285,11 @@ def _assemble(
     blocks: BlockStore, refs: RefStore, location: str, settings: dict[str, Any],
     occupied: Callable[[], str | None] = lambda: None,
 ) -> Repository:
-    """The repository over these stores (closing the block store if that fails)."""
+    """The repository over these stores (closing the block store if that fails): its config read
+    once (one request on S3), or created there."""
     try:
-        settings = dict(settings)
-        policy = settings.pop("upkeep", True)
-        _ensure_config(refs, location, occupied=occupied, **settings)
-        return Repository(blocks, refs, create=False, location=location, upkeep=policy)
+        settings = {k: v for k, v in settings.items() if k != "read_only"}  # the stores' own
+        return Repository(blocks, refs, location=location, occupied=occupied, **settings)
     except BaseException:
         blocks.close()
         raise

@@ -352,6 +352,17 @@ def test_save_load_log_reflog_gc_fsck(s3_url: str) -> None:
     assert layout == {"config.json", "index", "logs", "packs", "refs"}  # no lock or probe objects left
 
 
+def test_open_reads_the_config_once(proxy: Proxy, s3_url: str) -> None:
+    """Creating and opening each read config.json once (it was read twice, a GET in each open)."""
+    config = f"/{_split(s3_url)[0]}/{_split(s3_url)[1]}config.json"
+    for create in (True, False):
+        proxy.requests.clear()
+        with cas_ckpt.open(s3_url, create=create, storage_options=FAST):
+            pass
+        gets = [path for method, path, _ in proxy.requests if method == "GET" and path == config]
+        assert len(gets) == 1, (create, "; ".join(f"{m} {p.split('/repo/')[-1]}" for m, p, _ in proxy.requests))
+
+
 def test_open_refuses_missing_repositories_and_foreign_prefixes(s3_url: str) -> None:
     with pytest.raises(cas_ckpt.errors.RepositoryError, match="no cas_ckpt repository"):
         cas_ckpt.open(s3_url, create=False)

@@ -416,8 +416,9 @@ class S3RefStore(RefStore):
 
     def init_config(self, config: dict[str, Any]) -> dict[str, Any]:
         data = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
-        self.bucket.put("config.json", data, create=True)
-        return self.read_config() or config
+        if self.bucket.put("config.json", data, create=True) is not None:
+            return config  # ours: no read back
+        return self.read_config() or config  # another process's came first: that one holds
 
     def update_config(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         got = self.bucket.get("config.json")
