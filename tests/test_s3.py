@@ -360,7 +360,7 @@ def test_open_reads_the_config_once(proxy: Proxy, s3_url: str) -> None:
         with cas_ckpt.open(s3_url, create=create, storage_options=FAST):
             pass
         gets = [path for method, path, _ in proxy.requests if method == "GET" and path == config]
-        assert len(gets) == 1, (create, "; ".join(f"{m} {p.split('/repo/')[-1]}" for m, p, _ in proxy.requests))
+        assert len(gets) == 1, (create, [f"{m} {p.split('/repo/')[-1]}" for m, p, _ in proxy.requests])
 
 
 def test_open_refuses_missing_repositories_and_foreign_prefixes(s3_url: str) -> None:
