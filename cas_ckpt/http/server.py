@@ -72,6 +72,10 @@ IDENTITY_EMPTY = "bafkqaaa"  # the spec's probe: the identity CID of no bytes
 TOKEN_COOKIE = "cas_ckpt_token"  # the browser's token, set from ``/?token=T`` on its first visit
 REPO = web.AppKey("repo", Repository)
 READS = web.AppKey("reads", ThreadPoolExecutor)
+# Handlers of the pages a browser opens first, the only routes where a ``token`` query parameter
+# counts: they answer by setting the cookie and dropping it from the address. Anywhere else a
+# token in the URL would end up in logs, histories and shared links.
+LANDINGS = web.AppKey("landings", set)
 T = TypeVar("T")
 
 
@@ -84,6 +88,7 @@ def make_app(repo: Repository, *, token: str | None = None) -> web.Application:
     app = web.Application(middlewares=[_require_token(token)] if token else [])
     app[REPO] = repo
     app[READS] = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="cas_ckpt-serve")
+    app[LANDINGS] = set()
     app.on_cleanup.append(_stop_reads)
     app.router.add_get(r"/ipfs/{cid}", ipfs)
     app.router.add_get(r"/ipfs/{cid}/{path:.*}", ipfs)
@@ -105,12 +110,14 @@ async def _stop_reads(app: web.Application) -> None:
 
 def presented_token(request: web.Request) -> str | None:
     """The token a request presents: ``Authorization: Bearer T``; else the browser's cookie
-    (:data:`TOKEN_COOKIE`); else a ``token`` query parameter (a browser's first visit,
-    ``/?token=T``, which the page answers by setting the cookie). None if none."""
+    (:data:`TOKEN_COOKIE`); else, on a page of :data:`LANDINGS` only, a ``token`` query parameter
+    (a browser's first visit, ``/?token=T``, which the page answers by setting the cookie). None
+    if none."""
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()
-    return request.cookies.get(TOKEN_COOKIE) or request.query.get("token") or None
+    landing = request.match_info.handler in request.app.get(LANDINGS, ())
+    return request.cookies.get(TOKEN_COOKIE) or (request.query.get("token") if landing else None) or None
 
 
 def _require_token(token: str) -> Any:

@@ -30,7 +30,7 @@ from cas_ckpt.errors import (
     PathNotFound,
     RefNotFound,
 )
-from cas_ckpt.http.server import TOKEN_COOKIE
+from cas_ckpt.http.server import LANDINGS, TOKEN_COOKIE
 from cas_ckpt.repository import Repository
 from cas_ckpt.web.data import PAGE, BadRequest, Browser
 
@@ -75,6 +75,7 @@ def add_routes(app: web.Application, repo: Repository, *, workers: int = WORKERS
     for path, work in _API.items():
         router.add_get(f"/ui/api/{path}", _json(work))
     router.add_get("/ui/{page}", _page)
+    app[LANDINGS].update((_root, _page))  # a first visit's ?token= counts here only
 
 
 async def _close_pool(app: web.Application) -> None:
