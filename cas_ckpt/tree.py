@@ -1247,16 +1247,15 @@ class TreeReader:
             flat = np.frombuffer(data, dtype=np.uint8).copy()
         else:
             kind = header.get("kind", "numpy")
-            mapping = self.mmap
+            # A small tensor is copied even by a mapped load: a copy-on-write mapping of its own
+            # costs a syscall, a page and a file descriptor (Python's mmap keeps a duplicate):
+            # 10,000 took 1.3 s and the next load ran out of descriptors.
+            mapping = self.mmap and (kind == "numpy" or nbytes > INLINE_LIMIT)
             # Allocate first: a declared size the process cannot hold fails here, before any
             # chunk link page is read (one chunk repeated can declare terabytes in a small node).
             out = None if mapping or nbytes <= INLINE_LIMIT else self._allocate(nbytes, shape)
             cids = self._chunk_links(header)
-            # A small tensor is copied even by a mapped load: a copy-on-write mapping of its own
-            # costs a syscall, a page and a file descriptor (Python's mmap keeps a duplicate):
-            # 10,000 took 1.3 s and the next load ran out of descriptors.
-            if (not mapping or kind != "numpy") and len(cids) == 1 and nbytes <= INLINE_LIMIT \
-                    and self._small \
+            if not mapping and len(cids) == 1 and nbytes <= INLINE_LIMIT and self._small \
                     and (kind == "numpy" or (self.tensor_factory is None and self.map_location is None)):
                 return self._read_small(cids[0], dtype, shape, nbytes, order, header)
             sizes = self._array_sizes(header, cids, nbytes)  # the size really stored, checked
