@@ -680,22 +680,27 @@ def test_the_loop_takes_only_small_arrays_of_its_kind_in_the_machines_byte_order
 
 
 def test_host_array_takes_only_what_tensor_to_numpy_gives_as_a_view() -> None:
-    """One call for a plain CPU tensor of a numpy dtype (a view of it); None for every tensor
-    the general conversion must look at."""
+    """One call for a plain CPU tensor of a numpy or ml_dtypes dtype (a view of it, bfloat16 and
+    float8 through their integer view); None for every tensor the general conversion must look
+    at."""
     from cas_ckpt.integrations import torch as adapter
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        others = [torch.ones(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.complex32),
+        others = [torch.ones(3, dtype=torch.complex32),
                   torch.ones(3, dtype=torch.complex64).conj(), torch.ones(2, device="meta"),
                   torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), torch.eye(2).to_sparse()]
     assert all(adapter.host_arrays([t])[0] is None for t in others)
-    plain = [torch.arange(5.0), torch.nn.Parameter(torch.ones(3)), torch.ones(4, 4)[:, ::2], torch.tensor(2)]
+    plain = [torch.arange(5.0), torch.nn.Parameter(torch.ones(3)), torch.ones(4, 4)[:, ::2], torch.tensor(2),
+             torch.arange(6.0, dtype=torch.bfloat16), torch.tensor(1.5, dtype=torch.bfloat16),
+             torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))[:, 1::2],
+             torch.ones(5).to(torch.float8_e4m3fn), torch.ones(2).to(torch.float8_e5m2)]
     for t in plain:
         array = adapter.host_arrays([t])[0]
         want = adapter.tensor_to_numpy(t, "x")[0]
         assert array is not None and array.dtype == want.dtype and array.shape == want.shape
-        assert array.__array_interface__["data"][0] == t.data_ptr()
+        assert array.strides == want.strides and array.__array_interface__["data"][0] == t.data_ptr()
+        assert np.array_equal(array.astype(np.float64), want.astype(np.float64))
     # One call for a container's values: aligned with them, whatever is mixed in (a tensor
     # Tensor.numpy refuses sends the whole list through the one-at-a-time path).
     grad = torch.nn.Parameter(torch.ones(2))
