@@ -23,6 +23,7 @@ import cas_ckpt
 from cas_ckpt import _fs
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends import Backend, LocalBackend, MemoryBackend
+from cas_ckpt.backends import local as local_backend
 from cas_ckpt.backends.base import ObjectInfo
 from cas_ckpt.backends.local import GATHER_BYTES, MAPPED_READ, RELEASE_BATCH, SMALL_WRITE
 from cas_ckpt.blocks import LocalStore, MemoryStore, PackedBlockStore
@@ -142,6 +143,53 @@ class TestLocalBackend(BackendTests):
         assert isinstance(backend, LocalBackend)
         (backend.tmp_dir / "0123.pack.tmp").write_bytes(b"half a pack")  # nobody holds its flock
         assert backend.clean_temp(0.0) == 1
+        assert list(backend.tmp_dir.iterdir()) == []
+        staged = [backend.tmp_dir / f"{n}.pack.tmp.new" for n in ("old", "young")]
+        for path in staged:  # a writer died between creating and locking its temp file
+            path.write_bytes(b"")
+        hour_ago = os.stat(staged[1]).st_mtime - local_backend.STAGING_AGE - 1
+        os.utime(staged[0], (hour_ago, hour_ago))
+        assert backend.clean_temp(0.0) == 1 and list(backend.tmp_dir.iterdir()) == [staged[1]]
+
+    @pytest.mark.parametrize("moment", ["open", "link", "replace"])
+    def test_a_sink_is_never_cleaned_from_under_its_writer(
+        self, backend: Backend, moment: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """GC's temp cleaning runs right after the temp file is created (before its lock could
+        be taken), and right before it is linked or renamed into place (after it is sealed): a
+        live writer's file is never taken. Both moments lost it once (docs/reliability.md, 42)."""
+        assert isinstance(backend, LocalBackend)
+        removed: list[int] = []
+        if moment == "open":
+            opened = _fs.open_private
+
+            def open_then_clean(path: Path, flags: int, mode: int = 0o777) -> int:
+                fd = opened(path, flags, mode)
+                removed.append(backend.clean_temp(0.0))
+                return fd
+
+            monkeypatch.setattr(local_backend._fs, "open_private", open_then_clean)
+        else:
+            name = "link" if moment == "link" else "replace"
+            call = getattr(os, name)
+
+            def clean_then(*args: object) -> None:
+                removed.append(backend.clean_temp(0.0))
+                call(*args)
+
+            monkeypatch.setattr(local_backend.os, name, clean_then)
+        if moment == "replace":
+            first = backend.create()
+            first.write(b"old copy")
+            assert first.publish("a.pack") is True
+        sink = backend.create()
+        sink.write(b"the pack")
+        if moment == "replace":
+            sink.replace("a.pack")
+        else:
+            assert sink.publish("a.pack") is True
+        assert removed and set(removed) == {0}
+        assert backend.read("a.pack", 0, 8) == b"the pack"
         assert list(backend.tmp_dir.iterdir()) == []
 
 

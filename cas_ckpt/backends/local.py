@@ -43,6 +43,8 @@ GATHER_BYTES = 4 * 1024 * 1024  # gathered small writes go out in one call of up
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # pieces one pwritev takes
 SUFFIX = ".pack"
 TEMP_SUFFIX = ".pack.tmp"
+STAGING_SUFFIX = ".new"  # a temp file before its writer holds its lock (clean_temp skips it)
+STAGING_AGE = 3600.0  # seconds after which a staging file is a dead writer's: it lives microseconds
 T = TypeVar("T")
 
 
@@ -67,10 +69,20 @@ class LocalSink(Sink):
 
     def __init__(self, backend: LocalBackend) -> None:
         self._backend = backend
-        self.path: Path | None = _fs.temp_name(backend.tmp_dir, TEMP_SUFFIX)
+        path = _fs.temp_name(backend.tmp_dir, TEMP_SUFFIX)
+        # Made under a name clean_temp never looks at, locked, then renamed: between an open and
+        # its flock a cleaner would find the file unlocked and delete it under its writer.
+        staging = path.with_name(path.name + STAGING_SUFFIX)
         # Private: a forked child must not keep the temp file locked (and uncleanable) once we die.
-        fd = _fs.open_private(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until published: see clean_temp
+        fd = _fs.open_private(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until published: see clean_temp
+            os.rename(staging, path)
+        except BaseException:
+            _fs.close_private(fd)
+            staging.unlink(missing_ok=True)
+            raise
+        self.path: Path | None = path
         self._fd: int | None = fd
         self._run: list[bytes | memoryview] = []  # small writes gathered, in file order
         self._run_bytes = 0
@@ -109,45 +121,45 @@ class LocalSink(Sink):
         self._flush()  # a gathered run refers to kept buffers
 
     def _seal(self) -> Path:
-        """Write what is buffered, fsync and close; the temp file is complete and durable."""
+        """Write what is buffered and fsync: the temp file is complete and durable. Its flock
+        stays held until the file is published or removed (:meth:`_close`): released earlier, a
+        cleaner took the sealed file from under the link that publishes it."""
         self._flush()
         assert self._fd is not None and self.path is not None, "sink is closed"
         with _fs.naming(self.path):
             os.fsync(self._fd)
-        _fs.close_private(self._fd)  # drops the flock: the file is whole, cleaning may take it now
-        self._fd = None
         return self.path
 
     def publish(self, name: str) -> bool:
-        path = self._seal() if self._fd is not None else self.path
-        assert path is not None, "sink is closed"
+        path = self._seal()
         target = self._backend.pack_dir / name
         try:
             os.link(path, target)
         except FileExistsError:
-            return False
-        self._done()
+            return False  # open (and locked) still, for replace or abort
+        self.abort()  # the temp name goes; the published one stays
         _fs.fsync_dir(self._backend.pack_dir)
         return True
 
     def replace(self, name: str) -> None:
-        path = self._seal() if self._fd is not None else self.path
-        assert path is not None, "sink is closed"
+        path = self._seal()
         os.replace(path, self._backend.pack_dir / name)
         self.path = None
+        self._close()
         _fs.fsync_dir(self._backend.pack_dir)
         self._backend.forget(name)
 
-    def _done(self) -> None:
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-            self.path = None
-
-    def abort(self) -> None:
+    def _close(self) -> None:
         if self._fd is not None:
             _fs.close_private(self._fd)
             self._fd = None
-        self._done()
+
+    def abort(self) -> None:
+        """Remove the temp file (if still there), then release its lock and descriptor."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+        self._close()
 
 
 class LocalBackend(Backend):
@@ -369,8 +381,14 @@ class LocalBackend(Backend):
         _fs.fsync_dir(self.pack_dir)
 
     def clean_temp(self, min_age: float) -> int:
-        """Remove temp files whose writer is gone (its flock is free), whatever their age."""
+        """Remove temp files whose writer is gone (its flock is free), whatever their age, and
+        staging files (see :class:`LocalSink`) over :data:`STAGING_AGE` old."""
         removed = 0
+        for path in self.tmp_dir.glob(f"*{TEMP_SUFFIX}{STAGING_SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - path.lstat().st_mtime > STAGING_AGE:
+                    path.unlink()
+                    removed += 1
         for path in self.tmp_dir.glob(f"*{TEMP_SUFFIX}"):
             try:
                 fd = open_regular(path)

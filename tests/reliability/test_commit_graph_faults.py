@@ -19,6 +19,7 @@ import random
 import subprocess
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -117,14 +118,14 @@ def test_writers_merges_and_gc_at_once(medium: str, tmp_path: Path, request: pyt
         doomed = [bytes(c.cid) for c in repo.log("doomed")]
         children = [_child(location, ref, rounds, tmp_path / f"{ref}.log") for ref in ("a", "b")]
         stop = threading.Event()
-        errors: list[BaseException] = []
+        errors: list[str] = []
 
         def upkeep() -> None:
             try:
                 while not stop.is_set():
                     repo.update_commit_graph(consolidate=True)
-            except BaseException as exc:  # reported below
-                errors.append(exc)
+            except BaseException:  # reported below, where it happened included
+                errors.append(traceback.format_exc())
 
         thread = threading.Thread(target=upkeep)
         thread.start()
@@ -139,7 +140,7 @@ def test_writers_merges_and_gc_at_once(medium: str, tmp_path: Path, request: pyt
         for child in children:
             _, err = child.communicate()
             assert child.returncode == 0, err
-        assert not errors, errors
+        assert not errors, "\n".join(errors)
     held = _check(location)
     with cas_ckpt.open(location, create=False) as repo:
         for ref in ("a", "b"):
