@@ -248,15 +248,16 @@ def numpy_to_tensor(
         raise DecodeError(f"array of dtype {array.dtype} cannot become a torch tensor")
     if not array.flags.writeable or not (array.flags.c_contiguous or array.flags.f_contiguous):
         array = np.array(array, order="K")  # from_numpy wants writable memory with simple strides
-    shape = array.shape
-    if not array.ndim:
+    scalar = not array.ndim
+    if scalar:  # a 0-d array's view of another dtype is refused: made 1-d, then 0-d again
         array = array.reshape(1)
     if target not in _native():
         width = np.uint8 if array.dtype.itemsize == 1 else np.int16
         tensor = torch.from_numpy(array.view(width)).view(target)
     else:
         tensor = torch.from_numpy(array)
-    tensor = tensor.reshape(shape)
+    if scalar:
+        tensor = tensor.reshape(())  # only then: a torch reshape costs about 1 us a tensor
     if map_location is not None:
         tensor = _place(tensor, map_location)
     return tensor
