@@ -425,7 +425,10 @@ def test_a_server_killed_mid_transfer_is_an_error_not_a_hang(tmp_path: Path) -> 
 # --------------------------------------------------------------------------------------------
 def test_gc_mid_stream_ends_the_car_with_an_error_never_wrong_bytes(caplog: pytest.LogCaptureFixture) -> None:
     repo = cas_ckpt.open("memory://")
-    root = repo.save({"w": np.random.default_rng(1).random(8 * 262_144, np.float32)})  # 8 MiB, 8 chunks
+    # 64 MiB, 64 chunks: more than the socket buffers between server and client can hold (here up
+    # to 4 MiB sent and 32 MiB received): the server must still read blocks after the GC. With
+    # 8 MiB, on a loaded machine, it had sent every block before the GC ran.
+    root = repo.save({"w": np.random.default_rng(1).random(64 * 262_144, np.float32)})
     with serving(repo) as url, caplog.at_level(logging.ERROR, "cas_ckpt.http"):
         http = urllib3.PoolManager(retries=False)
         response = http.request("GET", f"{url}/ipfs/{root}?format=car", preload_content=False)
