@@ -104,7 +104,8 @@ def test_64_connections_while_saving_and_gc(tmp_path: Path) -> None:
         stop.touch()
         rounds = int(churn.communicate(timeout=120)[0])
         assert server.proc.poll() is None  # still serving
-    assert problems == []
+        log = server.stop() if problems else ""
+    assert problems == [], f"the server's log:\n{log}"
     assert done["raw"] == done["car"] == CLIENTS * 3
     assert rounds >= 1
 

@@ -11,6 +11,7 @@ import tempfile
 import textwrap
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -570,3 +571,86 @@ def test_start_reads_takes_a_good_copy_where_the_mapped_one_is_damaged(tmp_path:
         wait()
     assert cidlib.to_str(cids[1]) in str(caught.value)
     store.close()
+
+
+# -- a reader whose listing goes stale under GC (docs/reliability.md, row 43) ----------------------
+class _MovingBlock:
+    """One block in a store, and a second instance (another process's view) that knows only the
+    pack first holding it; :meth:`move` merges that block's pack with a new one, as GC does."""
+
+    def __init__(self, backend: Backend, reopened: Backend) -> None:
+        self.store = PackedBlockStore(backend)
+        self.cid, self.data = raw_block(1, 2000)
+        self.store.put(self.cid, self.data)
+        self.second = PackedBlockStore(reopened)
+        (first,) = self.second.packs()
+        self._next = itertools.count(2)
+        self.move()
+        self.second.backend.forget(first)  # no descriptor kept open: its reads see the pack gone
+
+    def move(self) -> None:
+        self.store.put(*raw_block(next(self._next), 500))
+        assert self.store.merge_small()[0] == 2
+
+
+@contextmanager
+def _two_local_views(root: Path) -> Iterator[_MovingBlock]:
+    backend, reopened = LocalBackend(root), LocalBackend(root)
+    try:
+        yield _MovingBlock(backend, reopened)
+    finally:
+        backend.close()
+        reopened.close()
+
+
+@pytest.fixture(params=["memory", "local"])
+def moving(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_MovingBlock]:
+    if request.param == "memory":
+        backend = MemoryBackend()
+        yield _MovingBlock(backend, backend)
+        return
+    with _two_local_views(tmp_path / "store") as moving:
+        yield moving
+
+
+def test_a_listing_gone_stale_before_it_is_read_is_taken_again(
+    moving: _MovingBlock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GC moves the block into a new pack right after each of the reader's first two listings:
+    each names a pack gone before its index is read. The reader lists again rather than take the
+    stale listing as its view, which lost live blocks under a loaded server. (Object storage
+    learns of packs from its index folder, which is listed again already.)"""
+    listed = moving.second.backend.list_changes
+    stale: list[str] = []
+
+    def list_then_move(known: AbstractSet[str]) -> tuple[set[str], list[ObjectInfo]]:
+        names, new = listed(known)
+        if len(stale) < 2 and new:
+            stale.extend(info.name for info in new)
+            moving.move()
+        return names, new
+
+    monkeypatch.setattr(moving.second.backend, "list_changes", list_then_move)
+    assert moving.second.get(moving.cid) == moving.data
+    assert len(stale) == 2 and not set(stale) & set(moving.store.packs())  # both went stale
+
+
+def test_a_pack_gone_between_listing_and_stat_makes_the_listing_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory names a new pack, and GC moves its blocks before its ``stat``: the listing
+    is stale already, so the reader lists again (twice here)."""
+    with _two_local_views(tmp_path / "store") as moving:
+        stat, moved, busy = os.stat, [], []
+
+        def move_then_stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+            if str(path).endswith(".pack") and len(moved) < 2 and not busy:
+                busy.append(path)  # the move's own stats pass
+                moved.append(path)
+                moving.move()
+                busy.clear()
+            return stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(local_backend.os, "stat", move_then_stat)
+        assert moving.second.get(moving.cid) == moving.data
+        assert len(moved) == 2

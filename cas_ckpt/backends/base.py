@@ -125,7 +125,8 @@ class Backend(ABC):
         what a caller that has seen ``known`` needs to catch up (the same contract as ``list``).
 
         The default lists everything once; a medium that names its objects for less than it
-        describes them (a directory: no ``stat`` per file) overrides it.
+        describes them (a directory: no ``stat`` per file) overrides it. A name not in ``known``
+        that has no entry was gone by the time it was described: the listing is stale.
         """
         listing = self.list()
         return {info.name for info in listing}, [info for info in listing if info.name not in known]

@@ -224,7 +224,8 @@ class LocalBackend(Backend):
     def list_changes(self, known: AbstractSet[str]) -> tuple[set[str], list[ObjectInfo]]:
         """The names alone from the directory, and a ``stat`` of each name not in ``known``
         (a save looks for new packs each time: with thousands, describing every one took
-        milliseconds)."""
+        milliseconds). A name deleted before its ``stat`` stays among the names, without an
+        entry: it tells the caller the listing is already stale."""
         try:
             listing = os.listdir(_fs.refuse_links(self.root, self.pack_dir))
             names = {n for n in listing if n.endswith(self.suffix)}
@@ -235,7 +236,6 @@ class LocalBackend(Backend):
             try:
                 st = os.stat(self.pack_dir / name, follow_symlinks=False)
             except FileNotFoundError:  # deleted since the listing
-                names.discard(name)
                 continue
             self._listed[name] = (st.st_ino, st.st_size, st.st_mtime)
             new.append(ObjectInfo(name, st.st_size, now - st.st_mtime))

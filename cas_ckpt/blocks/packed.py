@@ -283,6 +283,16 @@ class PackedBlockStore(BlockStore):
                 self._refresh_listing(full=full, learn=learn or full)
 
     def _refresh_listing(self, *, full: bool, learn: bool = True) -> None:
+        # A new pack listed may be gone before it is described: GC moved its blocks into a pack
+        # published after the listing, which only another listing shows. Under load a reader
+        # kept taking such a stale listing as its view, and lost every block GC was moving.
+        for _ in range(_MAX_MOVES):
+            if not self._list_once(full=full, learn=learn):
+                return
+
+    def _list_once(self, *, full: bool, learn: bool) -> bool:
+        """Take in one listing of the packs; True if a new pack it named was gone before it was
+        described (the listing is stale: list again)."""
         with self._lock:
             known = self._blocks.ids.keys() | self.corrupt_packs.keys()
         if full:
@@ -297,25 +307,31 @@ class PackedBlockStore(BlockStore):
             if full:
                 self._info.update((name, info) for name, info in listing.items() if name in self._blocks)
         if not learn:
-            return
+            return False
+        described = {info.name for info in infos}
+        stale = any(name not in described for name in names - known if name.endswith(SUFFIX))
         if infos and self._catalog is not None and self.backend.cheap_listing:
             infos = self._describe_from_snapshot(infos)
-        self._describe_from_packs(infos)
+        return self._describe_from_packs(infos) or stale
 
-    def _describe_from_packs(self, infos: list[ObjectInfo]) -> None:
-        """Read these packs' own indexes (each from its end) and take them in."""
-        found = []
+    def _describe_from_packs(self, infos: list[ObjectInfo]) -> bool:
+        """Read these packs' own indexes (each from its end) and take them in; True if one of
+        them was gone."""
+        found, gone = [], False
         with cyclic_gc_paused():  # a few objects per block: see _memory
             for info, result in zip(infos, self._read_indexes(infos), strict=True):
                 if isinstance(result, str):
                     with self._lock:
                         self.corrupt_packs[info.name] = result
-                elif result is not None:
+                elif result is None:
+                    gone = True
+                else:
                     found.append((info, result))
             self._add_packs(found)
             if self.writes_journals:
                 with self._lock:  # no index file names them (yet): see merge_small
                     self._unrecorded.update(info.name for info, _ in found)
+        return gone
 
     def _describe_from_snapshot(self, infos: list[ObjectInfo]) -> list[ObjectInfo]:
         """Take in the packs of ``infos`` that the newest snapshot describes (at the size
