@@ -302,14 +302,17 @@ class PackedBlockStore(BlockStore):
         else:
             names, changes = self.backend.list_changes(known)
             infos = sorted((i for i in changes if i.name.endswith(SUFFIX)), key=lambda i: i.name)
-        self._drop_packs(known - names)
+        gone = known - names
+        self._drop_packs(gone)
         with self._lock:
             if full:
                 self._info.update((name, info) for name, info in listing.items() if name in self._blocks)
         if not learn:
             return False
-        described = {info.name for info in infos}
-        stale = any(name not in described for name in names - known if name.endswith(SUFFIX))
+        # Names neither known nor described, counted first: a save lists thousands of packs.
+        unseen = len(names) - (len(known) - len(gone)) - len(infos)
+        described = {info.name for info in infos} if unseen else set()
+        stale = unseen > 0 and any(name.endswith(SUFFIX) and name not in described for name in names - known)
         if infos and self._catalog is not None and self.backend.cheap_listing:
             infos = self._describe_from_snapshot(infos)
         return self._describe_from_packs(infos) or stale
