@@ -1,6 +1,7 @@
 """Memory: fresh pages made resident in one call before a copy (:func:`prefault`), the
 cyclic garbage collector paused while many acyclic objects are made (:func:`cyclic_gc_paused`),
-and the most memory this process could ever get (:func:`memory_limit`)."""
+the most memory this process could ever get (:func:`memory_limit`), and large buffers returned
+to the system when freed (:func:`return_freed_buffers`)."""
 
 from __future__ import annotations
 
@@ -161,3 +162,25 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc's malloc.h)
+FREED_BUFFER = 128 * 1024  # buffers this large and over get pages of their own, unmapped when freed
+
+
+def return_freed_buffers() -> bool:
+    """Give large buffers pages of their own from now on, returned to the system when freed.
+
+    glibc raises its mmap threshold each time a mapped buffer is freed (up to 32 MiB), after which
+    a long-lived server's block-sized buffers come from its heaps, and memory a burst of clients
+    used stays the process's after they leave. Fixing the threshold keeps it at its default.
+    True if set (glibc only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, FREED_BUFFER))

@@ -297,15 +297,17 @@ def status(url: str, headers: dict[str, str] | None = None) -> int:
 def test_the_token_rule_holds_for_the_browser_routes(driver: Any, facts: Facts) -> None:
     token = "s3cret-token"
     with served(facts.path, token=token) as base:
-        for path in ("/", "/ui/", "/ui/run?ref=runs/base", "/ui/static/app.js", "/ui/api/runs",
+        for path in ("/ui/", "/ui/run?ref=runs/base", "/ui/static/app.js", "/ui/api/runs",
                      "/ui/api/graph?ref=runs/base", "/ui/api/storage"):
             assert status(base + path) == 401, path
             assert status(base + path, {"Authorization": "Bearer wrong"}) == 401, path
             assert status(base + path, {"Authorization": f"Bearer {token}"}) == 200, path
         visit(driver, f"{base}/?token={quote(token)}", "runs")  # the cookie carries it from here
         assert "token" not in driver.current_url
-        cookie = driver.get_cookie("cas_ckpt_token")
-        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+        port = base.rsplit(":", 1)[1]
+        cookie = driver.get_cookie(f"cas_ckpt_session_{port}")  # a session of this server's pages
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/ui"
+        assert token not in cookie["value"]
         visit(driver, f"{base}/ui/storage", "storage")
         driver.delete_all_cookies()
         driver.get(f"{base}/ui/storage")

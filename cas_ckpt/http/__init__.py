@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from cas_ckpt.repository import Repository
 
 DEFAULT_PORT = 8080  # the port IPFS gateways listen on by default
-__all__ = ["DEFAULT_PORT", "ENV_TOKEN", "serve"]
+MAX_STREAMS = 32  # block and CAR bodies in flight at once: 2 clients at their 16 parallel reads
+STREAM_WAIT = 5.0  # seconds a request over the cap waits before its 503
+__all__ = ["DEFAULT_PORT", "ENV_TOKEN", "MAX_STREAMS", "STREAM_WAIT", "serve"]
 
 
 def serve(
@@ -26,13 +28,17 @@ def serve(
     port: int = DEFAULT_PORT,
     *,
     token: str | None = None,
+    max_streams: int = MAX_STREAMS,
     ready: Callable[[str], None] | None = None,
 ) -> None:
     """Serve ``repo`` (an open repository or its location, opened read-only) over HTTP until
     interrupted (SIGINT or SIGTERM). Read-only, always: no route writes anything.
 
     Bound to 127.0.0.1 unless ``host`` says otherwise; with ``token`` every request needs
-    ``Authorization: Bearer <token>``. Needs ``pip install 'cas_ckpt[http]'`` (aiohttp).
+    ``Authorization: Bearer <token>`` (a browser's ``/?token=<token>`` is exchanged for a session
+    that opens the browser's pages only). ``max_streams``: block and CAR bodies sent at once;
+    a request over the cap waits briefly, then gets 503 with ``Retry-After``.
+    Needs ``pip install 'cas_ckpt[http]'`` (aiohttp).
     ``ready``: called with the URL once the server listens (``port=0`` picks a free port).
     """
     try:
@@ -43,4 +49,4 @@ def serve(
         raise RepositoryError(
             f"serving needs aiohttp: pip install 'cas_ckpt[http]' ({exc})"
         ) from None
-    server.run(repo, host, port, token=token, ready=ready)
+    server.run(repo, host, port, token=token, max_streams=max_streams, ready=ready)

@@ -17,6 +17,14 @@ aiohttp serves it: one asyncio loop holds any number of slow clients without a t
 ``StreamResponse.write`` waits for the socket to drain, so a stream never runs ahead of its
 reader. Repository reads block (disk, hashing), so they run on a bounded pool of threads.
 :func:`make_app` is the one place the application is built; other modules add routes to it.
+
+Hostile peers are bounded (``docs/cli.md``, "serve"): a body is written in slices of
+:data:`SEND_SLICE` bytes, each waiting for the socket, so a stream holds at most one block beyond
+what the kernel accepted; at most ``max_streams`` block and CAR bodies are in flight (a request
+over the cap waits :data:`STREAM_WAIT` seconds, then gets 503 with ``Retry-After``); a reader
+that takes nothing for :data:`SEND_STALL` seconds is cut off. Every error answer is JSON
+(``{"error": ...}``); a client's disconnect or bad request is one rate-limited log line, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -31,13 +39,14 @@ import math
 import os
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from aiohttp import web
 
-from cas_ckpt import car
+from cas_ckpt import _memory, car
 from cas_ckpt import cid as cidlib
 from cas_ckpt.codec import Link
 from cas_ckpt.commit import Commit
@@ -52,6 +61,7 @@ from cas_ckpt.errors import (
     InvalidRefName,
     RefNotFound,
 )
+from cas_ckpt.http import MAX_STREAMS, STREAM_WAIT
 from cas_ckpt.maintenance.walk import data_blocks
 from cas_ckpt.repository import Repository
 from cas_ckpt.repository import open as open_repository
@@ -63,32 +73,47 @@ CAR = "application/vnd.ipld.car"
 CAR_TYPE = f"{CAR}; version=1; order=dfs; dups=n"
 IMMUTABLE = "public, max-age=29030400, immutable"
 READ_THREADS = 16  # repository reads (disk and hashing) in flight at once
-STREAM_PIECE = 4 * 1024 * 1024  # CAR bytes gathered on a read thread before they are written
+STREAM_PIECE = 1024 * 1024  # CAR bytes gathered on a read thread at once: about one block
+SEND_SLICE = 64 * 1024  # bytes handed to the socket at a time, each write waiting for it to drain
+SEND_STALL = 60.0  # seconds a reader may take nothing before its stream is cut off
+RETRY_AFTER = 2  # the 503's Retry-After, in seconds
+SESSION_TTL = 12 * 3600  # seconds a browser session lasts
 # Formats the path gateway names that this trustless server cannot give (406); others are 400.
 _OTHER_FORMATS = {"tar", "dag-json", "dag-cbor", "json", "cbor", "ipns-record"}
 _FORMATS = {"raw": RAW, "car": CAR}
 IDENTITY_EMPTY = "bafkqaaa"  # the spec's probe: the identity CID of no bytes
 
-TOKEN_COOKIE = "cas_ckpt_token"  # the browser's token, set from ``/?token=T`` on its first visit
+CHALLENGE = 'Bearer realm="cas_ckpt"'  # WWW-Authenticate of a 401
+SESSION_COOKIE = "cas_ckpt_session"  # the browser's session, named per port: "cas_ckpt_session_8080"
 REPO = web.AppKey("repo", Repository)
 READS = web.AppKey("reads", ThreadPoolExecutor)
 # Handlers of the pages a browser opens first, the only routes where a ``token`` query parameter
-# counts: they answer by setting the cookie and dropping it from the address. Anywhere else a
-# token in the URL would end up in logs, histories and shared links.
+# counts: they answer by setting the session cookie and dropping the token from the address.
+# Anywhere else a token in the URL would end up in logs, histories and shared links.
 LANDINGS = web.AppKey("landings", set)
+SESSIONS = web.AppKey("sessions", "Sessions")
+STREAMS = web.AppKey("streams", "Streams")
 T = TypeVar("T")
 
 
-def make_app(repo: Repository, *, token: str | None = None) -> web.Application:
+def make_app(
+    repo: Repository, *, token: str | None = None, max_streams: int = MAX_STREAMS
+) -> web.Application:
     """The server's application for ``repo``: the gateway, the JSON API and the browser view.
     With ``token`` every route (added here or later by other modules) answers 401 unless the
-    request presents it (see :func:`presented_token`)."""
+    request presents it (see :func:`authorized`). ``max_streams``: block and CAR bodies in
+    flight at once."""
     from cas_ckpt.web import add_browser_routes  # the web layer builds on this module
 
-    app = web.Application(middlewares=[_require_token(token)] if token else [])
+    if max_streams < 1:
+        raise ValueError(f"max_streams must be at least 1, not {max_streams}")
+    middlewares = [_json_errors] + ([_require_token(token)] if token else [])
+    app = web.Application(middlewares=middlewares)
     app[REPO] = repo
     app[READS] = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="cas_ckpt-serve")
     app[LANDINGS] = set()
+    app[SESSIONS] = Sessions(token)
+    app[STREAMS] = Streams(max_streams)
     app.on_cleanup.append(_stop_reads)
     app.router.add_get(r"/ipfs/{cid}", ipfs)
     app.router.add_get(r"/ipfs/{cid}/{path:.*}", ipfs)
@@ -108,31 +133,88 @@ async def _stop_reads(app: web.Application) -> None:
     app[READS].shutdown(wait=False, cancel_futures=True)
 
 
-def presented_token(request: web.Request) -> str | None:
-    """The token a request presents: ``Authorization: Bearer T``; else the browser's cookie
-    (:data:`TOKEN_COOKIE`); else, on a page of :data:`LANDINGS` only, a ``token`` query parameter
-    (a browser's first visit, ``/?token=T``, which the page answers by setting the cookie). None
-    if none."""
+# --------------------------------------------------------------------------------------------
+# Who may ask: the API token, and the browser's sessions
+# --------------------------------------------------------------------------------------------
+class Sessions:
+    """Browser sessions: a value given for the token once (``/?token=T``), which unlocks the
+    browser's pages and their JSON only, and expires after :data:`SESSION_TTL` seconds.
+
+    A session is ``<expiry>.<HMAC-SHA256 of the expiry>`` under a key derived from the token:
+    nothing is kept per session (a flood of logins holds no memory), it cannot be turned back
+    into the token, and a new token ends every session.
+    """
+
+    def __init__(self, token: str | None) -> None:
+        self._key = hmac.new(token.encode(), b"cas_ckpt browser session", "sha256").digest() \
+            if token else None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the server has a token (without one, no session is needed)."""
+        return self._key is not None
+
+    def issue(self, now: float | None = None) -> str:
+        expiry = str(int((time.time() if now is None else now) + SESSION_TTL))
+        return f"{expiry}.{self._sign(expiry)}"
+
+    def valid(self, value: str | None, now: float | None = None) -> bool:
+        if not value or self._key is None:
+            return False
+        expiry, _, signature = value.partition(".")
+        if not (expiry.isascii() and expiry.isdigit() and len(expiry) < 20):
+            return False
+        fresh = int(expiry) > (time.time() if now is None else now)
+        return hmac.compare_digest(signature.encode(), self._sign(expiry).encode()) and fresh
+
+    def _sign(self, expiry: str) -> str:
+        assert self._key is not None
+        return hmac.new(self._key, expiry.encode(), "sha256").hexdigest()
+
+
+def session_cookie(request: web.Request) -> str:
+    """The session cookie's name on the server that took ``request``: one per port, since a
+    browser sends a host's cookies to every port of it."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    port = sockname[1] if isinstance(sockname, tuple) and len(sockname) > 1 else 0
+    return f"{SESSION_COOKIE}_{port}"
+
+
+def is_browser_route(request: web.Request) -> bool:
+    """The browser's pages, assets and JSON (``/``, ``/ui...``): what a session unlocks."""
+    return request.path == "/" or request.path == "/ui" or request.path.startswith("/ui/")
+
+
+def bearer_token(request: web.Request) -> str | None:
+    """The token of ``Authorization: Bearer T``, or None."""
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        return value.strip()
-    landing = request.match_info.handler in request.app.get(LANDINGS, ())
-    return request.cookies.get(TOKEN_COOKIE) or (request.query.get("token") if landing else None) or None
+    return (value.strip() or None) if scheme.lower() == "bearer" else None
 
 
 def _require_token(token: str) -> Any:
-    """The one check of the token, for every route: constant-time compare."""
+    """The one check, for every route: the token in ``Authorization`` (constant-time compare),
+    or on the browser's routes a live session; on a landing page the token in the query (a
+    browser's first visit, exchanged there for a session)."""
     expected = token.encode()
+
+    def matches(given: str | None) -> bool:
+        return given is not None and hmac.compare_digest(given.encode(), expected)
 
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-        given = (presented_token(request) or "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise web.HTTPUnauthorized(text="this server needs a token: Authorization: Bearer <token> "
-                                            "(a browser: open /?token=<token> once)\n",
-                                       headers={"WWW-Authenticate": 'Bearer realm="cas_ckpt"'})
-        return await handler(request)
+        if matches(bearer_token(request)):
+            return await handler(request)
+        if is_browser_route(request):
+            if request.path == "/" and "token" not in request.query:
+                return await handler(request)  # only a redirect to /ui/: nothing to guard
+            if request.app[SESSIONS].valid(request.cookies.get(session_cookie(request))):
+                return await handler(request)
+            landing = request.match_info.handler in request.app[LANDINGS]
+            if landing and matches(request.query.get("token")):
+                return await handler(request)
+        raise _error(web.HTTPUnauthorized, "this server needs a token: Authorization: Bearer <token> "
+                     "(a browser: open /?token=<token> once)", **{"WWW-Authenticate": CHALLENGE})
 
     return check
 
@@ -144,7 +226,120 @@ async def _run(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
 
 
 def _error(status: type[web.HTTPException], text: str, **headers: str) -> web.HTTPException:
-    return status(text=text.rstrip("\n") + "\n", headers=headers or None)
+    """An error answer: JSON ``{"error": text}``, as every error of this server."""
+    return status(text=_dumps({"error": text.strip()}), content_type="application/json",
+                  headers=headers or None)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                       ) -> web.StreamResponse:
+    """Every error as JSON, aiohttp's own (404 no route, 405) too; a handler's bug is a logged
+    traceback (the server's fault) and a 500 that says only that."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        text = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        exc.text = _dumps({"error": (text or exc.reason).strip()})
+        exc.content_type = "application/json"
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        _log.exception("%s %s failed", request.method, request.path)
+        raise _error(web.HTTPInternalServerError, "internal error: see the server's log") from None
+
+
+class _ClientLog:
+    """One log line per client error (a reset, a stalled reader, a bad request), at most
+    ``burst`` lines each ``period`` seconds; the lines held back are counted on the next one."""
+
+    def __init__(self, burst: int = 10, period: float = 10.0) -> None:
+        self.burst, self.period = burst, period
+        self._window, self._lines, self._held = 0.0, 0, 0
+
+    def __call__(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._window >= self.period:
+            if self._held:
+                _log.warning("%d more client errors not logged in the last %.0f s", self._held, self.period)
+            self._window, self._lines, self._held = now, 0, 0
+        if self._lines >= self.burst:
+            self._held += 1
+            return
+        self._lines += 1
+        _log.warning(message, *args)
+
+
+client_error = _ClientLog()
+
+
+class Streams:
+    """At most ``limit`` block and CAR bodies in flight: each holds up to a block, so the cap
+    bounds the server's memory whatever its clients do."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free = asyncio.Semaphore(limit)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, request: web.Request) -> AsyncIterator[None]:
+        """A slot for ``request``'s body; after :data:`STREAM_WAIT` seconds of waiting, 503."""
+        try:
+            await asyncio.wait_for(self._free.acquire(), STREAM_WAIT)
+        except asyncio.TimeoutError:
+            client_error("503 for %s %s: %d streams in flight already (--max-streams)",
+                         request.method, request.path, self.limit)
+            raise _error(web.HTTPServiceUnavailable, f"this server has {self.limit} streams in flight "
+                         "already: try again shortly", **{"Retry-After": str(RETRY_AFTER)}) from None
+        try:
+            yield
+        finally:
+            self._free.release()
+
+
+class ClientGone(Exception):
+    """The client reset the connection or took nothing for :data:`SEND_STALL` seconds."""
+
+
+async def _send(request: web.Request, response: web.StreamResponse, data: bytes | memoryview) -> None:
+    """``data`` to the client, a slice at a time, each waiting until the socket has taken the
+    one before: a slow reader holds ``data`` and one slice, never a copy of everything."""
+    view = memoryview(data)
+    for start in range(0, len(view), SEND_SLICE):
+        try:
+            await asyncio.wait_for(response.write(view[start:start + SEND_SLICE]), SEND_STALL)
+        except (asyncio.TimeoutError, ConnectionError) as exc:
+            failure = f"took nothing for {SEND_STALL:.0f} s" if isinstance(exc, asyncio.TimeoutError) \
+                else f"disconnected ({type(exc).__name__})"
+            _forget_frames(exc)
+        else:
+            continue
+        raise ClientGone(failure)
+
+
+def _forget_frames(exc: BaseException) -> None:
+    """Drop the tracebacks of ``exc`` and what it chains: aiohttp keeps a lost connection's
+    error in a future caught in a reference cycle, and through its traceback the frames that
+    held the block being written; only the cyclic GC would free them, which an idle server may
+    not run for hours."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # a chain is short; the bound only guards against a cycle
+        if seen is None:
+            break
+        seen.__traceback__ = None
+        seen = seen.__context__
+
+
+def _client_gone(request: web.Request, exc: ClientGone, what: str) -> None:
+    client_error("%s to %s cut off: the client %s", what, _peer(request), exc)
+    _abort(request)
+
+
+def _peer(request: web.Request) -> str:
+    return str(request.remote or "a client")
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,20 +482,32 @@ async def _block(request: web.Request, cid: bytes) -> web.StreamResponse:
         response.content_length = size
         await response.prepare(request)
         return response
-    data = await _read_block(request, cid)
-    try:
-        wanted = request.http_range
-    except ValueError:
-        wanted = slice(None, None)  # a Range this server does not parse: the whole block (RFC 9110)
-    if request.headers.get("Range") and wanted != slice(None, None):
-        start, stop, _ = wanted.indices(len(data))
-        if (wanted.start is not None and wanted.start >= len(data)) or start >= stop:
-            raise _error(web.HTTPRequestRangeNotSatisfiable, "the range is outside the block",
-                         **{"Content-Range": f"bytes */{len(data)}"})
-        headers["Content-Range"] = f"bytes {start}-{stop - 1}/{len(data)}"
-        headers["ETag"] = f'"{name}.raw.{start}-{stop - 1}"'
-        return web.Response(status=206, body=data[start:stop], headers=headers)
-    return web.Response(body=data, headers=headers)
+    async with request.app[STREAMS].slot(request):
+        data = await _read_block(request, cid)
+        status, body = 200, memoryview(data)
+        try:
+            wanted = request.http_range
+        except ValueError:
+            wanted = slice(None, None)  # a Range this server does not parse: the whole block (RFC 9110)
+        if request.headers.get("Range") and wanted != slice(None, None):
+            start, stop, _ = wanted.indices(len(data))
+            if (wanted.start is not None and wanted.start >= len(data)) or start >= stop:
+                raise _error(web.HTTPRequestRangeNotSatisfiable, "the range is outside the block",
+                             **{"Content-Range": f"bytes */{len(data)}"})
+            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{len(data)}"
+            headers["ETag"] = f'"{name}.raw.{start}-{stop - 1}"'
+            status, body = 206, body[start:stop]
+        response = web.StreamResponse(status=status, headers=headers)
+        response.content_length = len(body)
+        try:
+            await response.prepare(request)
+            await _send(request, response, body)
+            await response.write_eof()
+        except ConnectionError:
+            _client_gone(request, ClientGone("disconnected"), f"block {name}")
+        except ClientGone as exc:
+            _client_gone(request, exc, f"block {name}")
+        return response
 
 
 async def _car(request: web.Request, root: bytes, params: dict[str, str]) -> web.StreamResponse:
@@ -317,25 +524,28 @@ async def _car(request: web.Request, root: bytes, params: dict[str, str]) -> web
     headers = {**_headers(request, name, "car", etag), "Accept-Ranges": "none"}
     if _not_modified(request, etag):
         return web.Response(status=304, headers=headers)
-    first = await _read_block(request, root)  # 404 / 502 before the 200 is committed
-    response = web.StreamResponse(headers=headers)
-    await response.prepare(request)
-    if request.method == "HEAD":
+    async with request.app[STREAMS].slot(request):
+        first = await _read_block(request, root)  # 404 / 502 before the 200 is committed
+        response = web.StreamResponse(headers=headers)
+        if request.method == "HEAD":
+            await response.prepare(request)
+            return response
+        pieces = _car_pieces(request.app[REPO], root, first, everything=scope == "all")
+        try:
+            await response.prepare(request)
+            while batch := await _run(request, _gather, pieces):
+                for piece in batch:
+                    await _send(request, response, piece)
+                del batch
+            await response.write_eof()
+        except ConnectionError:
+            _client_gone(request, ClientGone("disconnected"), f"CAR of {name}")
+        except ClientGone as exc:
+            _client_gone(request, exc, f"CAR of {name}")
+        except CasCkptError as exc:  # a block GC removed meanwhile, or one found damaged
+            _log.error("CAR stream of %s ended early: %s", name, exc)
+            _abort(request)
         return response
-    repo = request.app[REPO]
-    pieces = _car_pieces(repo, root, first, everything=scope == "all")
-    try:
-        while True:
-            piece = await _run(request, _gather, pieces)
-            if not piece:
-                break
-            await response.write(piece)
-    except CasCkptError as exc:  # a block GC removed meanwhile, or one found damaged
-        _log.error("CAR stream of %s ended early: %s", name, exc)
-        _abort(request)
-        raise
-    await response.write_eof()
-    return response
 
 
 def _abort(request: web.Request) -> None:
@@ -372,14 +582,15 @@ def _car_pieces(repo: Repository, root: bytes, first: bytes, *, everything: bool
         yield data
 
 
-def _gather(pieces: Iterator[bytes]) -> bytes:
-    """The next pieces, up to about STREAM_PIECE bytes (b"" at the end)."""
-    out = bytearray()
+def _gather(pieces: Iterator[bytes]) -> list[bytes]:
+    """The next pieces, up to about STREAM_PIECE bytes ([] at the end): one block, or many small."""
+    out, size = [], 0
     for piece in pieces:
-        out += piece
-        if len(out) >= STREAM_PIECE:
+        out.append(piece)
+        size += len(piece)
+        if size >= STREAM_PIECE:
             break
-    return bytes(out)
+    return out
 
 
 async def ipns(request: web.Request) -> web.StreamResponse:
@@ -490,20 +701,23 @@ def dag_json(value: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 def run(
     repo: Repository | str | os.PathLike[str], host: str, port: int, *, token: str | None = None,
-    ready: Callable[[str], None] | None = None,
+    max_streams: int = MAX_STREAMS, ready: Callable[[str], None] | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM (see :func:`cas_ckpt.serve`)."""
+    _memory.return_freed_buffers()
     if isinstance(repo, Repository):
-        asyncio.run(_serve(repo, host, port, token, ready))
+        asyncio.run(_serve(repo, host, port, token, max_streams, ready))
         return
     with open_repository(repo, create=False, read_only=True) as opened:
-        asyncio.run(_serve(opened, host, port, token, ready))
+        asyncio.run(_serve(opened, host, port, token, max_streams, ready))
 
 
-async def _start(repo: Repository, host: str, port: int, token: str | None) -> tuple[web.AppRunner, str]:
+async def _start(
+    repo: Repository, host: str, port: int, token: str | None, max_streams: int = MAX_STREAMS
+) -> tuple[web.AppRunner, str]:
     """The server listening; its runner and URL."""
-    runner = web.AppRunner(make_app(repo, token=token), access_log=None, handle_signals=False,
-                           shutdown_timeout=5)
+    runner = web.AppRunner(make_app(repo, token=token, max_streams=max_streams), access_log=None,
+                           handle_signals=False, shutdown_timeout=5)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, backlog=1024).start()
@@ -516,9 +730,10 @@ async def _start(repo: Repository, host: str, port: int, token: str | None) -> t
 
 
 async def _serve(
-    repo: Repository, host: str, port: int, token: str | None, ready: Callable[[str], None] | None
+    repo: Repository, host: str, port: int, token: str | None, max_streams: int,
+    ready: Callable[[str], None] | None,
 ) -> None:
-    runner, url = await _start(repo, host, port, token)
+    runner, url = await _start(repo, host, port, token, max_streams)
     try:
         if ready is not None:
             ready(url)
@@ -534,7 +749,8 @@ async def _serve(
 
 @contextlib.contextmanager
 def serving(
-    repo: Repository, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+    repo: Repository, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+    max_streams: int = MAX_STREAMS,
 ) -> Iterator[str]:
     """Serve ``repo`` on a thread of this process (a training job sharing what it saves) while
     the ``with`` block runs; yields the URL (``port=0``: a free port)."""
@@ -542,7 +758,8 @@ def serving(
     thread = threading.Thread(target=loop.run_forever, name="cas_ckpt-serve", daemon=True)
     thread.start()
     try:
-        runner, url = asyncio.run_coroutine_threadsafe(_start(repo, host, port, token), loop).result()
+        started = _start(repo, host, port, token, max_streams)
+        runner, url = asyncio.run_coroutine_threadsafe(started, loop).result()
         try:
             yield url
         finally:
@@ -551,4 +768,3 @@ def serving(
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
-

@@ -30,7 +30,7 @@ from cas_ckpt.errors import (
     PathNotFound,
     RefNotFound,
 )
-from cas_ckpt.http.server import LANDINGS, TOKEN_COOKIE
+from cas_ckpt.http.server import LANDINGS, SESSION_TTL, SESSIONS, session_cookie
 from cas_ckpt.repository import Repository
 from cas_ckpt.web.data import PAGE, BadRequest, Browser
 
@@ -91,16 +91,22 @@ async def _page(request: web.Request) -> web.StreamResponse:
     page = request.match_info.get("page", "runs")
     if page not in PAGES:
         raise web.HTTPNotFound(text=f"no page {page!r}; pages: {', '.join(PAGES)}")
-    token = request.query.get("token")
-    if token:
-        # The middleware let the token through: keep it in a cookie and drop it from the address
-        # (history, screenshots, the Referer of nothing).
-        rest = urllib.parse.urlencode([(k, v) for k, v in request.query.items() if k != "token"])
-        response = web.Response(status=302, headers={"Location": request.path + (f"?{rest}" if rest else "")})
-        response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Strict", path="/")
-        return response
+    if "token" in request.query:
+        return _start_session(request)
     return web.Response(body=request.app[FILES]["index.html"], content_type="text/html", charset="utf-8",
                         headers=HEADERS)
+
+
+def _start_session(request: web.Request) -> web.StreamResponse:
+    """The middleware let ``?token=`` through: exchange it for a session of the browser's pages
+    only, in a cookie of this server's own, and drop it from the address (history, screenshots).
+    The token itself is never stored in the browser: a captured cookie reads no block or ref."""
+    rest = urllib.parse.urlencode([(k, v) for k, v in request.query.items() if k != "token"])
+    response = web.Response(status=302, headers={"Location": request.path + (f"?{rest}" if rest else "")})
+    if request.app[SESSIONS].enabled:
+        response.set_cookie(session_cookie(request), request.app[SESSIONS].issue(), max_age=SESSION_TTL,
+                            httponly=True, samesite="Strict", path="/ui")
+    return response
 
 
 async def _asset(request: web.Request) -> web.StreamResponse:
