@@ -198,6 +198,30 @@ def test_a_reader_that_takes_nothing_is_cut_off(big_repo: tuple[Path, str],
     assert status == 200
 
 
+def test_a_drip_of_request_headers_is_closed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client sending its request a byte at a time (slow loris) is closed after IDLE_CLOSE
+    seconds without a whole request, as an idle keep-alive connection is."""
+    monkeypatch.setattr(server_module, "IDLE_CLOSE", 1.0)
+    with cas_ckpt.open(tmp_path / "repo") as repo, serving(repo) as url:
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        began = time.monotonic()
+        closed = False
+        for byte in b"GET /refs HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            try:
+                sock.send(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            sock.settimeout(0.2)
+            with contextlib.suppress(TimeoutError):
+                if sock.recv(1) == b"":
+                    closed = True
+                    break
+        sock.close()
+    assert closed and time.monotonic() - began < 10
+
+
 def test_a_server_fault_keeps_its_traceback(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in a handler (not a client's doing) is a 500 with a JSON error and a logged

@@ -76,6 +76,7 @@ READ_THREADS = 16  # repository reads (disk and hashing) in flight at once
 STREAM_PIECE = 1024 * 1024  # CAR bytes gathered on a read thread at once: about one block
 SEND_SLICE = 64 * 1024  # bytes handed to the socket at a time, each write waiting for it to drain
 SEND_STALL = 60.0  # seconds a reader may take nothing before its stream is cut off
+IDLE_CLOSE = 75.0  # seconds a connection may go without a whole request (a drip of headers too)
 RETRY_AFTER = 2  # the 503's Retry-After, in seconds
 SESSION_TTL = 12 * 3600  # seconds a browser session lasts
 # Formats the path gateway names that this trustless server cannot give (406); others are 400.
@@ -717,7 +718,7 @@ async def _start(
 ) -> tuple[web.AppRunner, str]:
     """The server listening; its runner and URL."""
     runner = web.AppRunner(make_app(repo, token=token, max_streams=max_streams), access_log=None,
-                           handle_signals=False, shutdown_timeout=5)
+                           handle_signals=False, shutdown_timeout=5, keepalive_timeout=IDLE_CLOSE)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, backlog=1024).start()
