@@ -36,7 +36,7 @@ from cas_ckpt.refs import ReflogEntry
 from cas_ckpt.replication import TransferReport
 from cas_ckpt.repository import Repository, SaveReport, Transaction, clone, open
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 __all__ = [
     "CID",

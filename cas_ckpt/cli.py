@@ -40,7 +40,7 @@ from cas_ckpt.errors import (
     RefNotFound,
     RepositoryError,
 )
-from cas_ckpt.http import DEFAULT_PORT, ENV_TOKEN
+from cas_ckpt.http import DEFAULT_PORT, ENV_TOKEN, MAX_STREAMS, STREAM_WAIT
 from cas_ckpt.maintenance.describe import describe_leaf, jsonable
 from cas_ckpt.maintenance.diff import DiffReport, leaves
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
@@ -48,7 +48,7 @@ from cas_ckpt.maintenance.lanes import GraphRow, passing
 from cas_ckpt.maintenance.tensors import TensorStats
 from cas_ckpt.maintenance.upkeep import UpkeepStatus
 from cas_ckpt.paths import select
-from cas_ckpt.refs.base import run_of
+from cas_ckpt.refs.base import run_of, shown_name
 from cas_ckpt.replication import TransferReport
 from cas_ckpt.repository import Repository
 from cas_ckpt.tree import (
@@ -312,6 +312,9 @@ def _register_http(sub: Any, json_flag: Any) -> None:
                    help=f"port (default {DEFAULT_PORT}; 0: any free one, printed)")
     p.add_argument("--token", metavar="TOKEN",
                    help=f"require Authorization: Bearer TOKEN on every request (default: ${ENV_TOKEN})")
+    p.add_argument("--max-streams", type=_positive_int, default=MAX_STREAMS, metavar="N",
+                   help=f"block and CAR bodies sent at once (default {MAX_STREAMS}); a request over "
+                        f"the cap waits up to {STREAM_WAIT:.0f} s, then gets 503 with Retry-After")
     p = _add(sub, "fetch", cmd_fetch, "fetch a checkpoint by CID from an IPFS trustless gateway, "
              "verifying every block", json_flag)
     p.add_argument("cid", metavar="CID", help="root CID of the checkpoint")
@@ -690,7 +693,8 @@ def cmd_refs(args: argparse.Namespace) -> int:
         _print_json({name: str(cid) for name, cid in sorted(refs.items())})
     else:
         for name, cid in sorted(refs.items()):
-            _print(f"{cid}  {name}")
+            # A name an older cas_ckpt stored with a bidi or C1 control is shown escaped.
+            _print(f"{cid}  {shown_name(name)}")
     return EXIT_OK
 
 
@@ -882,6 +886,8 @@ def cmd_upkeep(args: argparse.Namespace) -> int:
         _print(f"ran: {done}; merged {report.packs_merged} packs into {report.packs_written} "
                f"({human(report.bytes_copied)} copied), {report.commits_added} commits into the "
                f"commit graph in {report.seconds:.2f} s")
+        for where, aside in report.set_aside.items():
+            _print(f"set aside: {where} (no readable file) moved to {aside}")
         if after is not None:
             _print(f"after: {_layout_line(after)}")
     return EXIT_OK
@@ -1196,13 +1202,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         def ready(url: str) -> None:
             _print(f"serving {repo.location} read-only at {url} (Ctrl-C stops)")
-            _print(f"browse it at {url}/" + ("?token=<token> (once: a cookie keeps it)" if token else ""))
+            _print(f"browse it at {url}/" + ("?token=<token> (once: a session cookie keeps the page open)"
+                                             if token else ""))
             sys.stdout.flush()
             if not token and args.host not in ("127.0.0.1", "localhost", "::1"):
                 print(f"{PROG}: note: no --token: anyone who can reach {url} can read every checkpoint",
                       file=sys.stderr)
 
-        cas_ckpt.serve(repo, args.host, args.port, token=token, ready=ready)
+        cas_ckpt.serve(repo, args.host, args.port, token=token, max_streams=args.max_streams, ready=ready)
     return EXIT_OK
 
 

@@ -153,6 +153,7 @@ class CommitGraph:
         self._where: dict[bytes, str] = {}  # commit CID -> a layer holding it
         self._unread: set[str] = set()  # damaged beyond reading, or of a later version
         self._foreign: set[str] = set()
+        self._misplaced: set[str] = set()  # damaged layers the medium could not read whole
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
@@ -187,6 +188,7 @@ class CommitGraph:
         """Take in layer ``name`` as read (or the damage reading it found)."""
         try:
             if isinstance(data, CorruptStore):
+                self._misplaced.add(name)  # maybe no file at all: set aside before any delete
                 raise data
             layer = parse_layer(data, name, self.backend.where(name))
         except ForeignLayer:
@@ -204,6 +206,7 @@ class CommitGraph:
     def _forget(self, name: str) -> None:
         self._unread.discard(name)
         self._foreign.discard(name)
+        self._misplaced.discard(name)
         self.damaged.pop(name, None)
         layer = self._layers.pop(name, None)
         if layer is None:
@@ -311,10 +314,34 @@ class CommitGraph:
                 self._forget(name)
                 self._take(name, data)
         for name in [n for n in names if n != written.name]:
+            if name in self._misplaced:
+                continue  # maybe no file at all (a directory): upkeep sets it aside
             self.backend.delete(name)
             with self._lock:
                 self._forget(name)
         return written
+
+    @property
+    def misplaced(self) -> bool:
+        """Whether a damaged layer could not be read at all (maybe no file: :meth:`set_aside_damaged`)."""
+        return bool(self._misplaced)
+
+    def set_aside_damaged(self) -> dict[str, str]:
+        """Move damaged layers that are no readable object at all (a directory, a FIFO, a
+        link...) out of the way (:meth:`Backend.set_aside`): where each was -> where it went.
+        What they held is no layer's now: the next update of the graph takes it in again."""
+        with self._lock:
+            misplaced = sorted(self._misplaced)
+        moved = {}
+        for name in misplaced:
+            aside = self.backend.set_aside(name)
+            with self._lock:
+                if aside is None:
+                    self._misplaced.discard(name)  # a file after all: the next write deletes it
+                else:
+                    moved[self.backend.where(name)] = aside
+                    self._forget(name)
+        return moved
 
     def _copy(self, layer: Layer, cid: bytes) -> bytes | None:
         """``cid``'s node from ``layer`` if it matches its CID (merges check every copy)."""

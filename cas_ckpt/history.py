@@ -143,6 +143,10 @@ class History:
         self.graph.copies()  # checks every copy: one that does not match marks its layer
         return dict(self.graph.damaged)
 
+    def set_aside_damaged(self) -> dict[str, str]:
+        """:meth:`CommitGraph.set_aside_damaged` (nothing without a graph)."""
+        return {} if self.graph is None else self.graph.set_aside_damaged()
+
     def close(self) -> None:
         """Release the graph's open files (its layers stay read, in memory)."""
         if self.graph is not None:
@@ -169,8 +173,13 @@ class History:
 
     def log(self, head: bytes, *, limit: int | None = None) -> Iterator[Commit]:
         """Commits newest first from ``head``, following first parents; stops quietly where history
-        was collected."""
+        was collected, below the head. The head is read at once: :class:`BlockNotFound` if its
+        block is gone (damage, never an empty history), even where a graph layer holds a copy."""
         lookup = self.lookup()
+        self.commit(head, lookup)  # Lookup gives a graph copy only while the block is stored
+        return self._walk(head, lookup, limit)
+
+    def _walk(self, head: bytes, lookup: Lookup, limit: int | None) -> Iterator[Commit]:
         cid: bytes | None = head
         seen: set[bytes] = set()
         while cid is not None and cid not in seen and (limit is None or len(seen) < limit):

@@ -103,6 +103,9 @@ class CheckpointManager:
     or holds an older checkpoint of it than the remote, first pulls it from there (a new node
     resumes from object storage); :meth:`restore` fetches a step only the remote holds, or whose
     local copy fails verification. See ``docs/scale-out.md``.
+    ``storage_options`` / ``remote_storage_options``: how ``repo`` / ``replicate_to``, when given
+    as a location, are opened (as :func:`cas_ckpt.open` takes them: an S3 ``cache_dir``, an HTTP
+    server's ``token``, ``timeout`` and ``min_rate``...).
     """
 
     def __init__(
@@ -126,6 +129,8 @@ class CheckpointManager:
         replicate_to: Repository | str | os.PathLike[str] | None = None,
         replicate_every: int | None = None,
         remote_retention: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        remote_storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         for name, value in (("save_every", save_every), ("keep_last", keep_last),
                             ("keep_every", keep_every), ("keep_best", keep_best),
@@ -162,7 +167,7 @@ class CheckpointManager:
         self._lease: Lease | None = None
         self._replicator: Replicator | None = None
         # A location is opened here and closed by close(); a Repository stays its caller's.
-        self.repo, self._owns_repo = ensure_open(repo)
+        self.repo, self._owns_repo = ensure_open(repo, storage_options)
         with contextlib.ExitStack() as undo:  # a manager that fails to start gives everything back
             if self._owns_repo:
                 undo.callback(self.repo.close)
@@ -173,7 +178,8 @@ class CheckpointManager:
                 self._release_lease = weakref.finalize(self, self._lease.release)
                 undo.callback(self._release_lease)
             if replicate_to is not None and self._lease is not None:  # the run's writer replicates
-                self._replicator = self._start_replication(replicate_to, replicate_every, remote_retention)
+                self._replicator = self._start_replication(replicate_to, replicate_every, remote_retention,
+                                                           remote_storage_options)
                 undo.callback(self._replicator.stop)
             if fork_from is not None and self.repo.refs_store.get(self.ref) is None:
                 self._fork(fork_from)
@@ -625,13 +631,14 @@ class CheckpointManager:
 
     def _start_replication(
         self, remote: Repository | str | os.PathLike[str], every: int | None,
-        rules: Mapping[str, Any] | None,
+        rules: Mapping[str, Any] | None, storage_options: Mapping[str, Any] | None = None,
     ) -> Replicator:
         """The background replicator; first pulls the run if the remote is ahead of this side."""
         retention = self._retention if rules is None else Retention.parse(
             rules, best_metric=self._metric, best_mode=self.best_mode)
         replicator = Replicator(self.repo, self.ref, remote, step_ref=self.step_ref, every=every,
-                                retention=retention, on_replicated=self._retain)
+                                retention=retention, on_replicated=self._retain,
+                                storage_options=storage_options)
         try:
             replicator.resume()
         except BaseException:

@@ -85,7 +85,8 @@ from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter, cast_floats
 _log = logging.getLogger("cas_ckpt")
 
 FORMAT = "cas_ckpt"
-FORMAT_VERSION = 3  # 2: packs may hold compressed blocks (pack format version 2); 3: index files
+FORMAT_VERSION = 4  # 2: packs may hold compressed blocks (pack format version 2); 3: index files;
+# 4: on S3, refs deleted by tombstones and locks released by a state (only conditional PUTs)
 # tell which packs exist (object storage: docs/format.md, "Index files")
 DEFAULT_COMPRESSION = "none"
 
@@ -206,6 +207,9 @@ class Repository:
             chunk_size=chunk_size, compression=compression, read_only=blocks.read_only,
             occupied=occupied,
         )
+        if not blocks.read_only and self.config.version < refs.format_version:
+            # Before any write of the newer kind: writers that do not know it must stop writing.
+            self._update_config(version=refs.format_version)
         self.hasher = cidlib.Hasher(self.config.hash)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -568,10 +572,20 @@ class Repository:
     def log(self, ref: Target = "main", *, limit: int | None = None) -> Iterator[Commit]:
         """Commits newest first, following each commit's first parent.
 
-        Stops quietly where history was garbage collected. Commits come from the commit graph
-        where it holds them (a few requests for any history on S3), else from their blocks.
+        Stops quietly where history was garbage collected, below the head; a head commit whose
+        block is gone raises :class:`BlockNotFound` naming it (and ``ref``). Commits come from the
+        commit graph where it holds them (a few requests for any history on S3), else from their
+        blocks.
         """
-        return self.history.log(self._resolve(ref), limit=limit)
+        head = self._resolve(ref)
+        try:
+            return self.history.log(head, limit=limit)
+        except BlockNotFound as exc:
+            if exc.cid != cidlib.to_str(head):
+                raise
+            what = f"the head commit of ref {ref!r}" if isinstance(ref, str) and ref != exc.cid \
+                else "the commit the log starts at"
+            raise BlockNotFound(exc.cid, f" ({what}: the repository is damaged)") from None
 
     def expired(self, commit: Commit) -> bool:
         """True if GC removed ``commit``'s data (its tree node is gone): loading it would fail."""
@@ -599,7 +613,11 @@ class Repository:
             return None  # on this line (a head or a .steps/N ref), not a fork
         walked: list[CID] = []
         fork: CID | None = None
-        for commit in self.log(head):
+        try:
+            history = self.log(head)
+        except BlockNotFound:
+            return None  # a damaged ref is no fork of this line (fsck reports it)
+        for commit in history:
             if commit.cid in point:
                 fork = point[commit.cid]
                 break
@@ -950,12 +968,14 @@ class Repository:
     def pull(
         self, remote: Repository | str | os.PathLike[str], ref: str = "main", *,
         remote_ref: str | None = None, force: bool = False, progress: replication.Progress | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> TransferReport:
         """Fetch ``remote_ref`` (default ``ref``) from ``remote`` into this repository's ``ref``:
         :meth:`push` the other way round (:class:`RefDiverged` if ``ref`` here holds commits the
-        remote's history lacks, unless ``force``)."""
+        remote's history lacks, unless ``force``). ``storage_options`` open a remote given by its
+        location (as :func:`open` takes them: an HTTP server's ``token``, ``timeout``...)."""
         check_ref_name(ref)
-        with _other(remote, self, create=False, read_only=True) as src:
+        with _other(remote, self, create=False, read_only=True, storage_options=storage_options) as src:
             head = src._head(remote_ref or ref)
             report = replication.transfer(src, self, [Update(ref, head, force)], progress=progress)
         self._local.last_transfer = report
@@ -975,7 +995,7 @@ class Repository:
         Without either, the blocks are stored unreferenced and the next GC removes them. A
         gateway that answers with wrong bytes is refused (:class:`RemoteError` naming the CID and
         the URL, after bounded retries); nothing unverified is stored. ``storage_options`` go to
-        the HTTP client (``token``, ``workers``, timeouts, ``attempts``).
+        the HTTP client (``token``, ``workers``, ``timeout``, ``min_rate``, ``attempts``...).
         """
         if not isinstance(cid, (CID, bytes, bytearray, memoryview)) and not isinstance(cid, str):
             raise InvalidCID(f"expected a CID, got {type(cid).__name__}")
@@ -1149,7 +1169,8 @@ def _ensure_config(
         clash = occupied()
         if clash:
             raise RepositoryError(f"{location} {clash} and is not a cas_ckpt repository")
-        found = refs.init_config(_new_config(hash, chunk_size, compression or DEFAULT_COMPRESSION))
+        found = refs.init_config(_new_config(hash, chunk_size, compression or DEFAULT_COMPRESSION,
+                                             refs.format_version))
     config = _check_config(found, location)
     if compression is not None and compression != config.compression:
         if read_only:
@@ -1161,10 +1182,12 @@ def _ensure_config(
     return config
 
 
-def _new_config(hash: str, chunk_size: int, compression: str) -> dict[str, Any]:
-    config: dict[str, Any] = {"format": FORMAT, "version": 1, "hash": hash, "chunk_size": chunk_size}
-    if compression != "none":  # an uncompressed repository stays readable by cas_ckpt 0.2
-        config.update(version=2, compression=compression)
+def _new_config(hash: str, chunk_size: int, compression: str, version: int = 1) -> dict[str, Any]:
+    """A new repository's config, at the lowest version its medium (``version``) and settings
+    need: an uncompressed local repository stays readable by cas_ckpt 0.2."""
+    config: dict[str, Any] = {"format": FORMAT, "version": version, "hash": hash, "chunk_size": chunk_size}
+    if compression != "none":
+        config.update(version=max(version, 2), compression=compression)
     return config
 
 
@@ -1338,7 +1361,7 @@ def _http_stores(
 ) -> tuple[BlockStore, RefStore]:
     """The block and ref stores of the repository ``cas-ckpt serve`` serves at ``url``.
 
-    ``remote`` goes to :class:`HttpRemote` (``token``, ``workers``, timeouts, ``attempts``...);
+    ``remote`` goes to :class:`HttpRemote` (``token``, ``workers``, ``timeout``, ``min_rate``...);
     ``cache_dir`` keeps fetched blocks in a local block store there.
     """
     server = HttpRemote(url, **remote)
@@ -1365,12 +1388,15 @@ def gateway_source(
 RepoOrPath = Repository | str | os.PathLike[str]
 
 
-def ensure_open(repo_or_path: RepoOrPath) -> tuple[Repository, bool]:
-    """The repository, and whether this call opened it (a location, then its caller closes it)."""
+def ensure_open(
+    repo_or_path: RepoOrPath, storage_options: Mapping[str, Any] | None = None
+) -> tuple[Repository, bool]:
+    """The repository, and whether this call opened it (a location, then its caller closes it;
+    ``storage_options`` as :func:`open` takes them)."""
     if isinstance(repo_or_path, Repository):
         return repo_or_path, False
     if isinstance(repo_or_path, (str, os.PathLike)):
-        return open(repo_or_path), True
+        return open(repo_or_path, storage_options=storage_options), True
     raise TypeError(f"expected a cas_ckpt.Repository or a location (a path, 'memory://', "
                     f"'s3://...'), not {type(repo_or_path).__name__}")
 
@@ -1378,14 +1404,15 @@ def ensure_open(repo_or_path: RepoOrPath) -> tuple[Repository, bool]:
 @contextlib.contextmanager
 def _other(
     remote: Repository | str | os.PathLike[str], like: Repository | None, *, create: bool,
-    read_only: bool = False,
+    read_only: bool = False, storage_options: Mapping[str, Any] | None = None,
 ) -> Iterator[Repository]:
     """``remote`` as an open repository (opened here, and closed after, if it is a location)."""
     if isinstance(remote, Repository):
         yield remote
         return
     settings = {} if like is None else {"hash": like.config.hash, "chunk_size": like.config.chunk_size}
-    with open(remote, create=create, read_only=read_only, **settings) as other:
+    with open(remote, create=create, read_only=read_only, storage_options=storage_options,
+              **settings) as other:
         yield other
 
 
@@ -1394,6 +1421,7 @@ def clone(
     dst: Repository | str | os.PathLike[str],
     *,
     progress: replication.Progress | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Repository:
     """Copy every ref and pin of ``src`` (with the data each names, and history) into ``dst``.
 
@@ -1402,9 +1430,11 @@ def clone(
     again into what it left, and sends only what is missing. The pins are set once every block
     is durable, before any ref moves; each ref then moves as a pull's does (created, or moved
     forward if ``src``'s moved on since). Returns ``dst`` open (its ``last_transfer`` has the
-    figures). Reflogs stay behind: they record what happened in ``src``.
+    figures). Reflogs stay behind: they record what happened in ``src``. ``storage_options``
+    open ``src`` when it is a location (as :func:`open` takes them: an HTTP server's ``token``,
+    ``timeout``...).
     """
-    with _other(src, None, create=False, read_only=True) as source:
+    with _other(src, None, create=False, read_only=True, storage_options=storage_options) as source:
         target = dst if isinstance(dst, Repository) else open(
             dst, hash=source.config.hash, chunk_size=source.config.chunk_size
         )

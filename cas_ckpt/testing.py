@@ -737,6 +737,14 @@ class BackendTests:
         assert backend.read_into("a.pack", 1000, memoryview(out)) is True
         assert bytes(out) == data[1000:1100]
 
+    def test_set_aside_leaves_readable_objects_alone(self, backend: Backend) -> None:
+        """Only what is no readable object is set aside: an object stays, an absent name is None."""
+        self._object(backend, "a.pack", b"whole")
+        assert backend.set_aside("a.pack") is None
+        assert backend.set_aside("absent.pack") is None
+        assert [info.name for info in backend.list()] == ["a.pack"]
+        assert backend.read("a.pack", 0, 5) == b"whole"
+
     def test_publish_never_replaces_an_existing_object(self, backend: Backend) -> None:
         self._object(backend, "a.pack", b"first")
         sink = backend.create()

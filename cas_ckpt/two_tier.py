@@ -128,9 +128,10 @@ class Replicator:
     def __init__(
         self, repo: Repository, ref: str, remote: Repository | str | os.PathLike[str], *,
         step_ref: Callable[[int], str], every: int | None, retention: Retention,
-        on_replicated: Callable[[], None] | None = None,
+        on_replicated: Callable[[], None] | None = None, storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.repo, self.ref, self.step_ref = repo, ref, step_ref
+        self._options = storage_options  # how a remote given as a location is opened
         self.every, self.retention = every, retention
         self._on_replicated = on_replicated  # after each push that succeeded, on this thread
         self._remote = remote if isinstance(remote, Repository) else None
@@ -162,7 +163,8 @@ class Replicator:
         with self._opening:  # the thread and restore() may both need it first
             if self._remote is None:
                 self._remote = open_repository(
-                    self._spec, hash=self.repo.config.hash, chunk_size=self.repo.config.chunk_size
+                    self._spec, hash=self.repo.config.hash, chunk_size=self.repo.config.chunk_size,
+                    storage_options=self._options,
                 )
             return self._remote
 

@@ -6,7 +6,9 @@ never allows. cas_ckpt's refs, leases and packs rely on that guarantee, so the t
 every conditional request serialised (one at a time, against each other). Unconditional requests
 still run in parallel: cas_ckpt moves nothing that matters with them.
 
-``python tests/s3_server.py -p PORT [-H HOST] [--switch-interval SECONDS]``. The switch interval
+``python tests/s3_server.py -p PORT [-H HOST] [--switch-interval SECONDS] [--ignore WHAT]``.
+``--ignore delete`` (or ``complete``, ``put``) makes it ignore the conditions of those requests,
+as MinIO and LocalStack ignore ``If-Match`` on DELETE. The switch interval
 (Python's, for the server process) is for ``tests/test_s3_server.py``: a tiny one interleaves the
 request threads often enough to show moto's race in seconds.
 """
@@ -40,6 +42,29 @@ class AtomicConditions:
             return self.app(environ, start_response)
         with self.lock:  # the check and the write it guards happen inside the app call
             return list(self.app(environ, start_response))
+
+
+# Conditions a server may ignore, each a request it is dropped from: DELETE (MinIO, LocalStack),
+# CompleteMultipartUpload (a POST with ?uploadId=), PUT.
+IGNORABLE = {
+    "delete": lambda env: env["REQUEST_METHOD"] == "DELETE",
+    "complete": lambda env: env["REQUEST_METHOD"] == "POST" and "uploadId=" in env.get("QUERY_STRING", ""),
+    "put": lambda env: env["REQUEST_METHOD"] == "PUT",
+}
+
+
+class IgnoredConditions:
+    """WSGI middleware: the server ignores the conditions of the requests ``ignored`` names."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], ignored: Iterable[str]) -> None:
+        self.app = app
+        self.tests = [IGNORABLE[name] for name in ignored]
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if any(test(environ) for test in self.tests):
+            for name in CONDITIONS:
+                environ.pop(name, None)
+        return self.app(environ, start_response)
 
 
 @contextlib.contextmanager
@@ -83,12 +108,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-p", "--port", type=int, required=True)
     parser.add_argument("--switch-interval", type=float, default=None)
     parser.add_argument("--plain", action="store_true", help="moto as it is, without the lock")
+    parser.add_argument("--ignore", action="append", default=[], choices=sorted(IGNORABLE),
+                        help="ignore this condition, as some servers do (MinIO and LocalStack: delete)")
     args = parser.parse_args(argv)
     os.environ.setdefault("MOTO_PORT", str(args.port))  # as moto.server does: its own URLs use it
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     app = DomainDispatcherApplication(create_backend_app)
     served = app if args.plain else AtomicConditions(app)
+    if args.ignore:
+        served = IgnoredConditions(served, args.ignore)
     run_simple(args.host, args.port, served, threaded=True, request_handler=MotoRequestHandler)
 
 

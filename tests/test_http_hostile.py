@@ -98,7 +98,7 @@ def test_200_readers_that_never_read_hold_bounded_memory(big_repo: tuple[Path, s
             refused = 0
             for sock in socks[server_module.MAX_STREAMS:]:  # the ones over the cap
                 sock.settimeout(max(1.0, deadline - time.monotonic()))
-                status, headers, body = head_of(sock)
+                status, headers, _ = head_of(sock)
                 if status == 503:
                     refused += 1
                     assert headers["retry-after"].isdigit()

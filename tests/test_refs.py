@@ -26,11 +26,13 @@ from hypothesis import strategies as st
 
 import cas_ckpt
 from cas_ckpt import cid as cidlib
-from cas_ckpt.refs import check_ref_name
+from cas_ckpt.refs import ListedName, check_ref_name
 from cas_ckpt.refs.base import describe_holder
 
 HASHER = cidlib.Hasher()
 A, B, C = (HASHER.node(bytes([i])) for i in range(3))
+# Bidi controls: a name holding one displays as another (U+202E: "runs/\u202eevil" shows "runs/live").
+DISPLAY_CONTROLS = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
 
 # -- names ---------------------------------------------------------------------------------------
 INVALID_NAMES = [
@@ -107,6 +109,8 @@ def _is_acceptable(name: str) -> bool:
         return False
     if any(ord(c) < 32 or ord(c) == 127 or c.isspace() or c in '\\*?[]:~^"<>|' for c in name):
         return False
+    if any(0x80 <= ord(c) <= 0x9F or c in DISPLAY_CONTROLS for c in name):  # C1 and bidi controls
+        return False
     return all(
         seg and not seg.startswith(".") and not seg.endswith(".lock") for seg in name.split("/")
     )
@@ -124,6 +128,71 @@ def test_fuzz_names_raise_only_invalid_ref_name(name: str) -> None:
     except cas_ckpt.errors.InvalidRefName:
         accepted = False
     assert accepted == _is_acceptable(name)
+
+
+@pytest.mark.parametrize("char", ["\x80", "\x85", "\x9b", "\x9f", *DISPLAY_CONTROLS])
+def test_display_controls_are_refused_naming_the_code_point(char: str) -> None:
+    name = f"runs/{char}evil"
+    with pytest.raises(cas_ckpt.errors.InvalidRefName, match=f"contains U\\+{ord(char):04X}\\b"):
+        check_ref_name(name)
+
+
+def test_a_bidi_control_is_refused_with_its_name() -> None:
+    with pytest.raises(cas_ckpt.errors.InvalidRefName) as info:
+        check_ref_name("runs/\u202eevil")
+    assert str(info.value) == ("invalid ref name 'runs/\\u202eevil': contains U+202E (RIGHT-TO-LEFT "
+                               "OVERRIDE), a bidi control that makes a name display as another")
+
+
+def test_a_control_character_is_named_by_code_point() -> None:
+    with pytest.raises(cas_ckpt.errors.InvalidRefName, match=r"contains U\+0007, a control"):
+        check_ref_name("a\x07b")
+
+
+display_control = st.one_of(st.sampled_from(DISPLAY_CONTROLS),
+                            st.characters(min_codepoint=0x80, max_codepoint=0x9F))
+
+
+@given(st.sampled_from(VALID_NAMES[:-1]), display_control, st.integers(min_value=0))
+def test_fuzz_display_controls_are_refused_by_set_add_and_get(valid: str, char: str, at: int) -> None:
+    """A C1 or bidi control anywhere makes a valid name invalid, for every operation of every
+    local ref store; the name without it stays valid."""
+    at %= len(valid) + 1
+    name = valid[:at] + char + valid[at:]
+    assert check_ref_name(valid) == valid
+    with tempfile.TemporaryDirectory() as tmp:
+        local = cas_ckpt.refs.LocalRefStore(Path(tmp))
+        local.ensure_dirs()
+        for store in (cas_ckpt.refs.MemoryRefStore(), local):
+            with pytest.raises(cas_ckpt.errors.InvalidRefName, match=f"U\\+{ord(char):04X}"):
+                store.add_if_new(name, A)
+            with pytest.raises(cas_ckpt.errors.InvalidRefName, match=f"U\\+{ord(char):04X}"):
+                store.set_if_equals(name, None, A)
+            with pytest.raises(cas_ckpt.errors.InvalidRefName, match=f"U\\+{ord(char):04X}"):
+                store.get(name)
+            assert store.names() == []
+            assert store.add_if_new(valid, A) and store.get(valid) == A
+
+
+def test_a_name_an_older_writer_stored_is_listed_not_hidden(refs: cas_ckpt.refs.RefStore) -> None:
+    """A ref an older cas_ckpt stored with a bidi control (written here through a ListedName, as
+    it did) is listed, readable by the name listed, a GC root; the same text typed is refused."""
+    bad = "runs/\u202eevil"
+    assert refs.add_if_new(ListedName(bad), A, message="an older writer")
+    refs.add_if_new("runs/good", B)
+    fresh = refs  # local and S3 list the medium again: the name comes back from its file or key
+    names = fresh.names()
+    assert names == ["runs/good", bad]
+    listed = names[1]
+    assert isinstance(listed, ListedName)
+    assert fresh.values() == {"runs/good": B, bad: A}
+    assert fresh.values("runs/") == {"runs/good": B, bad: A}
+    assert fresh.get(listed) == A and [e.new for e in fresh.reflog(listed)] == [A]
+    assert bad in fresh.reflog_names()
+    with pytest.raises(cas_ckpt.errors.InvalidRefName, match="U\\+202E"):
+        fresh.get(bad)
+    assert fresh.remove_if_equals(listed, A)  # and it can be cleaned up
+    assert fresh.names() == ["runs/good"]
 
 
 @given(name_text)
@@ -729,3 +798,34 @@ def test_two_processes_racing_on_one_ref_lose_nothing(tmp_path: Path) -> None:
         assert sorted(history) == sorted(saved)
         assert history == [cidlib.to_str(e.new) for e in reversed(log)]
         assert not list((path / "refs").glob("*.lock"))
+
+
+def test_a_repository_holding_a_bidi_name_stays_usable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A local repository an older cas_ckpt left a ``runs/\\u202eevil`` ref in: ``cas-ckpt refs``
+    shows it escaped, GC keeps its checkpoint, fsck is clean, and it can be renamed."""
+    from cas_ckpt import cli
+
+    root = tmp_path / "repo"
+    bad = "runs/\u202eevil"
+    with cas_ckpt.open(root) as repo:
+        kept = repo.save({"x": np.arange(4)}, ref="runs/was-evil")
+        repo.save({"y": 1}, ref="runs/good")
+    for folder in ("refs", "logs"):  # the files an older writer made under that name
+        os.rename(root / folder / "runs" / "was-evil", root / folder / "runs" / "\u202eevil")
+    assert cli.main(["refs", "--repo", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"{kept}  runs/\\u202eevil\n" in out and "\u202e" not in out
+    assert cli.main(["refs", "--repo", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[bad] == str(kept)
+    with cas_ckpt.open(root) as repo:
+        assert repo.refs()[bad] == kept
+        assert repo.gc().blocks_freed == 0
+        assert repo.fsck().ok
+        with pytest.raises(cas_ckpt.errors.InvalidRefName, match="U\\+202E"):
+            repo.load(bad)
+        listed = next(name for name in repo.refs() if name == bad)
+        assert repo.rename_ref(listed, "runs/evil") == kept
+        assert sorted(repo.refs()) == ["runs/evil", "runs/good"]
+        assert repo.load("runs/evil")["x"].tolist() == [0, 1, 2, 3]

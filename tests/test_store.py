@@ -58,6 +58,28 @@ class TestLocalBackend(BackendTests):
         yield backend
         backend.close()
 
+    @pytest.mark.parametrize("kind", ["directory", "fifo", "dangling-link"])
+    def test_set_aside_moves_what_is_no_file(self, backend: Backend, kind: str) -> None:
+        """A directory (with what it holds), a FIFO or a link under an object's name is renamed
+        beside it, out of every listing; the name is free for a repair to publish."""
+        assert isinstance(backend, LocalBackend)
+        path = backend.pack_dir / "a.pack"
+        if kind == "directory":
+            path.mkdir()
+            (path / "kept").write_text("someone's")
+        elif kind == "fifo":
+            os.mkfifo(path)
+        else:
+            path.symlink_to(backend.root / "nowhere")
+        aside = backend.set_aside("a.pack")
+        assert aside is not None and Path(aside).parent == backend.pack_dir
+        assert Path(aside).name.startswith("a.pack.damaged-") and os.path.lexists(aside)
+        assert not os.path.lexists(path) and backend.list() == []
+        if kind == "directory":
+            assert (Path(aside) / "kept").read_text() == "someone's"
+        self._object(backend, "a.pack", b"repaired")
+        assert backend.read("a.pack", 0, 8) == b"repaired"
+
     def test_listing_sees_a_pack_replaced_under_its_name(self, backend: Backend) -> None:
         """Sizes and ages are looked up once per file: a new file under a listed name (a repair)
         is a new inode, looked up again."""

@@ -4,6 +4,8 @@ themselves once thresholds pass, safely beside other writers, readers and GC."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,7 +60,8 @@ def test_without_automatic_upkeep_nothing_is_tidied_until_asked(tmp_path: Path) 
         report = repo.upkeep()
         assert report.ran == ["consolidate-index"] and report.snapshot in index_files(repo)
         report = repo.upkeep(force=True)
-        assert report.ran == ["merge-small-packs", "consolidate-index", "update-commit-graph"]
+        assert report.ran == ["set-aside-damaged", "merge-small-packs", "consolidate-index",
+                              "update-commit-graph"]
         assert report.packs_merged == 12 and report.packs_written == 1
         assert len(pack_files(repo)) == 1 and len(index_files(repo)) == 1
         assert [repo.load(cid)["step"] for cid in cids] == list(range(12))
@@ -108,8 +111,8 @@ def test_one_upkeep_at_a_time(tmp_path: Path) -> None:
             report = repo.upkeep(force=True)
         assert report.ran == [] and report.skipped is not None
         assert len(pack_files(repo)) == 3
-        assert repo.upkeep(force=True).ran == ["merge-small-packs", "consolidate-index",
-                                               "update-commit-graph"]
+        assert repo.upkeep(force=True).ran == ["set-aside-damaged", "merge-small-packs",
+                                               "consolidate-index", "update-commit-graph"]
 
 
 def test_a_failed_upkeep_never_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -197,3 +200,88 @@ def test_bad_policies_are_refused_by_name(setting: Any) -> None:
 
 def test_the_report_defaults() -> None:
     assert UpkeepReport().ran == [] and UpkeepReport().skipped is None
+
+
+# -- what stands where an index file or a commit-graph layer belongs -----------------------------
+def plant(path: Path, kind: str) -> None:
+    """Put a directory (holding a file), a FIFO or a dangling link where ``path`` was."""
+    path.unlink()
+    if kind == "directory":
+        path.mkdir()
+        (path / "kept").write_text("not cas_ckpt's\n")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(path.parent / "nowhere")
+
+
+def damaged_repository(root: Path, folder: str, kind: str) -> tuple[Path, list[cas_ckpt.CID]]:
+    """A repository with one index snapshot and one commit-graph layer; ``kind`` planted in
+    place of the one in ``folder``."""
+    with cas_ckpt.open(root) as repo:
+        cids = saves(repo, 3)
+        repo.upkeep(force=True)
+    (entry,) = (root / folder).iterdir()
+    plant(entry, kind)
+    return entry, cids
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "link"])
+@pytest.mark.parametrize("folder", ["index", "commit-graph"])
+def test_upkeep_sets_aside_what_is_no_file_and_rebuilds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str], folder: str,
+    kind: str,
+) -> None:
+    from cas_ckpt import cli
+
+    root = tmp_path / "repo"
+    entry, cids = damaged_repository(root, folder, kind)
+    with cas_ckpt.open(root, upkeep=False) as repo:
+        cids += saves(repo, 1, first=3)
+        assert "set-aside-damaged" in repo.upkeep_status().due  # type: ignore[union-attr]
+    assert cli.main(["upkeep", "--repo", str(root)]) == 0
+    out = capsys.readouterr().out
+    (aside,) = [p for p in (root / folder).iterdir() if p.name.startswith(f"{entry.name}.damaged-")]
+    assert f"set aside: {entry} (no readable file) moved to {aside}" in out
+    assert os.path.lexists(aside)
+    assert not os.path.lexists(entry) or (entry.is_file() and not entry.is_symlink())  # or rebuilt
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), cas_ckpt.open(root) as repo:
+        cids += saves(repo, 1, first=4)
+        report = repo.fsck()
+        assert report.ok and report.store_problems == [], report
+        assert [c.step for c in repo.log("main")] == [4, 3, 2, 1, 0]
+        assert [repo.load(cid)["step"] for cid in cids] == [0, 1, 2, 3, 4]
+        assert repo.upkeep().set_aside == {}
+    assert warnings_of(caplog) == []
+    assert len(list((root / folder).glob("*.damaged-*"))) == 1
+
+
+@pytest.mark.parametrize("folder", ["index", "commit-graph"])
+def test_saves_warn_once_then_upkeep_has_set_it_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, folder: str
+) -> None:
+    """A directory no delete removes: the first save's upkeep sets it aside (saying so, once),
+    and no later save warns again."""
+    root = tmp_path / "repo"
+    entry, _ = damaged_repository(root, folder, "directory")
+    with caplog.at_level(logging.WARNING), cas_ckpt.open(root) as repo:
+        saves(repo, 1, first=3)
+        assert any("set" in m and "aside" in m and str(entry) in m for m in warnings_of(caplog))
+        caplog.clear()
+        saves(repo, 2, first=4)
+        assert warnings_of(caplog) == []
+        report = repo.fsck()
+        assert report.ok and report.store_problems == []
+
+
+def test_upkeep_sets_aside_only_what_a_read_found_damaged(tmp_path: Path) -> None:
+    """A memory repository has nothing to set aside (its names hold only objects)."""
+    with cas_ckpt.open("memory://") as repo:
+        saves(repo, 3)
+        report = repo.upkeep(force=True)
+        assert report.set_aside == {} and "set-aside-damaged" in report.ran

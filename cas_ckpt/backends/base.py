@@ -206,6 +206,18 @@ class Backend(ABC):
     def delete(self, name: str) -> None:
         """Remove ``name`` durably; no error if it is already gone."""
 
+    def set_aside(self, name: str) -> str | None:
+        """Move what the medium holds as ``name`` out of the way if it is not a readable object
+        (a directory, a FIFO, a link, or a file this process may not read, where an object of
+        that name belongs): whole, under a name no listing returns, kept for a person to look
+        at; return where it went. None, touching nothing, if ``name`` is a readable object (damage
+        in its bytes is for the caller to repair) or absent. Afterwards ``name`` is free.
+
+        A medium that holds nothing but objects under its names (memory, S3: an object's bytes
+        can be damaged, never its kind) has nothing to set aside: this default.
+        """
+        return None
+
     def clean_temp(self, min_age: float) -> int:
         """Remove leftovers of sinks whose writer died, older than ``min_age`` s; return how many.
 

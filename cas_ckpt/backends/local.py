@@ -380,6 +380,23 @@ class LocalBackend(Backend):
         self.forget(name)
         _fs.fsync_dir(self.pack_dir)
 
+    def set_aside(self, name: str) -> str | None:
+        """Rename a directory, FIFO, link or unreadable file named ``name`` to
+        ``<name>.damaged-<UTC time>`` in the same folder (listings skip it: it lacks the suffix)."""
+        path = self.pack_dir / name
+        try:
+            os.close(open_regular(path))
+            return None
+        except FileNotFoundError:
+            return None
+        except (CorruptStore, PermissionError):
+            pass  # not a readable regular file: ours to move
+        aside = _free_name(path, f".damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+        os.rename(path, aside)  # one folder, one filesystem: atomic, whatever the entry is
+        _fs.fsync_dir(self.pack_dir)
+        self.forget(name)
+        return str(aside)
+
     def clean_temp(self, min_age: float) -> int:
         """Remove temp files whose writer is gone (its flock is free), whatever their age, and
         staging files (see :class:`LocalSink`) over :data:`STAGING_AGE` old."""
@@ -412,6 +429,14 @@ class LocalBackend(Backend):
             batch, self._copied, self._copied_bytes = self._copied, [], 0
             self._maps.clear()  # mappings close when the last array viewing them goes
         _release(batch)
+
+
+def _free_name(path: Path, suffix: str) -> Path:
+    """``path`` with ``suffix`` added, and a count after it if that name is taken."""
+    count = 0
+    while os.path.lexists(found := path.with_name(f"{path.name}{suffix}{f'-{count}' if count else ''}")):
+        count += 1
+    return found
 
 
 def _release(ranges: list[tuple[mmap.mmap, int, int]]) -> None:

@@ -8,9 +8,11 @@ cas_ckpt``. It honours the standard AWS variables (``AWS_ACCESS_KEY_ID``, ``AWS_
 ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_MAX_ATTEMPTS``...). Transient failures (5xx, throttling,
 timeouts, reset connections) are retried with bounded exponential backoff: botocore's "standard" mode
 for requests, and here for response bodies cut short. Credential, permission and missing-bucket
-errors become a :class:`RepositoryError` that says which. Conditional requests (``If-None-Match: *``
-to create, ``If-Match`` to replace or delete) are what refs, locks and packs rely on; a server that
-ignores them is refused unless the user opts into ``unsafe_no_conditional_writes``.
+errors become a :class:`RepositoryError` that says which. Conditional PUTs (``If-None-Match: *``
+to create, ``If-Match`` to replace; on ``PutObject`` and ``CompleteMultipartUpload``) are what refs,
+locks and packs rely on; a server that ignores them is refused unless the user opts into
+``unsafe_no_conditional_writes``. No conditional DELETE is ever sent: many servers that honour
+conditional PUTs ignore it (MinIO, LocalStack), so every delete here is one a race cannot undo.
 """
 
 from __future__ import annotations
@@ -96,9 +98,10 @@ def _make_client(endpoint_url: str | None, workers: int) -> Any:
     core.register_component("data_loader", _loader())
     session = boto3.session.Session(botocore_session=core)
     client = session.client("s3", endpoint_url=endpoint_url, config=config)
-    if "IfMatch" not in client.meta.service_model.operation_model("DeleteObject").input_shape.members:
+    complete = client.meta.service_model.operation_model("CompleteMultipartUpload").input_shape.members
+    if "IfNoneMatch" not in complete:
         raise RepositoryError(
-            f"botocore {botocore.__version__} cannot send conditional deletes: pip install -U boto3"
+            f"botocore {botocore.__version__} cannot send conditional writes: pip install -U boto3"
         )
     return client
 
@@ -133,6 +136,11 @@ def _server_now(response: dict[str, Any]) -> float:
         return parsedate_to_datetime(date).timestamp() if date else time.time()
     except (TypeError, ValueError):
         return time.time()
+
+
+def _meta(key: str, response: dict[str, Any]) -> Meta:
+    age = _server_now(response) - response["LastModified"].timestamp()
+    return Meta(key, response["ETag"], response["ContentLength"], age)
 
 
 def backoff(attempt: int) -> float:
@@ -325,8 +333,20 @@ class S3Bucket:
         r = self._call("head_object", key, ok=("NoSuchKey",), Key=self.prefix + key)
         if isinstance(r, str):
             return None
-        age = _server_now(r) - r["LastModified"].timestamp()
-        return Meta(key, r["ETag"], r["ContentLength"], age)
+        return _meta(key, r)
+
+    def get_meta(self, key: str) -> tuple[bytes, Meta] | None:
+        """A whole (small) object with its ETag, size and age, in one GET; None if absent."""
+
+        def read() -> tuple[bytes, Meta] | None:
+            r = self._call("get_object", key, ok=("NoSuchKey",), Key=self.prefix + key)
+            if isinstance(r, str):
+                return None
+            with contextlib.closing(r["Body"]) as body:
+                return body.read(), _meta(key, r)
+
+        result: tuple[bytes, Meta] | None = self._streamed("get_object", key, read)
+        return result
 
     def list(
         self, prefix: str, *, delimiter: str | None = None, limit: int | None = None,
@@ -373,20 +393,10 @@ class S3Bucket:
         r = self._call("put_object", key, ok=ok, Key=self.prefix + key, Body=body, **condition)
         return None if isinstance(r, str) else str(r["ETag"])
 
-    def delete(self, key: str, *, match: str | None = None) -> bool:
-        """Delete an object (only if its ETag is ``match``); False when that condition failed.
-
-        An absent object counts as deleted.
-        """
-        if self.unsafe and match:
-            current = self.head(key)
-            if current is not None and current.etag != match:
-                return False
-            match = None
-        condition = {"IfMatch": match} if match else {}
-        r = self._call("delete_object", key, ok=(*_CONFLICT, "NoSuchKey"), Key=self.prefix + key,
-                       **condition)
-        return not (isinstance(r, str) and r in _CONFLICT)
+    def delete(self, key: str) -> None:
+        """Delete an object, unconditionally (an absent one counts as deleted): only for objects
+        a race cannot bring back to life (garbage past its grace, a key only its deleter writes)."""
+        self._call("delete_object", key, ok=("NoSuchKey",), Key=self.prefix + key)
 
     def delete_many(self, keys: list[str]) -> None:
         """Delete these objects (unconditionally), a thousand per request."""
@@ -487,25 +497,28 @@ class S3Bucket:
 
     # -- conditional writes --------------------------------------------------------------------
     def check_conditional_writes(self) -> None:
-        """Refuse to write (:class:`RepositoryError`) unless the server honours ``If-None-Match: *``
-        and ``If-Match`` on PUT and ``If-Match`` on DELETE; probed once per bucket object."""
+        """Refuse to write (:class:`RepositoryError`) unless the server honours what cas_ckpt
+        sends: ``If-None-Match: *`` and ``If-Match`` on PUT, and ``If-None-Match: *`` on
+        CompleteMultipartUpload (a large pack's create); probed once per bucket object."""
         if self._probed or self.unsafe:
             return
         key = f"locks/probe-{uuid.uuid4().hex}"
         missing = []
-        created = self.put(key, b"1", create=True)
         try:
+            created = self.put(key, b"1", create=True)
             if created is None or self.put(key, b"2", create=True):
                 missing.append("If-None-Match: * on PUT")
             if self.put(key, b"3", match='"00000000000000000000000000000000"'):
                 missing.append("If-Match on PUT")
-            if self.head(key) is not None and self.delete(key, match='"00000000000000000000000000000000"'):
-                missing.append("If-Match on DELETE")
+            if created is not None and self.put(key, b"4", match=created) is None:
+                missing.append("If-Match on PUT (a matching ETag refused)")
+            if self._multipart_creates(key):
+                missing.append("If-None-Match: * on CompleteMultipartUpload")
         except Unsupported as exc:
             missing.append(str(exc))
         finally:
             with contextlib.suppress(RepositoryError):
-                self.delete(key)
+                self.delete(key)  # a key of this probe's own
         if missing:
             raise RepositoryError(
                 f"the S3 server at {self.endpoint} ignores conditional requests ({'; '.join(missing)}): "
@@ -513,6 +526,21 @@ class S3Bucket:
                 "unsafe_no_conditional_writes=True if only one process ever writes (docs/scale-out.md)"
             )
         self._probed = True
+
+    def _multipart_creates(self, key: str) -> bool:
+        """True if a multipart upload completed with ``If-None-Match: *`` over the existing ``key``
+        (the server ignored the condition)."""
+        upload = self._call("create_multipart_upload", key, Key=self.prefix + key)["UploadId"]
+        try:
+            r = self._call("upload_part", key, Key=self.prefix + key, UploadId=upload, PartNumber=1,
+                           Body=b"5")
+            done = self._call("complete_multipart_upload", key, ok=_CONFLICT, Key=self.prefix + key,
+                              UploadId=upload, IfNoneMatch="*",
+                              MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": r["ETag"]}]})
+            return not isinstance(done, str)
+        finally:
+            with contextlib.suppress(RepositoryError):
+                self.abort_upload(key, upload)
 
 
 # --------------------------------------------------------------------------------------------

@@ -85,6 +85,7 @@ class Layout:
     snapshot: str | None  # the newest snapshot this process read or wrote
     uncovered: int  # what an open reads besides the snapshot: packs' own indexes, or journals
     damaged_indexes: int  # index files found damaged (rebuilt from the packs)
+    unreadable_indexes: int = 0  # of those, the ones the medium could not read: maybe no file at all
 
 
 class Stored(NamedTuple):
@@ -506,6 +507,12 @@ class BlockStore(ABC):
         """Write one index of everything the store holds where the medium keeps index files
         (upkeep, and GC after a sweep); the file's name, or None."""
         return None
+
+    def set_aside_damaged(self) -> dict[str, str]:
+        """Move index files found damaged that are no readable object at all (a directory, a
+        FIFO, a link...) out of the way (:meth:`Backend.set_aside`), so that a consolidation
+        can replace them: where each was -> where it went."""
+        return {}
 
     def _check_writable(self) -> None:
         if self.read_only:

@@ -24,6 +24,7 @@ from cas_ckpt.blocks.index_file import (
     parse,
     parse_name,
 )
+from cas_ckpt.errors import CorruptStore
 
 
 class Listed(NamedTuple):
@@ -45,6 +46,7 @@ class Catalog:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.seen = 0  # the largest sequence listed or written: the next name sorts after it
+        self.unreadable: set[str] = set()  # files the medium could not read (Backend.set_aside)
 
     def where(self, name: str) -> str:
         return self.backend.where(name)
@@ -62,8 +64,13 @@ class Catalog:
         return found
 
     def read(self, info: ObjectInfo) -> IndexFile | None:
-        """The file's content; None if it is gone. CorruptStore if it is damaged."""
-        data = self.backend.read(info.name, 0, info.size)
+        """The file's content; None if it is gone. CorruptStore if it is damaged; if the medium
+        could not read it at all (maybe no file: a directory, a FIFO), it is also :attr:`unreadable`."""
+        try:
+            data = self.backend.read(info.name, 0, info.size)
+        except CorruptStore:
+            self.unreadable.add(info.name)
+            raise
         return None if data is None else parse(data, self.where(info.name))
 
     def write(
@@ -86,6 +93,12 @@ class Catalog:
     def delete(self, names: Iterable[str]) -> None:
         for name in names:
             self.backend.delete(name)
+            self.unreadable.discard(name)
+
+    def set_aside(self, name: str) -> str | None:
+        """:meth:`Backend.set_aside` of an :attr:`unreadable` file: where it went, or None."""
+        self.unreadable.discard(name)  # moved, or a readable file after all: not again
+        return self.backend.set_aside(name)
 
 
 __all__ = ["FOLDER", "JOURNAL", "SNAPSHOT", "SUFFIX", "Catalog"]

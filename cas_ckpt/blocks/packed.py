@@ -510,11 +510,29 @@ class PackedBlockStore(BlockStore):
             newer = (mine.sequence, written.name)
             superseded = [f.info.name for f in listing if f.info.name in folded
                           or (f.kind == SNAPSHOT and (f.sequence, f.info.name) < newer)]
+            # One the medium could not read may be no file at all (a directory no delete
+            # removes): it stays for upkeep to set aside, and fails no GC meanwhile.
+            superseded = [name for name in superseded if name not in self._catalog.unreadable]
             self._catalog.delete(superseded)
             with self._lock:
                 for name in superseded:
                     self.corrupt_indexes.pop(name, None)
             return written.name
+
+    def set_aside_damaged(self) -> dict[str, str]:
+        self._check_writable()
+        if self._catalog is None:
+            return {}
+        with self._lock:
+            damaged = sorted(self._catalog.unreadable.intersection(self.corrupt_indexes))
+        moved = {}
+        for name in damaged:
+            aside = self._catalog.set_aside(name)
+            if aside is not None:
+                moved[self._catalog.where(name)] = aside
+                with self._lock:
+                    self.corrupt_indexes.pop(name, None)
+        return moved
 
     def _journal_packs(self, infos: Iterable[ObjectInfo]) -> dict[str, list[str] | None]:
         """The packs each journal names (None: folded into the snapshot this view started from);
@@ -545,6 +563,8 @@ class PackedBlockStore(BlockStore):
                 blocks=len(self._blocks), indexed=self._catalog is not None,
                 snapshot=self._snapshot, uncovered=uncovered if self._snapshot else len(sizes),
                 damaged_indexes=len(self.corrupt_indexes),
+                unreadable_indexes=len(self._catalog.unreadable.intersection(self.corrupt_indexes))
+                if self._catalog is not None else 0,
             )
 
     @property

@@ -166,11 +166,17 @@ class Sessions:
         if not (expiry.isascii() and expiry.isdigit() and len(expiry) < 20):
             return False
         fresh = int(expiry) > (time.time() if now is None else now)
-        return hmac.compare_digest(signature.encode(), self._sign(expiry).encode()) and fresh
+        return hmac.compare_digest(_raw(signature), self._sign(expiry).encode()) and fresh
 
     def _sign(self, expiry: str) -> str:
         assert self._key is not None
         return hmac.new(self._key, expiry.encode(), "sha256").hexdigest()
+
+
+def _raw(header_text: str) -> bytes:
+    """A header's text back as its bytes: aiohttp decodes them as UTF-8 with surrogate escapes,
+    which a plain ``encode()`` refuses (a 500 for a client's stray byte)."""
+    return header_text.encode("utf-8", "surrogateescape")
 
 
 def session_cookie(request: web.Request) -> str:
@@ -199,7 +205,7 @@ def _require_token(token: str) -> Any:
     expected = token.encode()
 
     def matches(given: str | None) -> bool:
-        return given is not None and hmac.compare_digest(given.encode(), expected)
+        return given is not None and hmac.compare_digest(_raw(given), expected)
 
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -275,6 +281,27 @@ class _ClientLog:
 
 
 client_error = _ClientLog()
+
+
+class _ClientFaults(logging.Filter):
+    """aiohttp's own log of a request its parser refused (a line over 8 KiB, bytes that are no
+    HTTP) or of a client gone mid-answer: one rate-limited line, no traceback. Anything else
+    (the server's own faults) passes with its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, (HttpProcessingError, ConnectionError)):
+            return True
+        client_error("%s (%s: %s)", record.getMessage(), type(exc).__name__, str(exc)[:200])
+        return False
+
+
+def _quiet_client_faults() -> None:
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _ClientFaults) for f in logger.filters):
+        logger.addFilter(_ClientFaults())
 
 
 class Streams:
@@ -717,6 +744,7 @@ async def _start(
     repo: Repository, host: str, port: int, token: str | None, max_streams: int = MAX_STREAMS
 ) -> tuple[web.AppRunner, str]:
     """The server listening; its runner and URL."""
+    _quiet_client_faults()
     runner = web.AppRunner(make_app(repo, token=token, max_streams=max_streams), access_log=None,
                            handle_signals=False, shutdown_timeout=5, keepalive_timeout=IDLE_CLOSE)
     await runner.setup()

@@ -226,5 +226,6 @@ def collect(
         report.temp_files_removed = blocks.clean_temp()
         report.reflogs_dropped = drop_dead_reflogs(refs, reflog_expiry=reflog_expiry,
                                                    expire_reflogs=expire)
+        refs.prune_deleted()  # S3's tombstones of refs whose reflog is gone
         blocks.consolidate()  # one index file of what is left: the next open reads it, not each pack
         return report

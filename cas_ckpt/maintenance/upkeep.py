@@ -6,6 +6,9 @@ writes a fresh snapshot of the index (:meth:`~cas_ckpt.blocks.PackedBlockStore.c
 that an open, a save and a read cost the same after ten thousand saves as after ten. It also
 brings the commit graph up to date where history no layer holds is stored (a repository 0.2 wrote,
 or a damaged layer), so that ``log`` and retention read a few files, not a block per commit.
+First, it sets aside what stands where an index file or a layer belongs and is no readable file at
+all (a directory, a FIFO, a link: no delete removes it, so it would trip every save), and the
+tasks after it rebuild what that held.
 
 Each job is a :class:`Task`: a name, :meth:`Task.due` (judged from what the process already
 knows, without a request) and :meth:`Task.run`. :data:`TASKS` holds them in the order they run;
@@ -18,6 +21,7 @@ simply goes on.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -26,6 +30,8 @@ from typing import Protocol
 from cas_ckpt.blocks.base import BlockStore, Layout
 from cas_ckpt.history import History
 from cas_ckpt.refs import RefStore
+
+_log = logging.getLogger("cas_ckpt")
 
 SMALL_PACKS = 32  # merge once this many packs are small (git's gc.autoPackLimit is 50)
 UNCOVERED = 16  # snapshot once an open reads this many packs' own indexes besides the snapshot
@@ -92,6 +98,7 @@ class UpkeepReport:
     bytes_copied: int = 0
     snapshot: str | None = None  # the index snapshot written
     commits_added: int = 0  # commits taken into the commit graph
+    set_aside: dict[str, str] = field(default_factory=dict)  # damaged entry -> where it was moved
     seconds: float = 0.0
 
 
@@ -107,6 +114,30 @@ class UpkeepStatus:
     uncovered: int  # packs' own indexes (or journals) an open reads besides the snapshot
     damaged_indexes: int
     due: list[str]  # the tasks the next upkeep would run
+
+
+class SetAsideDamaged:
+    """Move index files and commit-graph layers found damaged that are no readable file at all
+    (a directory, a FIFO, a link, an unreadable file) out of the way, each renamed to
+    ``<name>.damaged-<time>`` beside it (:meth:`~cas_ckpt.backends.base.Backend.set_aside`); the
+    tasks after it rebuild what they held."""
+
+    name = "set-aside-damaged"
+
+    def due(self, context: Context) -> bool:
+        graph = context.history.graph if context.history is not None else None
+        found = context.layout.unreadable_indexes > 0 or (graph is not None and graph.misplaced)
+        return found and not context.blocks.read_only
+
+    def run(self, context: Context) -> None:
+        moved = context.blocks.set_aside_damaged()
+        if context.history is not None:
+            moved.update(context.history.set_aside_damaged())
+        for where, aside in moved.items():
+            # Once: the entry is gone from its place, and no later save reads it.
+            _log.warning("upkeep set %s aside as %s: it is no readable file; what it held is rebuilt",
+                         where, aside)
+        context.report.set_aside.update(moved)
 
 
 class MergeSmallPacks:
@@ -165,7 +196,7 @@ class UpdateCommitGraph:
         context.report.commits_added += context.history.update(context.refs).commits_added
 
 
-TASKS: list[Task] = [MergeSmallPacks(), ConsolidateIndex(), UpdateCommitGraph()]
+TASKS: list[Task] = [SetAsideDamaged(), MergeSmallPacks(), ConsolidateIndex(), UpdateCommitGraph()]
 
 
 def register(task: Task, *, before: str | None = None) -> None:
@@ -210,6 +241,8 @@ def run(
             report.skipped = "another upkeep of this repository is running"
             return report
         blocks.refresh()
+        if history is not None:
+            history.refresh()  # a damaged layer is known once listed (set-aside, the graph's update)
         for task in list(TASKS):
             layout = blocks.layout()
             if layout is None:

@@ -4,11 +4,21 @@
 here, :class:`cas_ckpt.refs.s3.S3RefStore` on S3 (imported on demand: it needs boto3).
 """
 
-from cas_ckpt.refs.base import ReflogEntry, RefStore, check_clash, check_ref_name, is_ref_name
+from cas_ckpt.refs.base import (
+    ListedName,
+    ReflogEntry,
+    RefStore,
+    check_clash,
+    check_ref_name,
+    is_ref_name,
+    listed_name,
+    shown_name,
+)
 from cas_ckpt.refs.local import LocalRefStore
 from cas_ckpt.refs.memory import MemoryRefStore
 
 __all__ = [
+    "ListedName",
     "LocalRefStore",
     "MemoryRefStore",
     "RefStore",
@@ -16,4 +26,6 @@ __all__ = [
     "check_clash",
     "check_ref_name",
     "is_ref_name",
+    "listed_name",
+    "shown_name",
 ]

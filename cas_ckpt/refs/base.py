@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+import unicodedata
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -23,16 +24,28 @@ from cas_ckpt import cid as cidlib
 from cas_ckpt.errors import InvalidRefName
 
 _FORBIDDEN = set(' \\*?[]:~^"<>|')
+# Characters that make a name display as another: C1 controls (a terminal may act on them) and
+# the bidi controls, which reorder what follows (``runs/\u202eevil`` shows as ``runs/live``).
+# Refused by the releases after 0.2.0; a name an older writer stored is listed as a ListedName.
+_DECEPTIVE = frozenset([*map(chr, range(0x80, 0xA0)), "\u061c", "\u200e", "\u200f",
+                        *map(chr, range(0x202A, 0x202F)), *map(chr, range(0x2066, 0x206A))])
 MAX_REF_LENGTH = 1024
 MAX_SEGMENT_BYTES = 250  # on disk: a file name is at most 255 bytes (cas_ckpt 0.1 added ".lock")
+
+
+class ListedName(str):
+    """A ref name as a listing returned it, breaking only the rule added last (no C1 or bidi
+    control): an older cas_ckpt stored it. It stays visible, readable, renamable and a GC root;
+    a plain ``str`` holding the same text is refused (nobody can type such a name by mistake)."""
 
 
 def check_ref_name(name: object) -> str:
     """Return ``name`` if it is a valid ref name, else raise :class:`InvalidRefName`.
 
     Names are ``/``-separated segments; no empty, ``.`` or ``..`` segment, none starting with ``.``
-    or ending in ``.lock`` or ``.tmp``, no control characters, whitespace or ``\\*?[]:~^"<>|``.
-    On disk (:class:`LocalRefStore`) a segment is also at most 250 bytes of UTF-8.
+    or ending in ``.lock`` or ``.tmp``, no control characters (C0, DEL, C1), bidi controls,
+    whitespace or ``\\*?[]:~^"<>|``. On disk (:class:`LocalRefStore`) a segment is also at
+    most 250 bytes of UTF-8. A :class:`ListedName` is exempt from the C1 and bidi rule.
     """
     if not isinstance(name, str):
         raise InvalidRefName(name, "must be a string")
@@ -43,9 +56,11 @@ def check_ref_name(name: object) -> str:
             name.encode("utf-8")  # ref names become file names and reflog JSON
         except UnicodeEncodeError:
             raise InvalidRefName(name, "is not valid Unicode text (lone surrogate)") from None
+        if not isinstance(name, ListedName):
+            _check_display(name)
     for ch in name:
         if ord(ch) < 32 or ord(ch) == 127 or ch.isspace():
-            raise InvalidRefName(name, "contains a control or whitespace character")
+            raise InvalidRefName(name, f"contains {describe_char(ch)}, a control or whitespace character")
         if ch in _FORBIDDEN:
             raise InvalidRefName(name, f"contains {ch!r}")
     for segment in name.split("/"):
@@ -57,6 +72,39 @@ def check_ref_name(name: object) -> str:
             # Lock and temp files: listings skip them, so GC would not see such a ref.
             raise InvalidRefName(name, "has a segment ending in '.lock' or '.tmp'")
     return name
+
+
+def _check_display(name: str) -> None:
+    """Refuse a C1 or bidi control: the name would display as another (or move the terminal)."""
+    ch = next((c for c in name if c in _DECEPTIVE), None)
+    if ch is None:
+        return
+    what = ("a C1 control character, which a terminal may act on" if ord(ch) < 0xA0
+            else "a bidi control that makes a name display as another")
+    raise InvalidRefName(name, f"contains {describe_char(ch)}, {what}")
+
+
+def describe_char(ch: str) -> str:
+    """``U+202E (RIGHT-TO-LEFT OVERRIDE)``; control characters have no Unicode name."""
+    name = unicodedata.name(ch, "")
+    return f"U+{ord(ch):04X}" + (f" ({name})" if name else "")
+
+
+def shown_name(name: str) -> str:
+    """``name`` for a terminal: each control, bidi control or whitespace character other than
+    a space written as a Python escape (``runs/\\u202eevil``), the rest as is."""
+    return "".join(c.encode("unicode_escape").decode("ascii")
+                   if c in _DECEPTIVE or (ord(c) < 32 or ord(c) == 127) else c for c in name)
+
+
+def listed_name(name: str) -> str | None:
+    """A name found in a store, as listings return it: itself if valid, a :class:`ListedName`
+    if only the C1 and bidi rule refuses it (an older cas_ckpt stored it), else None (skipped:
+    no writer of any version made it)."""
+    if is_ref_name(name):
+        return name
+    listed = ListedName(name)
+    return listed if is_ref_name(listed) else None
 
 
 def check_clash(name: str, existing: Iterable[str]) -> None:
@@ -279,6 +327,16 @@ class RefStore(ABC):
         holder that dies frees it (at once with a kernel lock, after ``lease_timeout`` on S3).
         This default excludes the threads of one process only."""
         return _try_thread_lock(self, check_task_name(name))
+
+    @property
+    def format_version(self) -> int:
+        """The repository format version this store's writes need (``docs/format.md``)."""
+        return 1
+
+    def prune_deleted(self) -> int:
+        """Remove what deleted refs leave behind once their reflog is gone (S3's tombstones);
+        GC calls it under its exclusive lock. Returns how many were removed (0: nothing is left)."""
+        return 0
 
     def check_lease(self) -> None:  # noqa: B027 - a kernel lock cannot be lost: nothing to check
         """Raise :class:`RepositoryError` if a lock this process holds was taken over (a lease

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends.http import HttpRemote
 from cas_ckpt.errors import InvalidCID, RemoteError, RepositoryError
-from cas_ckpt.refs.base import Lease, ReflogEntry, RefStore, check_ref_name, is_ref_name
+from cas_ckpt.refs.base import Lease, ReflogEntry, RefStore, check_ref_name, listed_name
 
 
 def _quoted(name: str) -> str:
@@ -53,8 +53,9 @@ class HttpRefStore(RefStore):
         found = self.remote.get_json(path)
         if not isinstance(found, dict):
             raise RemoteError(self.remote.where(path), "did not answer with a map of refs")
-        return {name: self._cid(cid, path) for name, cid in sorted(found.items())
-                if isinstance(name, str) and is_ref_name(name) and name.startswith(prefix)}
+        return {listed: self._cid(cid, path) for name, cid in sorted(found.items())
+                if isinstance(name, str) and (listed := listed_name(name)) is not None
+                and listed.startswith(prefix)}
 
     def reflog(self, name: str) -> list[ReflogEntry]:
         path = f"/reflog/{_quoted(check_ref_name(name))}"

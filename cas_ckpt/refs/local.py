@@ -28,6 +28,7 @@ from cas_ckpt.refs.base import (
     describe_holder,
     holder_info,
     is_ref_name,
+    listed_name,
 )
 
 # In refs/ and logs/, under the ref lock, no writer is using a file of these names: they are what
@@ -218,8 +219,8 @@ class LocalRefStore(RefStore):
                     if f.endswith(suffix_skip) or f.startswith("."):
                         continue
                     rel = Path(dirpath, f).relative_to(base).as_posix()
-                    with contextlib.suppress(InvalidRefName):
-                        names.append(check_ref_name(rel))
+                    if (name := listed_name(rel)) is not None:
+                        names.append(name)
         except RecursionError:
             raise CorruptStore(base, "holds directories nested deeper than any ref name") from None
         return sorted(names)
@@ -242,7 +243,9 @@ class LocalRefStore(RefStore):
                 return []  # a ref of that name, a link, or something else: nothing lies below
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return [name for n in self._walk(base) if (name := f"{top}/{n}").startswith(prefix)]
+        # listed_name again: a ListedName below keeps its exemption in the joined name.
+        names = (listed_name(f"{top}/{n}") for n in self._walk(base))
+        return [name for name in names if name is not None and name.startswith(prefix)]
 
     def reflog(self, name: str) -> list[ReflogEntry]:
         path = self._path(self.logs_dir, name)

@@ -3,20 +3,26 @@
 Layout below the repository's prefix (see ``docs/scale-out.md``)::
 
     config.json                 created once with If-None-Match: *
-    refs/<name>                 "<cid>\\n<entry id>\\n": the commit and the reflog entry that set it
+    refs/<name>                 "<cid>\\n<entry id>\\n": the commit and the reflog entry that set it;
+                                "\\n<entry id>\\n" (55 bytes): a tombstone, the ref deleted by that entry
     logs/<name>/<entry id>.json one reflog entry: {"old", "new", "time", "message", "prev"}
     pins/<cid>                  empty
-    locks/gc                    GC's exclusive lease
+    locks/gc                    GC's exclusive lease (a holder, or released)
     locks/saves/<id>            one lease per save in progress
     locks/runs/<name>.lease     a checkpoint manager's lease on its ref (name %-quoted)
 
+Only conditional PUTs decide anything (``If-None-Match: *`` to create, ``If-Match`` on the ETag
+read to replace): servers that honour them often ignore conditions on DELETE (MinIO, LocalStack).
 An update writes its reflog entry first (a new object), then moves the ref with ``If-Match`` on the
 ETag it read (``If-None-Match: *`` to create): a lost race is a failed condition, and the loser
-deletes its entry. Each entry names the entry before it (``prev``), and the ref names the latest,
-so the reflog is the chain from the ref back: entries of updates that lost or were cut short by a
-crash are never part of it. There are no lock files: a lock on S3 is a *lease*, an object its
-holder rewrites every ``lease_timeout / 4`` seconds; one not rewritten for ``lease_timeout`` seconds
-(by the server's clock) belongs to a dead process and is removed with a conditional DELETE.
+deletes its entry. A deletion is the same move, to a tombstone. Each entry names the entry before
+it (``prev``), and the ref names the latest, so the reflog is the chain from the ref back: entries
+of updates that lost or were cut short by a crash are never part of it. There are no lock files:
+a lock on S3 is a *lease*, an object its holder rewrites every ``lease_timeout / 4`` seconds and
+releases by writing a released state; one not rewritten for ``lease_timeout`` seconds (by the
+server's clock) belongs to a dead process and is taken over with ``If-Match`` on the state read.
+Objects are deleted unconditionally only where a race cannot undo anything (``docs/scale-out.md``,
+"What is deleted, and why no race loses anything").
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from cas_ckpt.refs.base import (
     check_ref_name,
     check_task_name,
     describe_holder,
-    is_ref_name,
+    listed_name,
 )
 
 MAX_KEY = 1024  # S3's limit on a key, in UTF-8 bytes
@@ -53,15 +59,46 @@ _ENTRY_ID = 20 + 1 + 32  # "<seq:020d>-<uuid hex>"
 LEASE_TIMEOUT = 60.0
 MAX_TRIES = 100  # compare-and-swap attempts of one unconditional update under contention
 REFLOG_TRIES = 3  # reads of a reflog whose ref keeps moving under the reader
+FORMAT_VERSION = 4  # refs deleted by tombstones, locks released by a state: cas_ckpt 0.2 must not write
+TOMBSTONE_SIZE = 1 + _ENTRY_ID + 1  # "\\n<entry id>\\n"; a live ref holds a CID: 60 bytes or more
 
 
 @dataclass(frozen=True)
 class _Head:
-    """A ref object as read: its CID, the reflog entry that set it, and its ETag."""
+    """A ref object as read: its CID (None: a tombstone), the reflog entry that set it (or deleted
+    it), and its ETag."""
 
-    cid: bytes
+    cid: bytes | None
     entry: str | None
     etag: str
+
+
+def ref_body(cid: bytes | None, entry: str) -> bytes:
+    """A ref object's body: the CID and the reflog entry that set it; for a tombstone (``cid``
+    None) an empty line and the entry that deleted it (:data:`TOMBSTONE_SIZE` bytes)."""
+    return f"{cidlib.to_str(cid) if cid is not None else ''}\n{entry}\n".encode("ascii")
+
+
+def parse_ref(body: bytes, etag: str) -> _Head:
+    """A ref object read (ValueError or UnicodeDecodeError if it is not one)."""
+    first, *rest = body.decode("ascii").split("\n")
+    entry = (rest or [""])[0].strip() or None
+    if not first and len(body) == TOMBSTONE_SIZE and entry is not None:
+        return _Head(None, entry, etag)
+    return _Head(cidlib.to_bytes(first.strip()), entry, etag)
+
+
+def _released() -> bytes:
+    """A lock object's released state (unique, so its ETag is never one read before)."""
+    return json.dumps({"released": time.time(), "nonce": uuid.uuid4().hex}).encode()
+
+
+def _is_released(body: bytes) -> bool:
+    try:
+        state = json.loads(body)
+    except (ValueError, RecursionError):
+        return False  # damaged: taken for a holder's, which goes stale
+    return isinstance(state, dict) and "released" in state
 
 
 def _seq(entry: str | None) -> int:
@@ -79,8 +116,10 @@ class _Lease:
     lease is lost, and :meth:`beat` says so.
     """
 
-    def __init__(self, bucket: S3Bucket, key: str, etag: str, body: Callable[[], bytes], interval: float):
+    def __init__(self, bucket: S3Bucket, key: str, etag: str, body: Callable[[], bytes], interval: float,
+                 *, own_key: bool = False):
         self.bucket, self.key, self.etag, self.body = bucket, key, etag, body
+        self.own_key = own_key  # a key no one else ever writes a holder into (a save's registration)
         self.interval = interval
         self.lost = False
         self.renewed = time.monotonic()
@@ -120,7 +159,10 @@ class _Lease:
         with self._mutex:
             if not self.lost:
                 with contextlib.suppress(RepositoryError):  # left behind, it goes stale
-                    self.bucket.delete(self.key, match=self.etag)
+                    if self.own_key:
+                        self.bucket.delete(self.key)  # no one else writes this key: nothing to undo
+                    else:
+                        self.bucket.put(self.key, _released(), match=self.etag)
 
 
 class S3RefStore(RefStore):
@@ -165,19 +207,22 @@ class S3RefStore(RefStore):
         return self.bucket.where(key)
 
     # -- refs ----------------------------------------------------------------------------------
+    @property
+    def format_version(self) -> int:
+        return FORMAT_VERSION
+
     def get(self, name: str) -> bytes | None:
         head = self._head(self._name(name))
         return head.cid if head else None
 
     def _head(self, name: str) -> _Head | None:
+        """The ref object: a live ref, a tombstone (``cid`` None), or None if there is none."""
         key = f"refs/{name}"
         got = self.bucket.get(key)
         if got is None:
             return None
-        body, etag = got
         try:
-            lines = body.decode("ascii").split("\n")
-            return _Head(cidlib.to_bytes(lines[0].strip()), (lines[1:] or [""])[0].strip() or None, etag)
+            return parse_ref(*got)
         except (UnicodeDecodeError, ValueError) as exc:
             raise CorruptStore(self._where(key), f"ref object does not hold a valid CID: {exc}") from None
 
@@ -207,16 +252,25 @@ class S3RefStore(RefStore):
         return entry_id
 
     def _update(self, name: str, head: _Head | None, new: bytes, message: str) -> bool:
+        if head is not None and head.cid is None:
+            # Over a tombstone: under the shared lock, so GC (which removes old tombstones, under
+            # its exclusive lock) cannot delete the ref this PUT makes live.
+            with self._hold(False):
+                self._check_clash(name)
+                return self._write_update(name, head, head.entry, new, message)
         if head is None:
             self._check_clash(name)
-            deleted = self._deletion(name)  # a ref created again continues its reflog
-            prev = deleted[1] if deleted else None
-        else:
-            prev = head.entry
+            deleted = self._deletion(name)  # a ref created again continues its reflog (0.2's layout)
+            return self._write_update(name, None, deleted[1] if deleted else None, new, message)
+        return self._write_update(name, head, head.entry, new, message)
+
+    def _write_update(self, name: str, head: _Head | None, prev: str | None, new: bytes, message: str
+                      ) -> bool:
+        """The reflog entry after ``prev``, then the ref moved from ``head`` (created if None)."""
         entry = ReflogEntry(head.cid if head else None, new, time.time(), message)
         entry_id = self._write_entry(name, prev, entry)
         log_key = f"logs/{name}/{entry_id}.json"
-        value = f"{cidlib.to_str(new)}\n{entry_id}\n".encode("ascii")
+        value = ref_body(new, entry_id)
         key = f"refs/{name}"
         if head is None:
             etag = self.bucket.put(key, value, create=True)
@@ -250,12 +304,14 @@ class S3RefStore(RefStore):
         return False
 
     def _delete(self, name: str, head: _Head | None, message: str) -> bool:
-        """The deletion entry first, then a DELETE with If-Match: the reflog stays, ending in it
-        (the chain of a deleted ref starts at its newest deletion entry)."""
-        assert head is not None  # check() refuses an absent ref
+        """The deletion entry first, then the ref replaced by a tombstone naming it (If-Match):
+        the reflog stays, its chain starting at the tombstone's entry."""
+        assert head is not None and head.cid is not None  # check() refuses an absent ref
         entry_id = self._write_entry(name, head.entry, ReflogEntry(head.cid, None, time.time(), message))
-        if self.bucket.delete(f"refs/{name}", match=head.etag):
+        if self.bucket.put(f"refs/{name}", ref_body(None, entry_id), match=head.etag) is not None:
             return True
+        if self._landed(name, entry_id):
+            return True  # a retried request failed its condition on our own first attempt
         self.bucket.delete(f"logs/{name}/{entry_id}.json")  # lost the race: it records nothing
         return False
 
@@ -275,9 +331,10 @@ class S3RefStore(RefStore):
         """Delete every entry of an absent ref (entries of a ref created meanwhile, newer than the
         deletion, are left: a creation's link into a dropped history is not followed)."""
         self._name(name)
-        if self._head(name) is not None:
+        head = self._head(name)
+        if head is not None and head.cid is not None:
             return False
-        deleted = self._deletion(name)
+        deleted = (None, head.entry) if head is not None else self._deletion(name)
         last = _seq(deleted[1]) if deleted else None
         keys = [m.key for m in self._entries(name) if last is None or _seq(_entry_id(m.key)) <= last]
         # The chain; without a deletion, entries no chain reaches (updates a crash cut short).
@@ -286,27 +343,54 @@ class S3RefStore(RefStore):
         if not keys or (older_than is not None and max((e.time for e in entries), default=0) >= older_than):
             return False
         self.bucket.delete_many(keys)
+        if head is not None and self._holds_gc_lock():
+            self.bucket.delete(f"refs/{name}")  # the tombstone: see prune_deleted
         return True
 
+    def prune_deleted(self) -> int:
+        """Remove the tombstones of deleted refs whose reflog is gone; under GC's exclusive lock
+        only, which keeps out the one writer that could bring one back to life (a ref created
+        over a tombstone holds the shared lock). Returns how many were removed."""
+        if not self._holds_gc_lock():
+            return 0
+        removed = 0
+        for meta in self.bucket.list("refs/"):
+            name = meta.key[len("refs/"):]
+            if meta.size == TOMBSTONE_SIZE and not self.bucket.any(f"logs/{name}/"):
+                head = self._head(name)
+                if head is not None and head.cid is None:
+                    self.bucket.delete(meta.key)
+                    removed += 1
+        return removed
+
+    def _holds_gc_lock(self) -> bool:
+        with self._mutex:
+            return any(not lease.lost for lease in self._gc_leases)
+
     def _check_clash(self, name: str) -> None:
-        """A ref cannot sit above or below another ref (``runs`` and ``runs/exp``)."""
-        if self.bucket.any(f"refs/{name}/"):
+        """A ref cannot sit above or below another ref (``runs`` and ``runs/exp``); tombstones
+        are no refs."""
+        if any(m.size != TOMBSTONE_SIZE for m in self.bucket.list(f"refs/{name}/")):
             raise InvalidRefName(name, "refs exist below this name")
         parts = name.split("/")
         for i in range(1, len(parts)):
             parent = "/".join(parts[:i])
-            if self.bucket.head(f"refs/{parent}") is not None:
+            meta = self.bucket.head(f"refs/{parent}")
+            if meta is not None and meta.size != TOMBSTONE_SIZE:
                 raise InvalidRefName(name, f"clashes with the existing ref {parent!r}")
 
     def names(self, prefix: str = "") -> list[str]:
-        names = (m.key[len("refs/") :] for m in self.bucket.list(f"refs/{prefix}"))
-        return sorted(n for n in names if is_ref_name(n))
+        """The live refs: a listing, tombstones told apart by their size (no live ref has it)."""
+        listed = self.bucket.list(f"refs/{prefix}")
+        names = (m.key[len("refs/") :] for m in listed if m.size != TOMBSTONE_SIZE)
+        return sorted(found for n in names if (found := listed_name(n)) is not None)
 
     def values(self, prefix: str = "") -> dict[str, bytes]:
         """One listing, then the refs read in parallel (a GET each)."""
         names = self.names(prefix)
         heads = self.bucket.pool.map(self._head, names) if len(names) > 1 else map(self._head, names)
-        return {name: head.cid for name, head in zip(names, heads, strict=True) if head is not None}
+        return {name: head.cid for name, head in zip(names, heads, strict=True)
+                if head is not None and head.cid is not None}
 
     # -- reflogs -------------------------------------------------------------------------------
     def _entries(self, name: str) -> list[Meta]:
@@ -328,6 +412,8 @@ class S3RefStore(RefStore):
             chain, missing = self._chain(name, start)
             if missing is None:
                 return chain
+            if head is not None and head.cid is None and missing.endswith(f"/{start}.json"):
+                return []  # a tombstone whose reflog was dropped (its deletion entry first)
             if self._start(name) == (head, start):
                 why = f"reflog entry missing from the chain of refs/{name}"
                 raise CorruptStore(self._where(missing), why)
@@ -335,11 +421,11 @@ class S3RefStore(RefStore):
         raise RepositoryError(f"ref {name!r} changed under each of {REFLOG_TRIES} reads of its reflog")
 
     def _start(self, name: str) -> tuple[_Head | None, str | None]:
-        """The ref as read, and the entry its reflog chain starts at."""
+        """The ref as read (a tombstone too), and the entry its reflog chain starts at."""
         head = self._head(name)
         if head is not None:
             return head, head.entry
-        deleted = self._deletion(name)
+        deleted = self._deletion(name)  # deleted by cas_ckpt 0.2: no tombstone
         return None, deleted[1] if deleted else None
 
     def _chain(self, name: str, start: str) -> tuple[list[ReflogEntry], str | None]:
@@ -378,7 +464,7 @@ class S3RefStore(RefStore):
 
     def reflog_names(self) -> list[str]:
         names = {m.key[len("logs/") : m.key.rindex("/")] for m in self.bucket.list("logs/")}
-        return sorted(n for n in names if is_ref_name(n))
+        return sorted(found for n in names if (found := listed_name(n)) is not None)
 
     # -- pins and config -----------------------------------------------------------------------
     def pins(self) -> set[bytes]:
@@ -493,22 +579,33 @@ class S3RefStore(RefStore):
         key = _run_lease_key(check_ref_name(name))
         body = _holder_body()
         while True:
-            etag = self.bucket.put(key, body(), create=True)
+            etag, holder = self._claim(key, body())
             if etag is not None:
                 break
-            meta = self.bucket.head(key)
-            if meta is None:
-                continue  # released meanwhile
-            if meta.age > self.lease_timeout:
-                self.bucket.delete(key, match=meta.etag)
-                continue
+            if holder is None:
+                continue  # lost a race for a free lease: look again
             if not takeover:
-                found = self.bucket.get(key)
-                raise LeaseHeld(name, describe_holder(found[0] if found else None))
-            etag = self.bucket.put(key, body(), match=meta.etag)
+                raise LeaseHeld(name, describe_holder(holder[0]))
+            etag = self.bucket.put(key, body(), match=holder[1].etag)
             if etag is not None:
                 break
         return _RunLease(_Lease(self.bucket, key, etag, body, self.lease_timeout / 4))
+
+    def _claim(self, key: str, body: bytes) -> tuple[str | None, tuple[bytes, Meta] | None]:
+        """One try to hold the lock object ``key``: created if absent, else taken with ``If-Match``
+        on the state read if that is released or stale (its holder died). Returns (the ETag, None)
+        when held; (None, the live holder's body and meta) when another holds it; (None, None)
+        when a race was lost (try again)."""
+        etag = self.bucket.put(key, body, create=True)
+        if etag is not None:
+            return etag, None
+        found = self.bucket.get_meta(key)
+        if found is None:
+            return None, None  # removed meanwhile (by cas_ckpt 0.2, which deletes to release)
+        state, meta = found
+        if _is_released(state) or meta.age > self.lease_timeout:
+            return self.bucket.put(key, body, match=meta.etag), None
+        return None, found
 
     @contextlib.contextmanager
     def try_exclusive(self, name: str) -> Iterator[bool]:
@@ -516,16 +613,10 @@ class S3RefStore(RefStore):
         for ``lease_timeout`` seconds belongs to a dead holder and is removed first."""
         key = f"locks/{check_task_name(name)}"
         for _ in range(2):
-            etag = self.bucket.put(key, self._body(), create=True)
-            if etag is not None:
+            etag, holder = self._claim(key, self._body())
+            if etag is not None or holder is not None:
                 break
-            meta = self.bucket.head(key)
-            if meta is not None and meta.age <= self.lease_timeout:
-                yield False
-                return
-            if meta is not None:
-                self.bucket.delete(key, match=meta.etag)  # its holder died
-        else:
+        if etag is None:
             yield False
             return
         lease = self._lease(key, etag)
@@ -539,8 +630,8 @@ class S3RefStore(RefStore):
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "beat": self._beats}
         return json.dumps(holder).encode()
 
-    def _lease(self, key: str, etag: str) -> _Lease:
-        return _Lease(self.bucket, key, etag, self._body, self.lease_timeout / 4)
+    def _lease(self, key: str, etag: str, *, own_key: bool = False) -> _Lease:
+        return _Lease(self.bucket, key, etag, self._body, self.lease_timeout / 4, own_key=own_key)
 
     def _waiter(self, what: str) -> Callable[[], None]:
         """Sleep a little between polls; RepositoryError once ``lock_timeout`` has passed."""
@@ -563,33 +654,29 @@ class S3RefStore(RefStore):
             if etag is None:
                 raise RepositoryError(f"could not register the save at {self._where(key)}")
             if not self._gc_running():  # GC writes its lock then lists saves: one of us sees the other
-                return self._lease(key, etag)
-            self.bucket.delete(key, match=etag)  # a GC runs: let it finish first
+                return self._lease(key, etag, own_key=True)
+            self.bucket.delete(key)  # a GC runs: let it finish first (a key only we write)
+            key = f"locks/saves/{uuid.uuid4().hex}"
             while self._gc_running():
                 wait()
 
     def _gc_running(self) -> bool:
-        """True if a live GC holds locks/gc; a stale one (its holder died) is removed."""
-        meta = self.bucket.head("locks/gc")
-        if meta is None:
+        """True if a live GC holds locks/gc (not released, and not stale: its holder alive)."""
+        found = self.bucket.get_meta("locks/gc")
+        if found is None:
             return False
-        if meta.age > self.lease_timeout:
-            self.bucket.delete("locks/gc", match=meta.etag)
-            return self.bucket.head("locks/gc") is not None
-        return True
+        state, meta = found
+        return not _is_released(state) and meta.age <= self.lease_timeout
 
     def _take_gc_lock(self) -> _Lease:
-        """Exclusive: create locks/gc, then wait until no live save is registered."""
+        """Exclusive: hold locks/gc, then wait until no live save is registered."""
         wait = self._waiter(f"another GC ({self._where('locks/gc')})")
         while True:
-            etag = self.bucket.put("locks/gc", self._body(), create=True)
+            etag, holder = self._claim("locks/gc", self._body())
             if etag is not None:
                 break
-            meta = self.bucket.head("locks/gc")
-            if meta is not None and meta.age > self.lease_timeout:
-                self.bucket.delete("locks/gc", match=meta.etag)  # its holder died
-                continue
-            wait()
+            if holder is not None:
+                wait()
         lease = self._lease("locks/gc", etag)
         try:
             self._await_saves(lease)
@@ -605,10 +692,12 @@ class S3RefStore(RefStore):
         while True:
             live = []
             for meta in self.bucket.list("locks/saves/"):
-                if meta.age > self.lease_timeout:
-                    self.bucket.delete(meta.key, match=meta.etag)  # a dead save's registration
-                else:
+                if meta.age <= self.lease_timeout:
                     live.append(meta)
+                elif self.bucket.put(meta.key, _released(), match=meta.etag) is not None:
+                    # A dead save's registration, released first so that its holder, were it
+                    # alive, finds its next heartbeat refused; then no one writes it again.
+                    self.bucket.delete(meta.key)
             if not live:
                 return
             if lease.lost:

@@ -83,8 +83,8 @@ async def _close_pool(app: web.Application) -> None:
 
 
 async def _root(request: web.Request) -> web.StreamResponse:
-    query = f"?{request.query_string}" if request.query_string else ""
-    return web.Response(status=302, headers={"Location": f"/ui/{query}"})
+    raw = request.rel_url.raw_query_string  # as sent: percent-encoded, nothing decoded into a header
+    return web.Response(status=302, headers={"Location": f"/ui/?{raw}" if raw else "/ui/"})
 
 
 async def _page(request: web.Request) -> web.StreamResponse:
@@ -102,7 +102,8 @@ def _start_session(request: web.Request) -> web.StreamResponse:
     only, in a cookie of this server's own, and drop it from the address (history, screenshots).
     The token itself is never stored in the browser: a captured cookie reads no block or ref."""
     rest = urllib.parse.urlencode([(k, v) for k, v in request.query.items() if k != "token"])
-    response = web.Response(status=302, headers={"Location": request.path + (f"?{rest}" if rest else "")})
+    response = web.Response(status=302, headers={"Location": request.rel_url.raw_path
+                                                  + (f"?{rest}" if rest else "")})
     if request.app[SESSIONS].enabled:
         response.set_cookie(session_cookie(request), request.app[SESSIONS].issue(), max_age=SESSION_TTL,
                             httponly=True, samesite="Strict", path="/ui")

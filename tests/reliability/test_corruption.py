@@ -361,3 +361,28 @@ def test_damaged_index_snapshot(tmp_path: Path, damage: str) -> None:
     assert ok
     other_still_loads(s.root)
     _count(f"index_{damage}")
+
+
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_log_of_a_ref_whose_head_commit_is_gone_raises(
+    tmp_path: Path, snapshot: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``repo.log`` never reads a missing head commit as an empty history, also where a
+    commit-graph layer still holds a copy of it; the CLI says the same (exit 3)."""
+    from cas_ckpt import cli
+
+    s = Setup(tmp_path / "repo", snapshot=snapshot)
+    with cas_ckpt.open(s.root, create=False) as repo:
+        repo.update_commit_graph()
+        assert repo.history.graph is not None and repo.history.graph.covers(s.commit)
+    s.pack_of(s.commit).unlink()
+    with cas_ckpt.open(s.root, create=False) as repo:
+        with pytest.raises(cas_ckpt.errors.BlockNotFound) as info:
+            repo.log("main")
+        assert info.value.cid == str(s.main) and "head commit of ref 'main'" in str(info.value)
+        with pytest.raises(cas_ckpt.errors.BlockNotFound):
+            repo.log(s.main)
+        assert [c.cid for c in repo.log("other")] == [s.other]  # the rest reads as before
+    assert cli.main(["log", "main", "--repo", str(s.root)]) == 3
+    assert f"block {s.main} not found" in capsys.readouterr().err
+    _count("log_head_missing")
