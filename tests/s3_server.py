@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,27 @@ class IgnoredConditions:
             for name in CONDITIONS:
                 environ.pop(name, None)
         return self.app(environ, start_response)
+
+
+def point_aws_at(endpoint: str, monkeypatch: Any, tmp_path: os.PathLike[str]) -> None:
+    """The AWS environment variables pointed at ``endpoint`` (and nothing else)."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path) + "/no-aws-config")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path) + "/no-aws-credentials")
+
+
+def new_bucket(endpoint: str) -> str:
+    """A fresh, empty bucket on the server at ``endpoint``: ``s3://<bucket>/repo``."""
+    import boto3
+
+    bucket = f"test-{uuid.uuid4().hex[:20]}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/repo"
 
 
 @contextlib.contextmanager

@@ -267,9 +267,10 @@ def test_http_benchmark_tiny(tmp_path: Path) -> None:
     assert "cas_ckpt verified load over HTTP" in proc.stdout
 
 
-def test_scale_bench_runs_its_curves(tmp_path: Path) -> None:
+def test_scale_bench_runs_its_curves(s3_env: str, tmp_path: Path) -> None:
     """benchmarks/scale_bench.py at toy sizes, this tree only: every curve measured, on a
-    directory and on moto, with S3 requests counted and the mapped load checked."""
+    directory and on the test's S3 server (moto, LocalStack: AWS_ENDPOINT_URL), with S3 requests
+    counted and the mapped load checked."""
     out = tmp_path / "scale.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "scale_bench.py"), "--saves", "3,8", "--ranks", "1",

@@ -50,6 +50,7 @@ from cas_ckpt.blocks.pack import (
 )
 from cas_ckpt.codec import MAX_NODE_SIZE
 from cas_ckpt.errors import CorruptStore, RepositoryError
+from cas_ckpt.repository import FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
 FEWER = settings(max_examples=max(10, settings().max_examples // 3))
@@ -415,7 +416,7 @@ def test_a_per_save_override_compresses_and_raises_the_format_version(tmp_path: 
         assert repo.load(plain)["w"].tobytes() == weights(3, 300_000, np.float32).tobytes()
 
 
-@pytest.mark.parametrize("version", [4, "2"])
+@pytest.mark.parametrize("version", [FORMAT_VERSION + 1, "2"])
 def test_a_newer_or_malformed_format_version_is_refused_clearly(tmp_path: Path, version: Any) -> None:
     path = tmp_path / "repo"
     cas_ckpt.open(path, compression="zstd").close()

@@ -507,6 +507,7 @@ def test_the_manager_saves_and_restores_through_dcp_on_two_ranks(tmp_path: Path)
             r.load(commits[2].cid)  # step 1 was expired by retention and its data collected
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # counts cas_ckpt's requests: one server
 def test_ranks_of_an_s3_save_read_no_index_of_each_other(s3_url: str, tmp_path: Path) -> None:
     """The coordinator records every rank's packs in one journal; a rank learns only of packs
     removed before its batch. So an unchanged save costs each rank the same requests however

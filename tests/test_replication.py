@@ -1,4 +1,4 @@
-"""Replication between repositories (memory, local, the real moto S3 server): push, pull, clone,
+"""Replication between repositories (memory, local, real S3 servers: moto and LocalStack): push, pull, clone,
 only missing blocks sent, history without expired data, races on a remote ref, and the two-tier
 CheckpointManager (background pushes, retention per side, lag, retries, restore from the remote).
 """
@@ -39,11 +39,18 @@ def _state(seed: int, arrays: int = 10, size: int = MiB) -> dict[str, Any]:
             "step": seed}
 
 
-@pytest.fixture(params=["memory", "local", "s3"])
+# Each medium: a directory, and S3 on each of the tests' servers (moto and LocalStack, conftest.py).
+S3_MEDIA = ("medium", "s3_server"), [
+    pytest.param("local", None, id="local"),
+    *(pytest.param("s3", kind, id=f"s3-{kind}") for kind in ("moto", "localstack")),
+]
+
+
+@pytest.fixture(params=["memory", "local", "s3-moto", "s3-localstack"])
 def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[cas_ckpt.Repository]:
-    """An empty remote repository on each medium (S3: the moto server)."""
-    if request.param == "s3":
-        url = request.getfixturevalue("s3_url")
+    """An empty remote repository on each medium (S3: on moto and on LocalStack)."""
+    if request.param.startswith("s3-"):
+        url = request.getfixturevalue("s3_url_on")(request.param[len("s3-") :])
         repo = cas_ckpt.open(url, storage_options=FAST)
     elif request.param == "local":
         repo = cas_ckpt.open(tmp_path / "remote")
@@ -174,9 +181,10 @@ def test_a_diverged_remote_is_refused_before_anything_is_sent_unless_forced(
     assert local.last_transfer is not None and local.last_transfer.up_to_date
 
 
-@pytest.mark.parametrize("medium", ["local", "s3"])
+@pytest.mark.parametrize(*S3_MEDIA, indirect=["s3_server"])
 def test_a_remote_that_moved_during_a_push_is_a_conflict(
-    medium: str, local: cas_ckpt.Repository, tmp_path: Path, request: pytest.FixtureRequest
+    medium: str, s3_server: tuple[str, str] | None, local: cas_ckpt.Repository, tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     where = request.getfixturevalue("s3_url") if medium == "s3" else tmp_path / "remote"
     local.save(_state(1, arrays=2), ref="main", step=1)
@@ -334,9 +342,9 @@ sys.stdin.readline()  # killed here, with steps 2-6 not replicated
 """
 
 
-@pytest.mark.parametrize("medium", ["local", "s3"])
+@pytest.mark.parametrize(*S3_MEDIA, indirect=["s3_server"])
 def test_steps_saved_while_the_remote_was_away_are_sent_after_a_restart(
-    tmp_path: Path, medium: str, request: pytest.FixtureRequest
+    tmp_path: Path, medium: str, s3_server: tuple[str, str] | None, request: pytest.FixtureRequest
 ) -> None:
     """A trainer saves steps 2-6 while its remote is away and is killed (kill -9); restarted on
     the same disk with the remote back, its first save expired steps 2-5 locally before any push:

@@ -1,4 +1,4 @@
-"""S3 repositories against a real S3-protocol server process (moto, started by conftest.py).
+"""S3 repositories against real S3-protocol server processes (moto and LocalStack: conftest.py).
 
 Faults (503s, connections reset mid-body, conditional headers dropped) come from a real HTTP proxy
 in front of moto, never from stand-ins for cas_ckpt's own classes.
@@ -51,6 +51,19 @@ def _keys(url: str, below: str = "") -> list[str]:
     bucket, prefix = _split(url)
     listing = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix + below)
     return sorted(o["Key"][len(prefix) :] for o in listing.get("Contents", []))
+
+
+def _held_locks(url: str) -> list[str]:
+    """Lock objects in a holder's state, and any save registration (released ones are deleted):
+    locks once released stay, in their released state."""
+    bucket, prefix = _split(url)
+    client = boto3.client("s3")
+    held = []
+    for key in _keys(url, "locks/"):
+        body = client.get_object(Bucket=bucket, Key=prefix + key)["Body"].read()
+        if key.startswith("locks/saves/") or "released" not in json.loads(body):
+            held.append(key)
+    return held
 
 
 # -- a fault-injecting HTTP proxy in front of moto -------------------------------------------------
@@ -349,7 +362,9 @@ def test_save_load_log_reflog_gc_fsck(s3_url: str) -> None:
         with pytest.raises(cas_ckpt.errors.RepositoryError, match="read-only"):
             again.save({"x": 2})
     layout = {key.split("/")[0] for key in _keys(s3_url)}
-    assert layout == {"config.json", "index", "logs", "packs", "refs"}  # no lock or probe objects left
+    assert layout == {"config.json", "index", "locks", "logs", "packs", "refs"}
+    assert _held_locks(s3_url) == []  # locks released; no probe objects or registrations left
+    assert not [k for k in _keys(s3_url, "refs/") if k.startswith("refs/runs/")]  # tombstone gone
 
 
 def test_open_reads_the_config_once(proxy: Proxy, s3_url: str) -> None:
@@ -466,7 +481,7 @@ def test_processes_racing_on_one_ref_lose_no_update(s3_url: str, tmp_path: Path)
         history = [str(c.cid) for c in repo.log("main")]
         assert history == [cidlib.to_str(e.new) for e in reversed(log)] + [str(start)]
     assert len(_keys(s3_url, "logs/main/")) == len(saved) + 1  # losers removed their entries
-    assert _keys(s3_url, "locks/") == []
+    assert _held_locks(s3_url) == []
 
 
 def test_an_update_whose_answer_was_lost_is_found_on_the_chain(s3_url: str) -> None:
@@ -554,7 +569,7 @@ def test_saves_and_gc_in_threads_of_one_process(s3_url: str) -> None:
         assert errors == []
         assert_state_equal(state(5), repo.load())
         assert repo.fsck().ok
-    assert _keys(s3_url, "locks/") == []
+    assert _held_locks(s3_url) == []
 
 
 def test_save_waits_for_gc_and_stale_leases_are_broken(s3_url: str) -> None:
@@ -571,7 +586,7 @@ def test_save_waits_for_gc_and_stale_leases_are_broken(s3_url: str) -> None:
         started = time.monotonic()
         repo.gc()
         assert time.monotonic() - started >= 0.9
-        assert _keys(s3_url, "locks/") == []
+        assert _held_locks(s3_url) == []
 
 
 def test_a_save_that_lost_its_lease_moves_no_ref(s3_url: str) -> None:
@@ -693,6 +708,7 @@ def auth_server() -> Iterator[tuple[str, dict[str, str]]]:
         yield endpoint, {"id": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # auth_server is moto's
 @pytest.mark.parametrize(
     ("key_id", "secret", "message"),
     [
@@ -816,6 +832,7 @@ def test_a_pack_no_index_file_names_is_found_when_a_read_misses(s3_url: str) -> 
             assert reader.get(cid) == data  # ...but a read that misses lists every pack
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # counts cas_ckpt's requests: one server
 def test_saves_cost_the_same_requests_at_any_history_and_list_no_pack(proxy: Proxy, s3_url: str) -> None:
     """Upkeep on S3 merges small packs at once (it deletes no block: no grace period to wait
     for) and folds journals into snapshots, so a save's requests do not grow with history."""

@@ -12,7 +12,6 @@ import json
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 import boto3
@@ -31,23 +30,6 @@ from cas_ckpt.refs.s3 import TOMBSTONE_SIZE, S3RefStore, parse_ref, ref_body
 FAST = {"lease_timeout": 2.0}
 
 
-def _env(endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp: str) -> None:
-    for name in [n for n in os.environ if n.startswith("AWS_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_CONFIG_FILE", tmp + "/no-aws-config")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", tmp + "/no-aws-credentials")
-
-
-def _bucket_url(endpoint: str) -> str:
-    bucket = f"test-{uuid.uuid4().hex[:20]}"
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/repo"
-
-
 @pytest.fixture(scope="module")
 def lax_deletes() -> Iterator[str]:
     """The tests' S3 server ignoring If-Match on DELETE, as MinIO and LocalStack do."""
@@ -57,8 +39,8 @@ def lax_deletes() -> Iterator[str]:
 
 @pytest.fixture
 def lax_url(lax_deletes: str, monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> str:
-    _env(lax_deletes, monkeypatch, str(tmp_path))
-    return _bucket_url(lax_deletes)
+    s3_server.point_aws_at(lax_deletes, monkeypatch, tmp_path)
+    return s3_server.new_bucket(lax_deletes)
 
 
 def _object(url: str, key: str) -> bytes | None:
@@ -117,8 +99,8 @@ def test_the_probe_refuses_a_server_ignoring_what_is_used(
     ignored: str, named: str, monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]
 ) -> None:
     with s3_server.running("--ignore", ignored) as endpoint:
-        _env(endpoint, monkeypatch, str(tmp_path))
-        url = _bucket_url(endpoint)
+        s3_server.point_aws_at(endpoint, monkeypatch, tmp_path)
+        url = s3_server.new_bucket(endpoint)
         with pytest.raises(RepositoryError, match=named.replace("*", r"\*")):
             cas_ckpt.open(url)
         with cas_ckpt.open(url, storage_options={"unsafe_no_conditional_writes": True}) as repo:

@@ -30,6 +30,11 @@ PROCESSES = 8 if LONG else 3
 SAVES = 100 if LONG else 15
 THREADS = 4
 THREAD_SAVES = 60 if LONG else 12
+# Each medium: a directory, and S3 on each of the tests' servers (moto and LocalStack, conftest.py).
+S3_MEDIA = ("medium", "s3_server"), [
+    pytest.param("local", None, id="local"),
+    *(pytest.param("s3", kind, id=f"s3-{kind}") for kind in ("moto", "localstack")),
+]
 
 
 def _check(repo: cas_ckpt.Repository, saves: list[tuple[str, str, str]]) -> None:
@@ -114,13 +119,14 @@ def test_processes_save_while_gc_runs(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("medium", ["local", "s3"])
-def test_processes_save_while_upkeep_and_gc_run(tmp_path: Path, medium: str,
-                                                request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(*S3_MEDIA, indirect=["s3_server"])
+def test_processes_save_while_upkeep_and_gc_run(
+    tmp_path: Path, medium: str, s3_server: tuple[str, str] | None, request: pytest.FixtureRequest
+) -> None:
     """Savers (each with its own automatic upkeep), a process running upkeep by force in a loop
     (merging small packs, writing index snapshots, deleting what they replace) and one running
     GC, all at once: every save is kept and loads, no index file is torn, fsck is clean; on a
-    directory and on the moto S3 server."""
+    directory and on S3 (moto, LocalStack)."""
     timer = Timer()
     stop = tmp_path / "stop"
     location = request.getfixturevalue("s3_url") if medium == "s3" else str(tmp_path / "repo")
@@ -155,8 +161,9 @@ def test_processes_save_while_upkeep_and_gc_run(tmp_path: Path, medium: str,
     with cas_ckpt.open(location, create=False, **options) as repo:  # type: ignore[arg-type]
         _check(repo, saves)  # type: ignore[arg-type]
         assert repo.upkeep_status().uncovered == 0  # type: ignore[union-attr]
-    record("concurrency_upkeep", **{f"{medium}_saves": len(saves), f"{medium}_upkeeps": upkeeps,
-                                    f"{medium}_merged": merged}, seconds=timer.seconds)
+    label = medium if s3_server is None or s3_server[0] == "moto" else f"{medium}_{s3_server[0]}"
+    record("concurrency_upkeep", **{f"{label}_saves": len(saves), f"{label}_upkeeps": upkeeps,
+                                    f"{label}_merged": merged}, seconds=timer.seconds)
 
 
 def test_threads_share_a_repository(tmp_path: Path) -> None:

@@ -192,7 +192,7 @@ def test_hostile_file_is_reported_not_followed(
 
 
 def test_deeply_nested_json_on_s3_is_corrupt_store(s3_url: str) -> None:
-    """The same for S3 objects: a reflog entry and config.json nested 200,000 deep (moto server)."""
+    """The same for S3 objects: a reflog entry and config.json nested 200,000 deep (moto, LocalStack)."""
     import boto3
 
     with cas_ckpt.open(s3_url) as repo:

@@ -1,5 +1,5 @@
 """A push SIGKILLed mid-way, then run again: the remote ref never names a missing block, and the
-re-run sends only what is still missing (local directory and the moto S3 server).
+re-run sends only what is still missing (local directory, and S3 on moto and on LocalStack).
 
 Each case pushes a 32 MiB checkpoint in 4 MiB packs, kills the pushing process once some packs are
 on the remote, checks the remote (its ref is absent, or at the previous checkpoint, and fsck finds
@@ -25,6 +25,16 @@ from ._support import HERE, PYTHON, child_env, digest, load_digest, record
 
 MiB = 1024 * 1024
 PACK = 4 * MiB
+# Each medium: a directory, and S3 on each of the tests' servers (moto and LocalStack, conftest.py).
+S3_MEDIA = ("medium", "s3_server"), [
+    pytest.param("local", None, id="local"),
+    *(pytest.param("s3", kind, id=f"s3-{kind}") for kind in ("moto", "localstack")),
+]
+
+
+def _label(medium: str, s3_server: tuple[str, str] | None) -> str:
+    """The medium's name in the figures: ``s3`` on moto (as before LocalStack), ``s3_localstack``."""
+    return medium if s3_server is None or s3_server[0] == "moto" else f"{medium}_{s3_server[0]}"
 
 
 def _state(seed: int, arrays: int = 8) -> dict[str, object]:
@@ -33,14 +43,15 @@ def _state(seed: int, arrays: int = 8) -> dict[str, object]:
 
 
 @functools.cache
-def _client() -> object:
-    return boto3.client("s3")
+def _client(endpoint: str) -> object:
+    return boto3.client("s3", endpoint_url=endpoint)
 
 
 def _packs(where: str) -> int:
     if where.startswith("s3://"):
         bucket, _, prefix = where[len("s3://"):].partition("/")
-        listing = _client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/packs/")  # type: ignore[attr-defined]
+        client = _client(os.environ["AWS_ENDPOINT_URL"])
+        listing = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/packs/")  # type: ignore[attr-defined]
         return len(listing.get("Contents", []))
     packs = Path(where) / "packs"
     return len(list(packs.glob("*.pack"))) if packs.is_dir() else 0
@@ -79,9 +90,9 @@ def _check_remote(where: str, allowed: set[str | None]) -> str | None:
     return held
 
 
-@pytest.mark.parametrize("medium", ["local", "s3"])
+@pytest.mark.parametrize(*S3_MEDIA, indirect=["s3_server"])
 def test_a_killed_push_resumes_sending_only_what_is_missing(
-    medium: str, tmp_path: Path, request: pytest.FixtureRequest
+    medium: str, s3_server: tuple[str, str] | None, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     where = request.getfixturevalue("s3_url") if medium == "s3" else str(tmp_path / "remote")
     src = tmp_path / "src"
@@ -114,7 +125,7 @@ def test_a_killed_push_resumes_sending_only_what_is_missing(
         assert final.up_to_date == (held == digest(second))
         _check_remote(where, {digest(second)})
     assert kills >= 2
-    record("push_kill", **{f"{medium}_kills": kills})
+    record("push_kill", **{f"{_label(medium, s3_server)}_kills": kills})
 
 
 def _clone_source(path: Path) -> tuple[dict[str, object], list[object]]:
@@ -130,9 +141,14 @@ def _clone_source(path: Path) -> tuple[dict[str, object], list[object]]:
         return dict(repo.refs()), pins
 
 
-@pytest.mark.parametrize(("medium", "refs_done"), [("local", 0), ("local", 1), ("local", 17), ("s3", 9)])
+@pytest.mark.parametrize(
+    ("medium", "s3_server", "refs_done"),
+    [("local", None, 0), ("local", None, 1), ("local", None, 17), ("s3", "moto", 9), ("s3", "localstack", 9)],
+    ids=["local-0", "local-1", "local-17", "s3-moto-9", "s3-localstack-9"], indirect=["s3_server"],
+)
 def test_a_clone_killed_in_its_ref_phase_is_run_again(
-    medium: str, refs_done: int, tmp_path: Path, request: pytest.FixtureRequest
+    medium: str, s3_server: tuple[str, str] | None, refs_done: int, tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     """kill -9 of a clone whose refs are partly moved: the pins are all there (a GC there keeps
     the pinned checkpoints), no ref names a missing block, and running the clone again completes
@@ -162,4 +178,4 @@ def test_a_clone_killed_in_its_ref_phase_is_run_again(
         assert again.fsck().problems == []
     with cas_ckpt.clone(src, where) as done:  # a finished clone run again: nothing to do
         assert done.last_transfer is not None and done.last_transfer.up_to_date
-    record("clone_kill", **{f"{medium}_ref_phase_kills_after_{refs_done}_refs": 1})
+    record("clone_kill", **{f"{_label(medium, s3_server)}_ref_phase_kills_after_{refs_done}_refs": 1})

@@ -2,8 +2,8 @@
 directory, S3 reflog reads against racing writers.
 
 The pid-namespace test needs root and ``unshare`` (util-linux) and skips, saying why, without them.
-The local ones use the filesystem under pytest's ``tmp_path``; the S3 one a moto server. Counts
-grow with ``CAS_CKPT_LONG=1``.
+The local ones use the filesystem under pytest's ``tmp_path``; the S3 one runs on each S3 server
+(moto, LocalStack). Counts grow with ``CAS_CKPT_LONG=1``.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_create_and_delete_in_one_directory_race_cleanly(tmp_path: Path) -> None
 def test_s3_reflog_reads_while_writers_race(s3_url: str, tmp_path: Path) -> None:
     """4 processes set one S3 ref while this one reads its reflog: losers delete their entries,
     maybe after the reader listed them. Every read must be one chain from a head the ref held.
-    (A real S3-protocol server, moto, on 127.0.0.1: tests/conftest.py.)"""
+    (Real S3-protocol servers, moto and LocalStack, on 127.0.0.1: tests/conftest.py.)"""
     from cas_ckpt.refs.s3 import S3RefStore
 
     go, writers, count = tmp_path / "go", 4, 60 if LONG else 15
