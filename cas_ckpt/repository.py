@@ -85,9 +85,12 @@ from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter, cast_floats
 _log = logging.getLogger("cas_ckpt")
 
 FORMAT = "cas_ckpt"
-FORMAT_VERSION = 4  # 2: packs may hold compressed blocks (pack format version 2); 3: index files;
-# 4: on S3, refs deleted by tombstones and locks released by a state (only conditional PUTs)
-# tell which packs exist (object storage: docs/format.md, "Index files")
+FORMAT_VERSION = 4  # 2: packs may hold compressed blocks (pack format version 2); 3: index files
+# tell which packs exist (object storage: docs/format.md, "Index files"); 4: on S3, refs deleted by
+# tombstones and locks released by a state (only conditional PUTs)
+# The first release that reads each version, recorded in the config ("requires") from version 4
+# on, so that a reader too old to know a later version can name the release to upgrade to.
+FIRST_RELEASE = {4: "0.3"}
 DEFAULT_COMPRESSION = "none"
 
 Target = CID | str | bytes
@@ -379,7 +382,7 @@ class Repository:
         """Record settings in the config by compare-and-swap (a racing change is re-read)."""
         for _ in range(8):
             old = self.refs_store.read_config() or {}
-            new = {**old, "version": max(version, old.get("version", 1))}
+            new = _versioned({**old, "version": max(version, old.get("version", 1))})
             if compression is not None:
                 new["compression"] = compression
             if old == new or self.refs_store.update_config(old, new) == new:
@@ -1188,7 +1191,13 @@ def _new_config(hash: str, chunk_size: int, compression: str, version: int = 1) 
     config: dict[str, Any] = {"format": FORMAT, "version": version, "hash": hash, "chunk_size": chunk_size}
     if compression != "none":
         config.update(version=max(version, 2), compression=compression)
-    return config
+    return _versioned(config)
+
+
+def _versioned(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``requires`` naming the first release that reads its version (4 and up)."""
+    release = FIRST_RELEASE.get(config.get("version", 1))
+    return {**config, "requires": f"cas_ckpt>={release}"} if release else config
 
 
 def _check_config(config: dict[str, Any], location: str) -> _Config:
@@ -1198,9 +1207,11 @@ def _check_config(config: dict[str, Any], location: str) -> _Config:
     if type(version) is int and version < 1:
         raise RepositoryError(f"repository {location} has invalid format version {version!r}")
     if type(version) is not int or version > FORMAT_VERSION:
+        needed = config.get("requires")
+        to = f" ({needed})" if isinstance(needed, str) and len(needed) < 64 else ""
         raise RepositoryError(
             f"repository {location} has format version {version!r}; this cas_ckpt supports up "
-            f"to {FORMAT_VERSION}: upgrade cas_ckpt to open it"
+            f"to {FORMAT_VERSION}: upgrade cas_ckpt{to} to open it"
         )
     hash_name, chunk_size = config.get("hash"), config.get("chunk_size", MAX_CHUNK)
     if hash_name not in cidlib.HASH_CODES:
@@ -1210,7 +1221,7 @@ def _check_config(config: dict[str, Any], location: str) -> _Config:
     compression = config.get("compression", "none")
     if compression not in SETTINGS or (compression != "none" and version < 2):
         raise RepositoryError(f"repository {location} has invalid compression {compression!r}")
-    known = ("format", "version", "hash", "chunk_size", "compression")
+    known = ("format", "version", "hash", "chunk_size", "compression", "requires")
     extra = {k: v for k, v in config.items() if k not in known}
     return _Config(hash_name, chunk_size, compression, version, extra)
 

@@ -4,6 +4,7 @@ that counts what is read, and a history as the commit blocks alone give it."""
 
 from __future__ import annotations
 
+import os
 import signal
 import struct
 import subprocess
@@ -180,6 +181,18 @@ class CountingStore(BlockStore):
 
     def bytes_read(self) -> int:
         return sum(self.inner.size(c) for c in self.reads)
+
+
+def plant(path: Path, kind: str) -> None:
+    """Put a ``directory`` (holding a file), a ``fifo`` or a ``dangling-link`` at ``path``, where
+    a regular file belongs."""
+    if kind == "directory":
+        path.mkdir()
+        (path / "kept").write_text("not cas_ckpt's\n")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(path.parent / "nowhere")
 
 
 def from_blocks(repo: cas_ckpt.Repository, head: Any) -> list[Commit]:

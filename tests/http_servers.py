@@ -25,31 +25,68 @@ from aiohttp import ClientSession, web
 
 
 class ServerProcess:
-    """``python -m cas_ckpt serve REPO --port 0`` (and ``--token``), its URL read from its stdout."""
+    """``python -m cas_ckpt serve REPO --port 0`` (and ``--token``), its URL read from its stdout;
+    its stdout and stderr then read on threads as they come (a server that logs much never blocks
+    on a full pipe), its stderr (the log) kept."""
 
     def __init__(self, repo: str | Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cas_ckpt", "serve", str(repo), "--port", "0", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
         )
-        assert self.proc.stdout is not None
+        assert self.proc.stdout is not None and self.proc.stderr is not None
         line = self.proc.stdout.readline()  # printed once the server listens
         if not line:
-            raise RuntimeError(f"cas-ckpt serve did not start: {self.proc.stderr.read()}")  # type: ignore[union-attr]
+            raise RuntimeError(f"cas-ckpt serve did not start: {self.proc.stderr.read()}")
         self.url = line.split(" at ")[1].split()[0]
+        self.port = int(self.url.rsplit(":", 1)[1])
         self.pid = self.proc.pid
+        self._err: list[str] = []
+        self._lock = threading.Lock()
+        self._readers = [threading.Thread(target=self._drain, args=(stream, keep), daemon=True)
+                         for stream, keep in ((self.proc.stderr, True), (self.proc.stdout, False))]
+        for reader in self._readers:
+            reader.start()
+
+    def _drain(self, stream: Any, keep: bool) -> None:
+        for line in stream:
+            if keep:
+                with self._lock:
+                    self._err.append(line)
+
+    def stderr(self, start: int = 0) -> str:
+        """The server's log so far, from line ``start``."""
+        with self._lock:
+            return "".join(self._err[start:])
+
+    def stderr_lines(self) -> int:
+        with self._lock:
+            return len(self._err)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.communicate(timeout=30)  # reaped, and its pipes closed
+        self._reap()
 
     def stop(self) -> str:
-        """SIGTERM, wait; the server's stderr (its log)."""
+        """SIGTERM, wait (SIGKILL after 30 s); the server's stderr (its log)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        _, err = self.proc.communicate(timeout=30)
-        return err
+        self._reap()
+        return self.stderr()
+
+    def _reap(self) -> None:
+        """Wait for the process and its pipes' readers, and close the pipes."""
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        for reader in self._readers:
+            reader.join(timeout=30)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
 
     def rss_anon(self) -> int:
         """The server's anonymous resident memory now, in bytes (its heap; file pages excluded)."""

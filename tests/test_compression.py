@@ -426,6 +426,18 @@ def test_a_newer_or_malformed_format_version_is_refused_clearly(tmp_path: Path, 
         cas_ckpt.open(path)
 
 
+def test_a_newer_version_names_the_release_it_requires(tmp_path: Path) -> None:
+    """From version 4 on a config names the first release that reads it, and a reader too old
+    for it says which release to upgrade to."""
+    path = tmp_path / "repo"
+    cas_ckpt.open(path).close()
+    config = json.loads((path / "config.json").read_text())
+    newer = {**config, "version": FORMAT_VERSION + 1, "requires": "cas_ckpt>=9.1"}
+    (path / "config.json").write_text(json.dumps(newer))
+    with pytest.raises(RepositoryError, match=r"upgrade cas_ckpt \(cas_ckpt>=9\.1\) to open it"):
+        cas_ckpt.open(path)
+
+
 def test_a_version_1_config_naming_compression_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "repo"
     cas_ckpt.open(path).close()

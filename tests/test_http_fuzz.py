@@ -32,10 +32,8 @@ import http.client
 import json
 import os
 import re
-import signal
 import socket
 import string
-import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -146,59 +144,11 @@ def build_repo(path: Path) -> Repo:
     return Repo(path, roots, blocks, reach, damaged, refs)
 
 
-class Served:
-    """A ``cas-ckpt serve`` process (:class:`ServerProcess`) whose stdout and stderr are read on
-    threads as they come (a server that logs much never blocks on a full pipe)."""
-
-    def __init__(self, repo: Path, *extra: str) -> None:
-        self.server = ServerProcess(repo, *extra)
-        self.url = self.server.url
-        self.port = int(self.url.rsplit(":", 1)[1])
-        self._err: list[str] = []
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._drain, args=(self.server.proc.stderr, self._err),
-                                          daemon=True),
-                         threading.Thread(target=self._drain, args=(self.server.proc.stdout, None),
-                                          daemon=True)]
-        for thread in self._threads:
-            thread.start()
-
-    def _drain(self, stream: Any, into: list[str] | None) -> None:
-        for line in stream:
-            if into is not None:
-                with self._lock:
-                    into.append(line)
-
-    def stderr(self, start: int = 0) -> str:
-        with self._lock:
-            return "".join(self._err[start:])
-
-    def stderr_lines(self) -> int:
-        with self._lock:
-            return len(self._err)
-
-    def stop(self) -> str:
-        proc = self.server.proc
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except Exception:
-                proc.kill()
-                proc.wait(timeout=30)
-        for thread in self._threads:
-            thread.join(timeout=30)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
-        return self.stderr()
-
-
 @dataclass(repr=False)
 class Target:
     """The server under fuzz: its port, token (or None) and a browser session's cookie."""
 
-    served: Served
+    served: ServerProcess
     repo: Repo
     token: str | None
     session: str = ""  # "name=value" of the session cookie a browser login gave
@@ -213,7 +163,7 @@ class Target:
 @pytest.fixture(scope="module", params=["open", "token"])
 def target(request: pytest.FixtureRequest, fuzz_repo: Repo) -> Iterator[Target]:
     token = TOKEN if request.param == "token" else None
-    served = Served(fuzz_repo.path, *(["--token", token] if token else []))
+    served = ServerProcess(fuzz_repo.path, *(["--token", token] if token else []))
     try:
         found = Target(served, fuzz_repo, token)
         if token:
@@ -889,7 +839,7 @@ def test_the_server_logged_no_traceback(target: Target) -> None:
 
 
 def test_a_session_cookie_unlocks_only_the_browser(fuzz_repo: Repo) -> None:
-    served = Served(fuzz_repo.path, "--token", TOKEN)
+    served = ServerProcess(fuzz_repo.path, "--token", TOKEN)
     try:
         session = _browser_login(served.port, TOKEN)
         c2 = cidlib.to_str(fuzz_repo.roots["c2"])

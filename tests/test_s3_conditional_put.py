@@ -249,6 +249,7 @@ def test_opening_for_writing_raises_an_older_repository_to_version_4(s3_url: str
         assert writer.config.version == 4
     got = bucket.get("config.json")
     assert got is not None and json.loads(got[0])["version"] == 4  # 0.2 refuses it from now on
+    assert json.loads(got[0])["requires"] == "cas_ckpt>=0.3"  # what a later refusal names
 
 
 def test_a_ref_deleted_by_the_older_layout_keeps_its_reflog(s3_url: str) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import flip_byte
+from helpers import flip_byte, plant
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -64,19 +64,13 @@ class TestLocalBackend(BackendTests):
         beside it, out of every listing; the name is free for a repair to publish."""
         assert isinstance(backend, LocalBackend)
         path = backend.pack_dir / "a.pack"
-        if kind == "directory":
-            path.mkdir()
-            (path / "kept").write_text("someone's")
-        elif kind == "fifo":
-            os.mkfifo(path)
-        else:
-            path.symlink_to(backend.root / "nowhere")
+        plant(path, kind)
         aside = backend.set_aside("a.pack")
         assert aside is not None and Path(aside).parent == backend.pack_dir
         assert Path(aside).name.startswith("a.pack.damaged-") and os.path.lexists(aside)
         assert not os.path.lexists(path) and backend.list() == []
         if kind == "directory":
-            assert (Path(aside) / "kept").read_text() == "someone's"
+            assert (Path(aside) / "kept").read_text() == "not cas_ckpt's\n"
         self._object(backend, "a.pack", b"repaired")
         assert backend.read("a.pack", 0, 8) == b"repaired"
 

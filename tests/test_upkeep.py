@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import plant
 
 import cas_ckpt
 from cas_ckpt.maintenance import upkeep as upkeep_module
@@ -203,18 +204,6 @@ def test_the_report_defaults() -> None:
 
 
 # -- what stands where an index file or a commit-graph layer belongs -----------------------------
-def plant(path: Path, kind: str) -> None:
-    """Put a directory (holding a file), a FIFO or a dangling link where ``path`` was."""
-    path.unlink()
-    if kind == "directory":
-        path.mkdir()
-        (path / "kept").write_text("not cas_ckpt's\n")
-    elif kind == "fifo":
-        os.mkfifo(path)
-    else:
-        path.symlink_to(path.parent / "nowhere")
-
-
 def damaged_repository(root: Path, folder: str, kind: str) -> tuple[Path, list[cas_ckpt.CID]]:
     """A repository with one index snapshot and one commit-graph layer; ``kind`` planted in
     place of the one in ``folder``."""
@@ -222,6 +211,7 @@ def damaged_repository(root: Path, folder: str, kind: str) -> tuple[Path, list[c
         cids = saves(repo, 3)
         repo.upkeep(force=True)
     (entry,) = (root / folder).iterdir()
+    entry.unlink()
     plant(entry, kind)
     return entry, cids
 

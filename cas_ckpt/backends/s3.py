@@ -269,16 +269,8 @@ class S3Bucket:
     # -- reads ---------------------------------------------------------------------------------
     def get(self, key: str) -> tuple[bytes, str] | None:
         """A whole (small) object and its ETag; None if absent."""
-
-        def read() -> tuple[bytes, str] | None:
-            r = self._call("get_object", key, ok=("NoSuchKey",), Key=self.prefix + key)
-            if isinstance(r, str):
-                return None
-            with contextlib.closing(r["Body"]) as body:
-                return body.read(), r["ETag"]
-
-        result: tuple[bytes, str] | None = self._streamed("get_object", key, read)
-        return result
+        found = self.get_meta(key)
+        return None if found is None else (found[0], found[1].etag)
 
     def get_range(self, key: str, offset: int, length: int) -> bytes | None:
         """``length`` bytes at ``offset`` (one ranged GET); None if the object is gone."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import io
 import os
 import random
-import signal
 import socket
 import struct
 import subprocess
@@ -95,45 +94,10 @@ with cas_ckpt.open(repo_path) as repo:
 '''
 
 
-class Server:
-    """``cas-ckpt serve`` (:class:`ServerProcess`), its stdout and stderr read as they come."""
-
-    def __init__(self, repo: Path) -> None:
-        self.process = ServerProcess(repo)
-        self.url = self.process.url
-        self.port = int(self.url.rsplit(":", 1)[1])
-        self._err: list[str] = []
-        self._threads = [threading.Thread(target=self._drain, args=(s, keep), daemon=True)
-                         for s, keep in ((self.process.proc.stderr, True), (self.process.proc.stdout, False))]
-        for thread in self._threads:
-            thread.start()
-
-    def _drain(self, stream: Any, keep: bool) -> None:
-        for line in stream:
-            if keep:
-                self._err.append(line)
-
-    def stop(self) -> str:
-        proc = self.process.proc
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-        for thread in self._threads:
-            thread.join(timeout=30)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
-        return "".join(self._err)
-
-
 class Soak:
     """The clients' shared state: the live refs, the tallies, the problems."""
 
-    def __init__(self, server: Server, seconds: float) -> None:
+    def __init__(self, server: ServerProcess, seconds: float) -> None:
         self.server = server
         self.deadline = time.monotonic() + seconds
         self.stop = threading.Event()
@@ -345,7 +309,7 @@ def car_reader(soak: Soak, http: urllib3.PoolManager) -> None:
 
 
 def sample_rss(soak: Soak) -> None:
-    soak.rss.append(soak.server.process.rss_anon())
+    soak.rss.append(soak.server.rss_anon())
     _sleep(soak, 0.25)
 
 
@@ -357,7 +321,7 @@ def soak_serve(tmp_path: Path, seconds: float) -> None:
     with cas_ckpt.open(path) as repo:
         repo.save(soak_state(1), ref="soak/1", step=1)
     stop_file = tmp_path / "stop"
-    server = Server(path)
+    server = ServerProcess(path)
     saver = subprocess.Popen([sys.executable, "-c", SAVER, str(path), str(stop_file), str(KEEP),
                               str(int(seconds * 10) + 100)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -370,7 +334,7 @@ def soak_serve(tmp_path: Path, seconds: float) -> None:
         loader(warm)
         car_reader(warm, http)  # warmed up: imports done, pools started
         assert not warm.problems, warm.problems
-        start = server.process.rss_anon()
+        start = server.rss_anon()
 
         soak = Soak(server, seconds)
         soak.refs = dict(warm.refs)
@@ -392,12 +356,12 @@ def soak_serve(tmp_path: Path, seconds: float) -> None:
         stop_file.touch()
         out, err = saver.communicate(timeout=300)
         steps = [line.split() for line in out.splitlines() if line.strip()]
-        settled = [server.process.rss_anon()]
+        settled = [server.rss_anon()]
         limit = time.monotonic() + SETTLE_WAIT
         while settled[-1] > start + SETTLE_BOUND and time.monotonic() < limit:
             time.sleep(0.5)
-            settled.append(server.process.rss_anon())
-        alive = server.process.proc.poll() is None
+            settled.append(server.rss_anon())
+        alive = server.proc.poll() is None
         final = http.request("GET", f"{server.url}/refs", timeout=10) if alive else None
     finally:
         stop_file.touch()
