@@ -216,14 +216,14 @@ def test_fuzz_accepted_names_stay_inside_the_repository(name: str) -> None:
 
 
 # -- compare-and-swap semantics (shared by both ref stores) --------------------------------------
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", "s3-moto", "s3-localstack"])
 def refs(request: pytest.FixtureRequest, tmp_path: Path) -> cas_ckpt.refs.RefStore:
     if request.param == "memory":
         return cas_ckpt.refs.MemoryRefStore()
-    if request.param == "s3":  # conditional writes on a real S3-protocol server (see test_s3.py)
+    if request.param.startswith("s3-"):  # conditional writes on real S3-protocol servers (test_s3.py)
         from cas_ckpt.refs.s3 import S3RefStore
 
-        return S3RefStore(request.getfixturevalue("s3_url"))
+        return S3RefStore(request.getfixturevalue("s3_url_on")(request.param[len("s3-"):]))
     store = cas_ckpt.refs.LocalRefStore(tmp_path / "repo")
     store.ensure_dirs()
     return store

@@ -31,7 +31,10 @@ from ._support import HERE, LONG, PYTHON, child_env, fsck_problems, record
 
 
 def _location(medium: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
-    return request.getfixturevalue("s3_url") if medium == "s3" else str(tmp_path / "repo")
+    """A repository on ``medium``: ``local``, or ``s3-moto`` / ``s3-localstack`` (a fresh bucket)."""
+    if medium.startswith("s3-"):
+        return str(request.getfixturevalue("s3_url_on")(medium[len("s3-"):]))
+    return str(tmp_path / "repo")
 
 
 def _check(location: str) -> int:
@@ -74,7 +77,7 @@ def _child(location: str, ref: str, rounds: int, log: Path) -> subprocess.Popen[
                             env=child_env(), stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("medium", ["local", "s3"])
+@pytest.mark.parametrize("medium", ["local", "s3-moto", "s3-localstack"])
 def test_sigkill_while_the_graph_is_written(
     medium: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -108,7 +111,7 @@ def test_sigkill_while_the_graph_is_written(
     record("commit_graph_kill", **{medium: kills, f"{medium}_inside": inside})
 
 
-@pytest.mark.parametrize("medium", ["local", "s3"])
+@pytest.mark.parametrize("medium", ["local", "s3-moto", "s3-localstack"])
 def test_writers_merges_and_gc_at_once(medium: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     location = _location(medium, tmp_path, request)
     rounds = 60 if LONG else 12
