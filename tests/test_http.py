@@ -230,7 +230,7 @@ def test_the_browser_session_is_not_the_token(tmp_path: Path, http: urllib3.Pool
     """``?token=`` is exchanged for a session of this server's own (a cookie named by its port,
     HttpOnly, SameSite=Strict, Path=/ui, expiring) that unlocks the browser's pages and JSON only:
     a captured cookie reads no block, ref, CAR or config, and cannot be turned into the token."""
-    from cas_ckpt.http.server import SESSION_TTL, Sessions
+    from cas_ckpt.http.sessions import SESSION_TTL, Sessions
 
     with cas_ckpt.open(tmp_path / "repo") as repo:
         root = repo.save({"w": np.arange(3)}, ref="main")

@@ -62,9 +62,19 @@ from cas_ckpt.errors import (
     RefNotFound,
 )
 from cas_ckpt.http import MAX_STREAMS, STREAM_WAIT
+from cas_ckpt.http.sessions import (
+    LANDINGS,
+    SESSIONS,
+    Sessions,
+    bearer_token,
+    is_browser_route,
+    raw_bytes,
+    session_cookie,
+)
 from cas_ckpt.maintenance.walk import data_blocks
 from cas_ckpt.repository import Repository
 from cas_ckpt.repository import open as open_repository
+from cas_ckpt.web import add_browser_routes
 
 _log = logging.getLogger("cas_ckpt.http")
 
@@ -78,21 +88,14 @@ SEND_SLICE = 64 * 1024  # bytes handed to the socket at a time, each write waiti
 SEND_STALL = 60.0  # seconds a reader may take nothing before its stream is cut off
 IDLE_CLOSE = 75.0  # seconds a connection may go without a whole request (a drip of headers too)
 RETRY_AFTER = 2  # the 503's Retry-After, in seconds
-SESSION_TTL = 12 * 3600  # seconds a browser session lasts
 # Formats the path gateway names that this trustless server cannot give (406); others are 400.
 _OTHER_FORMATS = {"tar", "dag-json", "dag-cbor", "json", "cbor", "ipns-record"}
 _FORMATS = {"raw": RAW, "car": CAR}
 IDENTITY_EMPTY = "bafkqaaa"  # the spec's probe: the identity CID of no bytes
 
 CHALLENGE = 'Bearer realm="cas_ckpt"'  # WWW-Authenticate of a 401
-SESSION_COOKIE = "cas_ckpt_session"  # the browser's session, named per port: "cas_ckpt_session_8080"
 REPO = web.AppKey("repo", Repository)
 READS = web.AppKey("reads", ThreadPoolExecutor)
-# Handlers of the pages a browser opens first, the only routes where a ``token`` query parameter
-# counts: they answer by setting the session cookie and dropping the token from the address.
-# Anywhere else a token in the URL would end up in logs, histories and shared links.
-LANDINGS = web.AppKey("landings", set)
-SESSIONS = web.AppKey("sessions", "Sessions")
 STREAMS = web.AppKey("streams", "Streams")
 T = TypeVar("T")
 
@@ -104,8 +107,6 @@ def make_app(
     With ``token`` every route (added here or later by other modules) answers 401 unless the
     request presents it (see :func:`authorized`). ``max_streams``: block and CAR bodies in
     flight at once."""
-    from cas_ckpt.web import add_browser_routes  # the web layer builds on this module
-
     if max_streams < 1:
         raise ValueError(f"max_streams must be at least 1, not {max_streams}")
     middlewares = [_json_errors] + ([_require_token(token)] if token else [])
@@ -135,69 +136,8 @@ async def _stop_reads(app: web.Application) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Who may ask: the API token, and the browser's sessions
+# Who may ask: the API token, or on the browser's routes a session (cas_ckpt.http.sessions)
 # --------------------------------------------------------------------------------------------
-class Sessions:
-    """Browser sessions: a value given for the token once (``/?token=T``), which unlocks the
-    browser's pages and their JSON only, and expires after :data:`SESSION_TTL` seconds.
-
-    A session is ``<expiry>.<HMAC-SHA256 of the expiry>`` under a key derived from the token:
-    nothing is kept per session (a flood of logins holds no memory), it cannot be turned back
-    into the token, and a new token ends every session.
-    """
-
-    def __init__(self, token: str | None) -> None:
-        self._key = hmac.new(token.encode(), b"cas_ckpt browser session", "sha256").digest() \
-            if token else None
-
-    @property
-    def enabled(self) -> bool:
-        """Whether the server has a token (without one, no session is needed)."""
-        return self._key is not None
-
-    def issue(self, now: float | None = None) -> str:
-        expiry = str(int((time.time() if now is None else now) + SESSION_TTL))
-        return f"{expiry}.{self._sign(expiry)}"
-
-    def valid(self, value: str | None, now: float | None = None) -> bool:
-        if not value or self._key is None:
-            return False
-        expiry, _, signature = value.partition(".")
-        if not (expiry.isascii() and expiry.isdigit() and len(expiry) < 20):
-            return False
-        fresh = int(expiry) > (time.time() if now is None else now)
-        return hmac.compare_digest(_raw(signature), self._sign(expiry).encode()) and fresh
-
-    def _sign(self, expiry: str) -> str:
-        assert self._key is not None
-        return hmac.new(self._key, expiry.encode(), "sha256").hexdigest()
-
-
-def _raw(header_text: str) -> bytes:
-    """A header's text back as its bytes: aiohttp decodes them as UTF-8 with surrogate escapes,
-    which a plain ``encode()`` refuses (a 500 for a client's stray byte)."""
-    return header_text.encode("utf-8", "surrogateescape")
-
-
-def session_cookie(request: web.Request) -> str:
-    """The session cookie's name on the server that took ``request``: one per port, since a
-    browser sends a host's cookies to every port of it."""
-    sockname = request.transport.get_extra_info("sockname") if request.transport else None
-    port = sockname[1] if isinstance(sockname, tuple) and len(sockname) > 1 else 0
-    return f"{SESSION_COOKIE}_{port}"
-
-
-def is_browser_route(request: web.Request) -> bool:
-    """The browser's pages, assets and JSON (``/``, ``/ui...``): what a session unlocks."""
-    return request.path == "/" or request.path == "/ui" or request.path.startswith("/ui/")
-
-
-def bearer_token(request: web.Request) -> str | None:
-    """The token of ``Authorization: Bearer T``, or None."""
-    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-    return (value.strip() or None) if scheme.lower() == "bearer" else None
-
-
 def _require_token(token: str) -> Any:
     """The one check, for every route: the token in ``Authorization`` (constant-time compare),
     or on the browser's routes a live session; on a landing page the token in the query (a
@@ -205,7 +145,7 @@ def _require_token(token: str) -> Any:
     expected = token.encode()
 
     def matches(given: str | None) -> bool:
-        return given is not None and hmac.compare_digest(_raw(given), expected)
+        return given is not None and hmac.compare_digest(raw_bytes(given), expected)
 
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]

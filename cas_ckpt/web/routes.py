@@ -30,7 +30,7 @@ from cas_ckpt.errors import (
     PathNotFound,
     RefNotFound,
 )
-from cas_ckpt.http.server import LANDINGS, SESSION_TTL, SESSIONS, session_cookie
+from cas_ckpt.http.sessions import LANDINGS, SESSION_TTL, SESSIONS, session_cookie
 from cas_ckpt.repository import Repository
 from cas_ckpt.web.data import PAGE, BadRequest, Browser
 
