@@ -131,3 +131,6 @@ def test_graph_pages_draw_on_their_own(server: str, facts: Facts) -> None:
     assert whole["total"] == facts.long_commits == page["total"]
     assert page["rows"] == whole["rows"][100:150]
     assert page["rows"][0]["above"] == whole["rows"][99]["edges"]
+    for bad in ({"offset": -4}, {"limit": 0}, {"limit": 100_000}):  # found by tests/test_http_fuzz.py
+        status, body = api(server, "graph", ref="runs/long", **bad)
+        assert status == 400 and "offset must be >= 0" in body["error"], bad

@@ -190,7 +190,7 @@ class Browser:
                 labels[cid].append(name)
             kept.add(cid)
         out = []
-        for i in range(offset, min(offset + limit, len(rows))):
+        for i in range(*_window(offset, limit, len(rows)).indices(len(rows))):
             row = rows[i]
             out.append({**self._commit_json(row.commit), "refs": sorted(labels.get(row.commit.cid, [])),
                         "kept": row.commit.cid in kept, "column": row.column, "color": row.color,
@@ -476,9 +476,14 @@ def _chunks(reader: TreeReader, leaf: Any) -> list[bytes]:
 
 
 def _page(items: list[T], offset: int, limit: int) -> list[T]:
+    return items[_window(offset, limit, len(items))]
+
+
+def _window(offset: int, limit: int, total: int) -> slice:
+    """The rows of a page: ``offset`` >= 0, ``limit`` 1..MAX_PAGE (else :class:`BadRequest`)."""
     if offset < 0 or not 1 <= limit <= MAX_PAGE:
         raise BadRequest(f"offset must be >= 0 and limit 1..{MAX_PAGE}")
-    return items[offset:offset + limit]
+    return slice(offset, min(offset + limit, total))
 
 
 class LinkCache:
