@@ -44,6 +44,7 @@ __all__ = [
     "SaveFailed",
     "StateTypeError",
     "StepNotFound",
+    "StepTargetNotFound",
     "UnknownMetric",
 ]
 
@@ -257,6 +258,15 @@ class AncestorNotFound(RefNotFound):
 
 class ReflogEntryNotFound(RefNotFound):
     """``REF@{N}`` names a reflog entry the ref does not have, or one that deleted the ref."""
+
+    def __init__(self, target: str, reason: str) -> None:
+        RefError.__init__(self, f"{target!r} not found: {reason}")
+        self.ref = target
+
+
+class StepTargetNotFound(RefNotFound):
+    """``REF@STEP`` names a step the run holds no checkpoint of: no ``REF.steps/N`` ref, and no
+    commit at that step in the stored first-parent history of ``REF``."""
 
     def __init__(self, target: str, reason: str) -> None:
         RefError.__init__(self, f"{target!r} not found: {reason}")

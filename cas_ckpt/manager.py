@@ -55,7 +55,7 @@ from cas_ckpt.errors import (
     UnknownMetric,
 )
 from cas_ckpt.refs import check_ref_name
-from cas_ckpt.refs.base import Lease
+from cas_ckpt.refs.base import Lease, step_ref
 from cas_ckpt.repository import Commit, RepoOrPath, Repository, SaveReport, Target, ensure_open
 from cas_ckpt.tree import MAX_DEPTH, dtype_name, is_tensor, join_path
 from cas_ckpt.two_tier import ReplicationLag, Replicator, Retention, best_of, steps_of
@@ -64,7 +64,6 @@ __all__ = ["CheckpointManager", "snapshot"]
 
 _log = logging.getLogger("cas_ckpt")
 
-STEP_DIGITS = 12
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 with --signal
 
 
@@ -552,7 +551,7 @@ class CheckpointManager:
     # -- internals -----------------------------------------------------------------------------
     def step_ref(self, step: int) -> str:
         """The ref that holds ``step`` while it is retained."""
-        return f"{self._prefix}{_as_step(step):0{STEP_DIGITS}d}"
+        return step_ref(self.ref, _as_step(step))
 
     def _step_refs(self) -> dict[int, bytes]:
         """Each retained step and its commit (the refs read at once)."""

@@ -53,6 +53,7 @@ from cas_ckpt.errors import (
     RefNotFound,
     RepositoryError,
     StateTypeError,
+    StepTargetNotFound,
 )
 from cas_ckpt.history import CommitGraphReport, History
 from cas_ckpt.maintenance.diff import DiffReport, compare
@@ -77,7 +78,7 @@ from cas_ckpt.maintenance.usage import Usage, usage
 from cas_ckpt.maintenance.walk import walk
 from cas_ckpt.paths import select
 from cas_ckpt.refs import LocalRefStore, MemoryRefStore, ReflogEntry, RefStore, check_ref_name
-from cas_ckpt.refs.base import run_of
+from cas_ckpt.refs.base import run_of, step_ref
 from cas_ckpt.refs.http import HttpRefStore
 from cas_ckpt.replication import TransferReport, Update
 from cas_ckpt.tree import MAX_CHUNK, TreeReader, TreeWriter, cast_floats
@@ -97,6 +98,7 @@ Target = CID | str | bytes
 # A unique prefix of a node CID's base32 text, as git takes abbreviated hashes (8 characters at least).
 _CID_PREFIX = re.compile(r"b[a-z2-7]{7,}")
 _REFLOG_SELECTOR = re.compile(r"(.+)@\{(\d+)\}")  # REF@{N}: what REF held N updates ago
+_STEP_SELECTOR = re.compile(r"(.+)@(\d+)")  # REF@STEP: REF's checkpoint of that step
 
 # Texts that are meant as CIDs (raw chunks bafk..., nodes bag..., CIDv0 Qm...): say why they are not.
 _CID_START = ("baf", "bag", "Qm")
@@ -417,11 +419,14 @@ class Repository:
 
     # -- loading -------------------------------------------------------------------------------
     def resolve(self, target: Target = "main") -> CID:
-        """The root CID a target stands for: a ref, a CID in any form, ``REF~N``, a CID prefix.
+        """The root CID a target stands for: a ref, a CID in any form, ``REF~N``, ``REF@{N}``,
+        ``REF@STEP``, a CID prefix.
 
-        ``REF~N`` is the N-th first-parent ancestor (``main~0`` is ``main``); a prefix is at least
-        8 characters of a stored node's base32 CID (:class:`AmbiguousCID` if several match). A ref
-        wins over the other readings of the same text.
+        ``REF~N`` is the N-th first-parent ancestor (``main~0`` is ``main``); ``REF@{N}`` what the
+        ref held N updates ago; ``REF@STEP`` the checkpoint of that step (the run's
+        ``REF.steps/N`` ref, else the newest commit at that step in its history); a prefix is at
+        least 8 characters of a stored node's base32 CID (:class:`AmbiguousCID` if several
+        match). A ref wins over the other readings of the same text.
         """
         return cidlib.to_cid(self._resolve(target))
 
@@ -441,6 +446,8 @@ class Repository:
             return self._ancestor(target, self._resolve(base), int(depth))
         if selector := _REFLOG_SELECTOR.fullmatch(target):
             return self._reflog_entry(target, selector[1], int(selector[2]))
+        if selector := _STEP_SELECTOR.fullmatch(target):
+            return self._at_step(target, selector[1], int(selector[2]))
         try:
             return cidlib.to_bytes(target)
         except InvalidCID as exc:
@@ -479,6 +486,21 @@ class Repository:
                 target, f"that update deleted {ref!r}; it held {cidlib.to_str(entries[back].old)} "
                         f"before ({ref}@{{{back + 1}}})" if entries[back].old else "a deletion")
         return held
+
+    def _at_step(self, target: str, ref: str, step: int) -> bytes:
+        """``REF@STEP``: the run's ``REF.steps/N`` ref (a checkpoint manager's, while retained),
+        else the newest commit at ``step`` in ``ref``'s stored first-parent history."""
+        held = self.refs_store.get(step_ref(check_ref_name(ref), step))
+        if held is not None:
+            return held
+        head = self.refs_store.get(ref)
+        if head is None:
+            raise self._no_ref(ref)
+        found = next((c.cid for c in self.history.log(head) if c.step == step), None)
+        if found is None:
+            raise StepTargetNotFound(target, f"no {ref}.steps/ ref holds step {step}, and no commit of "
+                                             f"{ref}'s stored history is at that step")
+        return cidlib.to_bytes(found)
 
     def _ancestor(self, target: str, cid: bytes, depth: int) -> bytes:
         """The ``depth``-th first-parent ancestor of commit ``cid`` (``target`` names it)."""

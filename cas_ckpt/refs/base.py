@@ -30,6 +30,7 @@ _FORBIDDEN = set(' \\*?[]:~^"<>|')
 _DECEPTIVE = frozenset([*map(chr, range(0x80, 0xA0)), "\u061c", "\u200e", "\u200f",
                         *map(chr, range(0x202A, 0x202F)), *map(chr, range(0x2066, 0x206A))])
 MAX_REF_LENGTH = 1024
+STEP_DIGITS = 12  # a checkpoint manager's step refs: "<ref>.steps/<step, 12 digits>"
 MAX_SEGMENT_BYTES = 250  # on disk: a file name is at most 255 bytes (cas_ckpt 0.1 added ".lock")
 
 
@@ -105,6 +106,11 @@ def listed_name(name: str) -> str | None:
         return name
     listed = ListedName(name)
     return listed if is_ref_name(listed) else None
+
+
+def step_ref(ref: str, step: int) -> str:
+    """The ref a checkpoint manager keeps for ``ref``'s checkpoint of ``step`` while retained."""
+    return f"{ref}.steps/{step:0{STEP_DIGITS}d}"
 
 
 def check_clash(name: str, existing: Iterable[str]) -> None:

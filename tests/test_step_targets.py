@@ -1,0 +1,61 @@
+"""``REF@STEP``: the checkpoint of a training step, in every API and command that takes a target
+(issue #51, item 5)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cas_ckpt
+from cas_ckpt.errors import RefNotFound, StepTargetNotFound
+
+SCRIPT = Path(sys.executable).parent / "cas-ckpt"
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    """runs/lr: steps 0-5 saved by a manager keeping the last 2 step refs; main: plain saves."""
+    path = tmp_path / "repo"
+    with cas_ckpt.open(path) as repo, cas_ckpt.CheckpointManager(repo, "runs/lr", keep_last=2,
+                                                                 gc_after_retention=False) as manager:
+        for step in range(6):
+            manager.save(step, {"w": np.full(4, step), "step": step})
+        repo.save({"w": np.zeros(2)}, ref="main", step=7)
+    return path
+
+
+def test_a_step_resolves_to_its_step_ref_or_its_commit_in_history(run: Path) -> None:
+    with cas_ckpt.open(run) as repo:
+        assert repo.resolve("runs/lr@5") == repo.resolve("runs/lr.steps/000000000005")
+        expired = repo.resolve("runs/lr@1")  # its step ref expired; the history still has it
+        assert [c.step for c in repo.log(expired, limit=1)] == [1]
+        assert repo.load("runs/lr@3")["step"] == 3
+        assert repo.resolve("main@7") == repo.resolve("main")
+        assert repo.resolve("runs/lr@4~1") == repo.resolve("runs/lr@3")
+        assert repo.resolve("runs/lr@{0}") == repo.resolve("runs/lr")  # braces: the reflog's
+        with pytest.raises(StepTargetNotFound, match=r"'runs/lr@99' not found"):
+            repo.resolve("runs/lr@99")
+        with pytest.raises(RefNotFound, match="'runs/nope' not found"):
+            repo.resolve("runs/nope@1")
+        repo.set_ref("runs/lr@2", repo.resolve("main"))  # a ref named so wins
+        assert repo.resolve("runs/lr@2") == repo.resolve("main")
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="cas-ckpt console script not installed")
+def test_commands_take_a_step(run: Path) -> None:
+    def cas(*argv: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([str(SCRIPT), "--repo", str(run), *argv], capture_output=True, text=True,
+                              timeout=60)
+        assert "Traceback" not in done.stderr
+        return done
+
+    shown = cas("show", "runs/lr@2")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["step"] == 2, shown
+    assert cas("diff", "runs/lr@1", "runs/lr@2").returncode == 1  # they differ
+    missing = cas("log", "runs/lr@99")
+    assert missing.returncode == 3 and "runs/lr@99" in missing.stderr
