@@ -293,11 +293,18 @@ def _register_replication(sub: Any, json_flag: Any) -> None:
         p.add_argument("--remote-ref", metavar="NAME", help="the ref's name in REMOTE (default REF)")
         p.add_argument("--force", action="store_true",
                        help="move the ref even if that drops history it holds")
+        _verbose_flag(p)
     p = _add(sub, "clone", cmd_clone, "copy every ref and pin of SRC into a new repository DST",
              json_flag)
     p.add_argument("src", metavar="SRC", help="repository directory, s3://bucket/prefix or "
                    "http://HOST:PORT (cas-ckpt serve)")
     p.add_argument("dst", metavar="DST", help="new repository directory or s3://bucket/prefix")
+    _verbose_flag(p)
+
+
+def _verbose_flag(p: Any) -> None:
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help=f"list every ref moved, one a line (default: name up to {SHOWN_REFS}, count more)")
 
 
 def _register_http(sub: Any, json_flag: Any) -> None:
@@ -323,6 +330,7 @@ def _register_http(sub: Any, json_flag: Any) -> None:
     p.add_argument("--ref", metavar="NAME", help="point this ref at it")
     p.add_argument("--pin", action="store_true", help="pin it")
     p.add_argument("--force", action="store_true", help="move --ref even if that drops history it holds")
+    _verbose_flag(p)
 
 
 
@@ -1149,14 +1157,23 @@ def _transfer_progress(bar: Progress) -> Callable[[int, int, int, int], None]:
     return update
 
 
-def _transfer_summary(verb: str, report: TransferReport) -> str:
+SHOWN_REFS = 3  # refs a transfer's summary names inline; more are counted (--verbose lists them)
+
+
+def _transfer_summary(verb: str, report: TransferReport, *, verbose: bool = False) -> str:
     moved = [f"{ref} {report.previous.get(ref) or '(new)'} -> {cid}" for ref, cid in report.refs.items()
              if report.previous.get(ref) != cid]
-    refs = "; ".join(moved) if moved else f"{', '.join(report.refs) or 'nothing'} up to date"
-    return (f"{verb} {report.source} -> {report.destination}: {refs}; sent {report.blocks_sent} "
+    if moved and (verbose or len(moved) > SHOWN_REFS):
+        new = sum(1 for ref in report.refs if report.previous.get(ref) is None)
+        refs = (f"{len(moved)} refs moved ({new} new), {len(report.refs) - len(moved)} up to date"
+                + ("" if verbose else " (--verbose lists them)"))
+    else:
+        refs = "; ".join(moved) if moved else f"{', '.join(report.refs) or 'nothing'} up to date"
+    line = (f"{verb} {report.source} -> {report.destination}: {refs}; sent {report.blocks_sent} "
             f"blocks ({human(report.bytes_sent)}, {report.commits_sent} history), skipped "
             f"{report.blocks_skipped} already there ({human(report.bytes_skipped)}) in "
             f"{report.seconds:.2f} s")
+    return "\n".join([line, *(f"  {entry}" for entry in moved)]) if verbose and moved else line
 
 
 def _print_transfer(args: argparse.Namespace, verb: str, report: TransferReport) -> int:
@@ -1164,7 +1181,7 @@ def _print_transfer(args: argparse.Namespace, verb: str, report: TransferReport)
         _print_json({**dataclasses.asdict(report), "refs": report.refs, "previous": report.previous,
                      "up_to_date": report.up_to_date})
     else:
-        _print(_transfer_summary(verb, report))
+        _print(_transfer_summary(verb, report, verbose=args.verbose))
     return EXIT_OK
 
 

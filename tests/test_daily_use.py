@@ -1,5 +1,5 @@
-"""``REF@STEP``: the checkpoint of a training step, in every API and command that takes a target
-(issue #51, item 5)."""
+"""Daily use (issue #51): ``REF@STEP`` in every API and command that takes a target (item 5), and
+transfer summaries that count many refs (item 4), through the installed ``cas-ckpt``."""
 
 from __future__ import annotations
 
@@ -59,3 +59,23 @@ def test_commands_take_a_step(run: Path) -> None:
     assert cas("diff", "runs/lr@1", "runs/lr@2").returncode == 1  # they differ
     missing = cas("log", "runs/lr@99")
     assert missing.returncode == 3 and "runs/lr@99" in missing.stderr
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="cas-ckpt console script not installed")
+def test_clone_counts_many_refs_and_lists_them_with_verbose(run: Path, tmp_path: Path) -> None:
+    """A clone of a run with its step refs names no more than 3 refs (it printed a 1.5 KB line);
+    -v lists every ref that moved, one a line (issue #51, item 4)."""
+    def clone(dst: str, *flags: str) -> str:
+        done = subprocess.run([str(SCRIPT), "clone", str(run), str(tmp_path / dst), *flags],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done
+        return done.stdout
+
+    with cas_ckpt.open(run) as repo:
+        names = sorted(repo.refs())
+    assert len(names) > 3
+    brief = clone("brief")
+    assert brief.count("\n") == 1 and f"{len(names)} refs moved ({len(names)} new)" in brief
+    assert "--verbose lists them" in brief and not any(f" {name} " in brief for name in names)
+    listed = clone("listed", "-v").splitlines()
+    assert sorted(line.split()[0] for line in listed[1:]) == names
