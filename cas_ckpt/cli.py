@@ -293,6 +293,8 @@ def _register_replication(sub: Any, json_flag: Any) -> None:
         p.add_argument("--remote-ref", metavar="NAME", help="the ref's name in REMOTE (default REF)")
         p.add_argument("--force", action="store_true",
                        help="move the ref even if that drops history it holds")
+        p.add_argument("--head-only", action="store_true",
+                       help="move REF only, not the step refs (REF.steps/N) its checkpoint manager keeps")
         _verbose_flag(p)
     p = _add(sub, "clone", cmd_clone, "copy every ref and pin of SRC into a new repository DST",
              json_flag)
@@ -1192,14 +1194,14 @@ def _remote(text: str) -> str:
 def cmd_push(args: argparse.Namespace) -> int:
     with open_repo(args) as repo, Progress("push") as bar:
         report = repo.push(_remote(args.remote), args.ref, remote_ref=args.remote_ref, force=args.force,
-                           progress=_transfer_progress(bar))
+                           head_only=args.head_only, progress=_transfer_progress(bar))
     return _print_transfer(args, "pushed", report)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
     with open_repo(args, write=True) as repo, Progress("pull") as bar:
         report = repo.pull(_remote(args.remote), args.ref, remote_ref=args.remote_ref, force=args.force,
-                           progress=_transfer_progress(bar))
+                           head_only=args.head_only, progress=_transfer_progress(bar))
     return _print_transfer(args, "pulled", report)
 
 

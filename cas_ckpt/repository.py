@@ -970,10 +970,13 @@ class Repository:
     # -- replication ---------------------------------------------------------------------------
     def push(
         self, remote: Repository | str | os.PathLike[str], ref: str = "main", *,
-        remote_ref: str | None = None, force: bool = False, progress: replication.Progress | None = None,
+        remote_ref: str | None = None, force: bool = False, head_only: bool = False,
+        progress: replication.Progress | None = None,
     ) -> TransferReport:
         """Send ``ref``'s checkpoint and history to ``remote`` and move ``remote_ref`` (default
-        ``ref``) there; only the blocks ``remote`` lacks travel.
+        ``ref``) there; only the blocks ``remote`` lacks travel. A run moves as a run: its
+        checkpoint manager's step refs (``ref.steps/N``) move too, as ``remote_ref.steps/N``,
+        unless ``head_only``.
 
         ``remote`` is a location (a directory, ``s3://bucket/prefix``; created if missing, with
         this repository's hash) or an open :class:`Repository`. The remote ref moves by
@@ -982,27 +985,26 @@ class Repository:
         :class:`RefConflict` if it moved meanwhile. A push that died is simply run again: it
         sends only what is still missing. See ``docs/scale-out.md``.
         """
-        head = self._head(ref)
+        updates = _run_updates(self, ref, remote_ref or ref, force=force, head_only=head_only)
         with _other(remote, self, create=True) as dst:
-            report = replication.transfer(
-                self, dst, [Update(check_ref_name(remote_ref or ref), head, force)], progress=progress
-            )
+            report = replication.transfer(self, dst, updates, progress=progress)
         self._local.last_transfer = report
         return report
 
     def pull(
         self, remote: Repository | str | os.PathLike[str], ref: str = "main", *,
-        remote_ref: str | None = None, force: bool = False, progress: replication.Progress | None = None,
-        storage_options: Mapping[str, Any] | None = None,
+        remote_ref: str | None = None, force: bool = False, head_only: bool = False,
+        progress: replication.Progress | None = None, storage_options: Mapping[str, Any] | None = None,
     ) -> TransferReport:
         """Fetch ``remote_ref`` (default ``ref``) from ``remote`` into this repository's ``ref``:
         :meth:`push` the other way round (:class:`RefDiverged` if ``ref`` here holds commits the
-        remote's history lacks, unless ``force``). ``storage_options`` open a remote given by its
-        location (as :func:`open` takes them: an HTTP server's ``token``, ``timeout``...)."""
+        remote's history lacks, unless ``force``; the run's step refs too, unless ``head_only``).
+        ``storage_options`` open a remote given by its location (as :func:`open` takes them: an
+        HTTP server's ``token``, ``timeout``...)."""
         check_ref_name(ref)
         with _other(remote, self, create=False, read_only=True, storage_options=storage_options) as src:
-            head = src._head(remote_ref or ref)
-            report = replication.transfer(src, self, [Update(ref, head, force)], progress=progress)
+            updates = _run_updates(src, remote_ref or ref, ref, force=force, head_only=head_only)
+            report = replication.transfer(src, self, updates, progress=progress)
         self._local.last_transfer = report
         return report
 
@@ -1447,6 +1449,18 @@ def _other(
     with open(remote, create=create, read_only=read_only, storage_options=storage_options,
               **settings) as other:
         yield other
+
+
+def _run_updates(src: Repository, ref: str, dest: str, *, force: bool, head_only: bool) -> list[Update]:
+    """The ref moves a push or pull of ``src``'s ``ref`` to ``dest`` makes: the head, and unless
+    ``head_only`` each step ref a checkpoint manager keeps for it (``ref.steps/N`` ->
+    ``dest.steps/N``). Step refs the destination holds beyond these stay: its retention decides."""
+    updates = [Update(check_ref_name(dest), src._head(ref), force)]
+    if not head_only:
+        steps = step_ref(ref, 0).rsplit("/", 1)[0] + "/"
+        for name, cid in sorted(src.refs_store.values(steps).items()):
+            updates.append(Update(check_ref_name(dest + name[len(ref):]), cid, force))
+    return updates
 
 
 def clone(

@@ -79,3 +79,32 @@ def test_clone_counts_many_refs_and_lists_them_with_verbose(run: Path, tmp_path:
     assert "--verbose lists them" in brief and not any(f" {name} " in brief for name in names)
     listed = clone("listed", "-v").splitlines()
     assert sorted(line.split()[0] for line in listed[1:]) == names
+
+
+def test_a_run_is_pushed_and_pulled_with_its_step_refs(run: Path, tmp_path: Path) -> None:
+    """push and pull of a manager's run ref move its .steps/N refs too (the pulled log showed
+    every earlier step as expired); --head-only moves the head alone (item 6)."""
+    with cas_ckpt.open(run) as repo:
+        steps = {n: c for n, c in repo.refs().items() if n.startswith("runs/lr.steps/")}
+        assert len(steps) == 2
+        repo.push(tmp_path / "backup", "runs/lr")
+        repo.push(tmp_path / "heads", "runs/lr", head_only=True)
+        repo.push(tmp_path / "renamed", "runs/lr", remote_ref="runs/copy")
+    with cas_ckpt.open(tmp_path / "backup") as backup:
+        assert {n: c for n, c in backup.refs().items() if ".steps/" in n} == steps
+        assert backup.resolve("runs/lr@5") == backup.resolve("runs/lr")
+    with cas_ckpt.open(tmp_path / "heads") as heads:
+        assert sorted(heads.refs()) == ["runs/lr"]
+    with cas_ckpt.open(tmp_path / "renamed") as renamed:
+        assert sorted(renamed.refs()) == ["runs/copy", *(n.replace("runs/lr", "runs/copy") for n in steps)]
+    with cas_ckpt.open(tmp_path / "puller") as puller:
+        report = puller.pull(tmp_path / "backup", "runs/lr")
+        assert sorted(report.refs) == ["runs/lr", *steps]
+        assert sorted(puller.refs()) == sorted(["runs/lr", *steps])
+    if SCRIPT.exists():
+        cas_ckpt.open(tmp_path / "cli").close()
+        done = subprocess.run([str(SCRIPT), "--repo", str(tmp_path / "cli"), "pull", str(tmp_path / "backup"),
+                               "runs/lr", "--head-only"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done
+        with cas_ckpt.open(tmp_path / "cli") as cli_repo:
+            assert sorted(cli_repo.refs()) == ["runs/lr"]
