@@ -1046,14 +1046,12 @@ def _find_nonfinite(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
         report = repo.find_nonfinite(args.target, path=args.path)
     if args.json:
-        _print_json({"found": report.found, **jsonable(report)})
+        _print_json({"found": report.found, "message": report.message(), **jsonable(report)})
     elif report.found:
-        _print(f"step {report.step if report.step is not None else '-'} ({report.commit}) is the first "
-               f"checkpoint of {report.ref} with NaN or Inf, in {_count(len(report.tensors), 'tensor')}:")
+        _print(f"{report.message()}:")
         _print_stats(report.tensors)
     else:
-        _print(f"no NaN or Inf in {_count(report.checked, 'checkpoint')} of {report.ref}"
-               + (f" ({report.expired} expired, not checked)" if report.expired else ""))
+        _print(report.message())
     return EXIT_CHECK if report.found else EXIT_OK
 
 

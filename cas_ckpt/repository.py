@@ -67,6 +67,7 @@ from cas_ckpt.maintenance.tensors import (
     NonFiniteScan,
     TensorStats,
     array_leaves,
+    nonfinite_metric,
     tensor_stats,
 )
 from cas_ckpt.maintenance.upkeep import Policy as UpkeepPolicy
@@ -900,8 +901,10 @@ class Repository:
     def find_nonfinite(self, ref: Target = "main", *, path: str | None = None) -> NonFiniteReport:
         """The first checkpoint of ``ref``'s history (oldest first, following first parents) in
         which any tensor (below the dotted ``path``) holds a NaN or an infinity, with those
-        tensors' statistics. Checkpoints whose data GC removed are passed over and counted. Each
-        chunk is read once, however many checkpoints share it.
+        tensors' statistics. Checkpoints whose data GC removed are passed over and counted (with
+        the first one's step, and the first with a NaN or infinite metric: their data is gone,
+        not their metadata); :meth:`NonFiniteReport.message` says so. Each chunk is read once,
+        however many checkpoints share it.
         """
         history = list(self.log(ref))[::-1]
         reader = TreeReader(self.blocks, self.pool)
@@ -911,6 +914,10 @@ class Repository:
         for commit in history:
             if self.expired(commit):
                 report.expired += 1
+                if report.first_expired_step is None:
+                    report.first_expired_step = commit.step
+                if report.metric is None and (metric := nonfinite_metric(commit.metadata)) is not None:
+                    report.metric, report.metric_step = metric, commit.step
                 continue
             start: Any = Link(bytes(commit.tree))
             if path:

@@ -108,3 +108,31 @@ def test_a_run_is_pushed_and_pulled_with_its_step_refs(run: Path, tmp_path: Path
         assert done.returncode == 0, done
         with cas_ckpt.open(tmp_path / "cli") as cli_repo:
             assert sorted(cli_repo.refs()) == ["runs/lr"]
+
+
+def test_the_nan_finder_says_what_expired_checkpoints_hid(tmp_path: Path) -> None:
+    """The NaN went in at step 2, whose checkpoint retention expired: the finder names step 4 as
+    the first *kept* one, says how many expired ones before it went unchecked from which step,
+    and names the expired step whose metric was already NaN (item 1), in the CLI's text and in
+    the browser API's message."""
+    with cas_ckpt.open(tmp_path / "repo") as repo:
+        with cas_ckpt.CheckpointManager(repo, "run", keep_last=2, keep_every=4) as manager:
+            for step in range(6):
+                bad = step >= 2
+                manager.save(step, {"w": np.full(3, np.nan if bad else 1.0), "s": np.arange(5000) + step},
+                             metrics={"loss": float("nan") if bad else 1.0 / (step + 1)})
+        report = repo.find_nonfinite("run")
+    # kept: 0 and 4 (every 4th), 4 and 5 (the last 2); expired: 1, 2, 3
+    assert (report.step, report.expired, report.first_expired_step) == (4, 3, 1)
+    assert (report.metric, report.metric_step) == ("loss", 2)
+    text = report.message()
+    assert "first kept checkpoint of run" in text and "3 expired checkpoints before it (from step 1)" in text
+    assert text.endswith("metric 'loss' was already NaN or Inf at step 2 (expired)")
+    if SCRIPT.exists():
+        argv = [str(SCRIPT), "--repo", str(tmp_path / "repo"), "stats", "run", "--find-nonfinite"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and done.stdout.splitlines()[0] == text + ":"
+    from cas_ckpt.web.data import Browser
+
+    with cas_ckpt.open(tmp_path / "repo", read_only=True) as repo:
+        assert Browser(repo).nonfinite("run")["message"] == text

@@ -243,6 +243,10 @@ def test_the_first_nonfinite_step_and_its_tensors(tmp_path: Path) -> None:
         assert {t.path: (t.nan, t.inf) for t in report.tensors} == {"w": (2, 0), "h": (0, 1)}
         # retained: 3, 6, 7, 8; expired before 6: 1, 2, 4, 5
         assert (report.checked, report.expired) == (2, 4)
+        assert report.first_expired_step == 1 and report.metric is None
+        assert report.message() == (f"step 6 ({report.commit}) is the first kept checkpoint of run with "
+                                    "NaN or Inf, in 2 tensors; 4 expired checkpoints before it (from "
+                                    "step 1) were not checked")
         only_h = repo.find_nonfinite("run", path="h")
         assert [t.path for t in only_h.tensors] == ["h"] and only_h.step == 6
         clean = repo.find_nonfinite("run", path="count")

@@ -225,10 +225,42 @@ class NonFiniteReport:
     tensors: list[TensorStats] = field(default_factory=list)
     checked: int = 0
     expired: int = 0
+    first_expired_step: int | None = None  # the oldest expired checkpoint's step (the gap's start)
+    metric: str | None = None  # a metric already NaN or infinite at an expired checkpoint...
+    metric_step: int | None = None  # ...and that checkpoint's step (the earliest such)
 
     @property
     def found(self) -> bool:
         return self.commit is not None
+
+    def message(self) -> str:
+        """The finding in a sentence, saying what expired checkpoints hid (they were not checked)."""
+        gap = (f"{self.expired} expired checkpoint{'s' * (self.expired != 1)} before it"
+               f"{_from_step(self.first_expired_step)} were not checked" if self.expired else "")
+        if self.found:
+            tensors = f"{len(self.tensors)} tensor{'s' * (len(self.tensors) != 1)}"
+            text = (f"step {self.step if self.step is not None else '-'} ({self.commit}) is the first "
+                    f"{'kept ' if self.expired else ''}checkpoint of {self.ref} with NaN or Inf, in "
+                    f"{tensors}" + (f"; {gap}" if gap else ""))
+        else:
+            text = (f"no NaN or Inf in {self.checked} checkpoint{'s' * (self.checked != 1)} of {self.ref}"
+                    + (f" ({self.expired} expired, not checked)" if self.expired else ""))
+        if self.metric is not None:
+            text += f"; metric {self.metric!r} was already NaN or Inf at step {self.metric_step} (expired)"
+        return text
+
+
+def _from_step(step: int | None) -> str:
+    return f" (from step {step})" if step is not None else ""
+
+
+def nonfinite_metric(metadata: dict[str, Any]) -> str | None:
+    """The first metric of a commit's metadata (its ``metrics``, else its top level) that is a
+    NaN or an infinity, or None."""
+    metrics = metadata.get("metrics")
+    values = metrics if isinstance(metrics, dict) else metadata
+    return next((str(name) for name, value in values.items()
+                 if isinstance(value, float) and not math.isfinite(value)), None)
 
 
 class NonFiniteScan:

@@ -406,7 +406,7 @@ class Browser:
         """The first checkpoint of ``ref``'s history holding a NaN or an infinity."""
         self._fresh()
         report = self.repo.find_nonfinite(ref, path=path)
-        return {"found": report.found, **jsonable(report)}
+        return {"found": report.found, "message": report.message(), **jsonable(report)}
 
     def storage(self) -> dict[str, Any]:
         """Bytes per run (stored, shared with other runs, pins or history, and exclusive: what

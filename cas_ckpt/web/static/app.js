@@ -290,8 +290,7 @@ async function findNonfinite(ref, out, rows) {
     out.dataset.state = "done";
     if (!report.found) {
       out.dataset.step = "";
-      out.replaceChildren(el("p", { class: "notice" }, `No NaN or Inf in ${report.checked} checkpoints` +
-        (report.expired ? ` (${report.expired} expired, not checked)` : "") + "."));
+      out.replaceChildren(el("p", { class: "notice" }, `${report.message}.`));
       return;
     }
     out.dataset.step = report.step;
@@ -300,6 +299,8 @@ async function findNonfinite(ref, out, rows) {
     out.replaceChildren(el("div", { class: "notice" },
       el("p", {}, "First NaN/Inf at ", el("strong", { class: "bad" }, `step ${fmt(report.step)}`), " (",
         checkpointLink(report.commit, ref), ") in:"),
+      report.expired || report.metric !== null
+        ? el("p", { class: "muted", id: "nonfinite-gap" }, `${report.message}.`) : null,
       statsTable(report.tensors)));
   } catch (error) {
     out.replaceChildren(el("p", { class: "error" }, error.message));
