@@ -272,7 +272,7 @@ class ClientGone(Exception):
     """The client reset the connection or took nothing for :data:`SEND_STALL` seconds."""
 
 
-async def _send(request: web.Request, response: web.StreamResponse, data: bytes | memoryview) -> None:
+async def _send(response: web.StreamResponse, data: bytes | memoryview) -> None:
     """``data`` to the client, a slice at a time, each waiting until the socket has taken the
     one before: a slow reader holds ``data`` and one slice, never a copy of everything."""
     view = memoryview(data)
@@ -301,8 +301,11 @@ def _forget_frames(exc: BaseException) -> None:
         seen = seen.__context__
 
 
-def _client_gone(request: web.Request, exc: ClientGone, what: str) -> None:
-    client_error("%s to %s cut off: the client %s", what, _peer(request), exc)
+def _client_gone(request: web.Request, exc: Exception, what: str) -> None:
+    """One line for a client that left (or stalled), and its connection ended."""
+    why = exc if isinstance(exc, ClientGone) else f"disconnected ({type(exc).__name__})"
+    _forget_frames(exc)
+    client_error("%s to %s cut off: the client %s", what, _peer(request), why)
     _abort(request)
 
 
@@ -469,11 +472,9 @@ async def _block(request: web.Request, cid: bytes) -> web.StreamResponse:
         response.content_length = len(body)
         try:
             await response.prepare(request)
-            await _send(request, response, body)
+            await _send(response, body)
             await response.write_eof()
-        except ConnectionError:
-            _client_gone(request, ClientGone("disconnected"), f"block {name}")
-        except ClientGone as exc:
+        except (ConnectionError, ClientGone) as exc:  # ConnectionError: from prepare or write_eof
             _client_gone(request, exc, f"block {name}")
         return response
 
@@ -503,12 +504,10 @@ async def _car(request: web.Request, root: bytes, params: dict[str, str]) -> web
             await response.prepare(request)
             while batch := await _run(request, _gather, pieces):
                 for piece in batch:
-                    await _send(request, response, piece)
+                    await _send(response, piece)
                 del batch
             await response.write_eof()
-        except ConnectionError:
-            _client_gone(request, ClientGone("disconnected"), f"CAR of {name}")
-        except ClientGone as exc:
+        except (ConnectionError, ClientGone) as exc:  # ConnectionError: from prepare or write_eof
             _client_gone(request, exc, f"CAR of {name}")
         except CasCkptError as exc:  # a block GC removed meanwhile, or one found damaged
             _log.error("CAR stream of %s ended early: %s", name, exc)
