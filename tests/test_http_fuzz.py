@@ -502,6 +502,17 @@ class Request:
     def target(self) -> str:
         return self.path + (f"?{self.query}" if self.query else "")
 
+    @property
+    def seen_path(self) -> str:
+        """The path as the server takes it: a ``#`` starts the fragment, which it ignores."""
+        return self.path.split("#", 1)[0]
+
+    @property
+    def seen_query(self) -> str:
+        """The query as the server takes it: none where the path holds a ``#`` (then the query
+        is part of the fragment)."""
+        return "" if "#" in self.path else self.query
+
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # Hypothesis prints this
         printer.text(repr(self))
 
@@ -630,7 +641,7 @@ def check_ipfs(request: Request, answer: Answer, values: dict[str, str], repo: R
         cid = None
     probe = values["cid"] == "bafkqaaa"
     kind = answer.headers.get("Content-Type", "")
-    fmt = _first(request.query, "format")
+    fmt = _first(request.seen_query, "format")
     if route == "ipfs-sub":
         return [f"{answer.status} for a path below a CID"]
     if cid is None and not probe:
@@ -708,7 +719,7 @@ def check_ok(request: Request, answer: Answer, route: str, values: dict[str, str
             value = json.loads(answer.body)
         except ValueError:
             return [f"{route}: a 2xx body that is not JSON: {answer.body[:200]!r}"]
-        if route == "refs" and _first(request.query, "prefix") in (None, "") and value != repo.refs:
+        if route == "refs" and _first(request.seen_query, "prefix") in (None, "") and value != repo.refs:
             return [f"/refs gave {value}, not {repo.refs}"]
         name = values.get("target")
         if route == "resolve" and name in repo.refs and value.get("cid") != repo.refs[name]:
@@ -733,10 +744,10 @@ def _authorized(request: Request, route: str, values: dict[str, str]) -> str:
     """Whether a request to the server with the token may pass: "yes", "no" or "either"."""
     if request.bearer:
         return "yes"
-    if route == "root" and _first(request.query, "token") is None:
+    if route == "root" and _first(request.seen_query, "token") is None:
         return "yes"  # a bare redirect to /ui/: nothing to guard (docs/format.md)
-    browser = route in ("root", "page", "asset", "api") or request.path.startswith("/ui/")
-    landing = route in ("root", "page") and _first(request.query, "token") == TOKEN
+    browser = route in ("root", "page", "asset", "api") or request.seen_path.startswith("/ui/")
+    landing = route in ("root", "page") and _first(request.seen_query, "token") == TOKEN
     if browser and request.session:
         return "yes" if not any(k == "Authorization" for k, _ in request.headers) else "either"
     if browser and (landing or request.token_cookie):
@@ -755,7 +766,7 @@ def _cid_of(text: str | None) -> bytes | None:
 def check(target: Target, request: Request, answer: Answer) -> list[str]:
     """Every property this request's answer breaks (an empty list: none)."""
     if answer.status is None or not answer.complete:
-        route, values = route_of(request.path)
+        route, values = route_of(request.seen_path)
         if answer.status == 200 and route == "ipfs" and request.method == "GET":
             try:
                 root = cidlib.to_bytes(values["cid"])
@@ -769,7 +780,7 @@ def check(target: Target, request: Request, answer: Answer) -> list[str]:
     if answer.elapsed > ANSWER_WITHIN:
         problems.append(f"the answer took {answer.elapsed:.1f} s")
     status = answer.status
-    route, values = route_of(request.path)
+    route, values = route_of(request.seen_path)
     if status >= 500 and not ((status == 501) or (status == 502) or
                               (status == 503 and answer.headers.get("Retry-After"))):
         problems.append(f"status {status}")
