@@ -504,14 +504,10 @@ class Request:
 
     @property
     def seen_path(self) -> str:
-        """The path as the server takes it: a ``#`` starts the fragment, which it ignores."""
-        return self.path.split("#", 1)[0]
-
-    @property
-    def seen_query(self) -> str:
-        """The query as the server takes it: none where the path holds a ``#`` (then the query
-        is part of the fragment)."""
-        return "" if "#" in self.path else self.query
+        """The path as aiohttp's parser takes it (measured): the target is split at its first
+        ``?``; without one, a ``#`` starts the fragment, which is dropped (``/#`` is ``/``);
+        with one, a ``#`` before it stays in the path (``/#?a=b`` is the path ``/#``)."""
+        return self.path if self.query else self.path.split("#", 1)[0]
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # Hypothesis prints this
         printer.text(repr(self))
@@ -641,7 +637,7 @@ def check_ipfs(request: Request, answer: Answer, values: dict[str, str], repo: R
         cid = None
     probe = values["cid"] == "bafkqaaa"
     kind = answer.headers.get("Content-Type", "")
-    fmt = _first(request.seen_query, "format")
+    fmt = _first(request.query, "format")
     if route == "ipfs-sub":
         return [f"{answer.status} for a path below a CID"]
     if cid is None and not probe:
@@ -719,7 +715,7 @@ def check_ok(request: Request, answer: Answer, route: str, values: dict[str, str
             value = json.loads(answer.body)
         except ValueError:
             return [f"{route}: a 2xx body that is not JSON: {answer.body[:200]!r}"]
-        if route == "refs" and _first(request.seen_query, "prefix") in (None, "") and value != repo.refs:
+        if route == "refs" and _first(request.query, "prefix") in (None, "") and value != repo.refs:
             return [f"/refs gave {value}, not {repo.refs}"]
         name = values.get("target")
         if route == "resolve" and name in repo.refs and value.get("cid") != repo.refs[name]:
@@ -744,10 +740,10 @@ def _authorized(request: Request, route: str, values: dict[str, str]) -> str:
     """Whether a request to the server with the token may pass: "yes", "no" or "either"."""
     if request.bearer:
         return "yes"
-    if route == "root" and _first(request.seen_query, "token") is None:
+    if route == "root" and _first(request.query, "token") is None:
         return "yes"  # a bare redirect to /ui/: nothing to guard (docs/format.md)
     browser = route in ("root", "page", "asset", "api") or request.seen_path.startswith("/ui/")
-    landing = route in ("root", "page") and _first(request.seen_query, "token") == TOKEN
+    landing = route in ("root", "page") and _first(request.query, "token") == TOKEN
     if browser and request.session:
         return "yes" if not any(k == "Authorization" for k, _ in request.headers) else "either"
     if browser and (landing or request.token_cookie):
