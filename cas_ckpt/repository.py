@@ -55,6 +55,7 @@ from cas_ckpt.errors import (
     StateTypeError,
     StepTargetNotFound,
 )
+from cas_ckpt.grid import state_root
 from cas_ckpt.history import CommitGraphReport, History
 from cas_ckpt.maintenance.diff import DiffReport, compare
 from cas_ckpt.maintenance.fsck import FsckReport
@@ -279,6 +280,24 @@ class Repository:
         be saved. ``compression`` (``"none"``, ``"zstd"``) overrides the repository's for the
         blocks this save writes; CIDs never depend on it.
         """
+        return self.commit_tree(lambda tree: tree.write(state), ref=ref, step=step, metadata=metadata,
+                                message=message, expected=expected, compression=compression)
+
+    def commit_tree(
+        self,
+        write: Callable[[TreeWriter], bytes],
+        *,
+        ref: str = "main",
+        step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        message: str | None = None,
+        expected: Target | None = None,
+        compression: str | None = None,
+    ) -> CID:
+        """:meth:`save` of a tree that ``write`` stores through the writer it is given, returning
+        its root node's binary CID: for integrations that lay out their own root around a state
+        (``cas_ckpt.dcp``). The tree becomes durable, then its commit, then the ref moves, as in
+        :meth:`save`."""
         check_ref_name(ref)
         step = _step(step)
         meta = _plain(dict(metadata or {}), "metadata")
@@ -287,7 +306,7 @@ class Repository:
         started = time.perf_counter()
         with self.transaction(compression=compression) as txn:
             old = self.refs_store.get(ref) if expected is None else self._resolve(expected)
-            tree = txn.tree.write(state)
+            tree = write(txn.tree)
             commit = txn.put_commit(tree, [old] if old else [], step=step, metadata=meta, message=message)
             txn.move_ref(ref, old, commit, f"save step={step}" if step is not None else "save")
         self._local.last_save = SaveReport.of(txn, commit, ref, started)
@@ -581,14 +600,17 @@ class Repository:
         return TreeReader(self.blocks, self.pool, verify=verify, map_location=map_location, mmap=mmap)
 
     def tree(self, target: Target = "main") -> CID:
-        """The state tree a checkpoint names: its commit's tree, or the node itself if no commit."""
+        """The root node of the state a checkpoint holds: its commit's tree (for a sharded save,
+        the state that tree holds), or the node itself if no commit."""
         return cidlib.to_cid(self._tree_of(self._resolve(target), self._reader(None, None)))
 
     def _tree_of(self, root: bytes, reader: TreeReader) -> bytes:
+        """The root node of the state checkpoint ``root`` holds (a sharded save's state: see
+        :func:`grid.state_root`)."""
         if not cidlib.is_node(root):
             raise RepositoryError(f"{cidlib.to_str(root)} is a raw chunk, not a checkpoint")
         node = reader.node(root)
-        return bytes(parse_commit(root, node).tree) if is_commit(node) else root
+        return state_root(reader, bytes(parse_commit(root, node).tree) if is_commit(node) else root)
 
     def commit(self, target: Target = "main") -> Commit:
         """The commit record a ref or CID names."""
@@ -919,7 +941,7 @@ class Repository:
                 if report.metric is None and (metric := nonfinite_metric(commit.metadata)) is not None:
                     report.metric, report.metric_step = metric, commit.step
                 continue
-            start: Any = Link(bytes(commit.tree))
+            start: Any = Link(state_root(reader, bytes(commit.tree)))
             if path:
                 try:
                     start = select(reader, start, path, cidlib.to_str(bytes(commit.cid))).value

@@ -620,6 +620,31 @@ class TreeWriter:
         plan.chunks, plan.hashes, plan.owner = [], [], None
         return self._chunked_value(BLOB if blob else NDARRAY, header, cids)
 
+    def write_chunks(self, chunks: list[memoryview], dtype: str, keep: Sequence[bool]) -> list[bytes]:
+        """Store raw chunks of an array of ``dtype`` (hashed ahead on the pool as :meth:`write`
+        hashes an array's); return their CIDs. ``keep[i]``: the caller leaves chunk ``i``
+        unchanged until the writer commits (else it is copied as it is written)."""
+        plan = _Chunked({}, chunks, float_size(dtype))
+        self._hashing.add(plan)
+        cids = []
+        for i, chunk in enumerate(chunks):
+            cid, stored = self._hashing.next(plan, i).result()
+            self.writer.put(cid, chunk, stored=stored, keep=keep[i])
+            cids.append(cid)
+            self.logical_bytes += chunk.nbytes
+        plan.chunks, plan.hashes = [], []
+        return cids
+
+    def array_value(self, dtype: str, shape: list[int], kind: str, cids: list[bytes]) -> Encoded:
+        """The value of an array whose chunks (cut on this writer's ``chunk_size`` grid) are
+        stored: in a state to :meth:`write`, encoded byte for byte as ``write`` encodes the
+        array itself (``kind``: the tensor library it came from, "numpy" for none)."""
+        header: dict[str, Any] = {"dtype": dtype, "shape": list(shape)}
+        if kind != "numpy":
+            header["kind"] = kind
+        header["chunk_size"] = self.chunk_size
+        return Encoded(self._chunked_value(NDARRAY, header, cids))
+
     def _chunked_value(self, code: int, header: dict[str, Any], cids: list[bytes]) -> bytes:
         """The encoding of an array or blob whose chunks are written: its links in ``chunks``,
         or in link pages past :data:`MAX_LINKS`."""
@@ -943,6 +968,7 @@ class TreeReader:
         # bytes used (each as often as linked), and bytes allocated for arrays and byte strings.
         self._distinct: set[bytes] = set()
         self.stored_bytes = self.expanded_bytes = self.allocated = 0
+        self._peeked: tuple[bytes, bytes] | None = None  # the node :meth:`peek` read last
 
     def node(self, cid: bytes) -> Any:
         self.node_reads += 1
@@ -952,12 +978,20 @@ class TreeReader:
                 "many times that loading multiplies them (cas_ckpt never writes such a tree)",
                 cid=cidlib.to_str(cid),
             )
-        data = self.store.get(cid, verify=self.verify)
+        peeked, self._peeked = self._peeked, None
+        data = peeked[1] if peeked is not None and peeked[0] == cid else self.store.get(cid, verify=self.verify)
         if cid not in self._distinct:
             self._distinct.add(cid)
             self.stored_bytes += len(data)
         self.expand(len(data), cid)
         return codec.decode(data, cid=cid)
+
+    def peek(self, cid: bytes) -> bytes:
+        """The encoded bytes of node ``cid``: read (and checked) once, whether the next
+        :meth:`node` asks for the same node or not."""
+        data = self.store.get(cid, verify=self.verify)
+        self._peeked = (cid, data)
+        return data
 
     def expand(self, size: int, cid: bytes) -> None:
         """Count ``size`` bytes of node ``cid`` used once more: :class:`ExpansionLimit` (before

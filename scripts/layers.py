@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("media", ("backends",)),
     ("blocks", ("blocks", "stores")),
     ("refs", ("refs",)),
-    ("state", ("tree", "_small", "paths")),
+    ("state", ("tree", "_small", "paths", "grid")),
     ("repository", ("commit", "commit_graph", "history", "maintenance", "car", "hf", "replication",
                     "repository")),
     ("training", ("records", "two_tier", "manager", "integrations", "dcp")),

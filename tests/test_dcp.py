@@ -141,13 +141,12 @@ def test_identical_bytes_are_stored_once(saved: tuple[Path, list[dict[str, Any]]
     # the 3 MiB replicated tensor is written by one rank only (DCP's dedup + the replica check)
     written = sum(r["written1"] for r in ranks)
     assert 8 * MiB <= written < 10 * MiB  # w 4 + z 1..2 (both ranks may race) + r 3
-    # the two shards of z hold the same bytes: one node, one set of chunks
+    # the two halves of z hold the same bytes: its two grid chunks are one block
     repo = cas_ckpt.open(path)
     tree = TreeReader(repo.blocks, repo.pool)
-    root = tree.resolve(Link(cid_bytes(repo.commit("main").tree)))
-    z = tree.resolve(tree.resolve(root["data"])["model.z"])
-    assert len(z) == 2 and z[0] == z[1]
-    # an unchanged second save writes no chunk or shard node again
+    z = tree.resolve(tree.resolve(tree.resolve(Link(cid_bytes(repo.tree("main"))))["model"])["z"]).value
+    assert len(z["chunks"]) == 2 and z["chunks"][0] == z["chunks"][1]
+    # an unchanged second save writes no chunk again
     assert [r["written2"] for r in ranks] == [0, 0]
     assert ranks[0]["packs2"] - ranks[0]["packs1"] < 4096
     assert repo.stats().total_bytes < 4 * MiB + 1 * MiB + 3 * MiB + 4 * MiB + 64 * 1024
@@ -212,21 +211,39 @@ def test_a_dcp_checkpoint_is_a_normal_checkpoint(
 ) -> None:
     path, ranks = saved
     repo = cas_ckpt.open(path)
-    state = repo.load("main")
-    assert state["format"] == "cas_ckpt.dcp"
-    shards = state["data"]["model.w"]  # one tensor per DCP chunk, where metadata says it lies
-    assert state["metadata"]["tensors"]["model.w"]["chunks"] == [
-        [[0, 0], [1024, 512]], [[1024, 0], [1024, 512]]
-    ]
-    assert same_bits(torch.cat(shards), expected_full()["w"])
-    changed = repo.diff(ranks[0]["cid1"], "main")
-    assert {c.path for c in changed.changed} == {"data.model.w.0", "data.model.w.1"}
+    state = repo.load("main")  # the state as the ranks saved it: whole tensors, nested
+    full = expected_full()
+    assert list(state) == ["model", "step", "opt"] and list(state["model"]) == ["r", "w", "z", "h"]
+    assert all(same_bits(state["model"][n], t) for n, t in full.items())
+    assert state["step"] == 3 and state["opt"] == {"lr": 0.1, "betas": (0.9, 0.999), "name": "adam"}
+    assert same_bits(repo.load("main", path="model.w"), full["w"])  # reads only w's chunks
+    changed = repo.diff(ranks[0]["cid1"], "main")  # tensors by their state names
+    assert {c.path for c in changed.changed} == {"model.w"}
+    assert {s.path for s in repo.stats("main", "model")} == {"model.r", "model.w", "model.z", "model.h"}
     with open(tmp_path / "c.car", "wb") as f:
         repo.export_car("main", f)
     other = cas_ckpt.open(tmp_path / "other")
     with open(tmp_path / "c.car", "rb") as f:
         other.import_car(f, ref="main")
-    assert same_bits(load_full(other)["model"]["z"], expected_full()["z"])
+    assert same_bits(load_full(other)["model"]["z"], full["z"])
+    assert same_bits(other.load("main", path="model.h"), full["h"])
+
+
+def test_the_ranks_state_is_the_tree_one_process_saves(
+    saved: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The state node of a 2-rank DCP save is byte for byte what ``repo.save`` writes for the
+    same state from one process: same chunks, same tensor nodes, same tree."""
+    path, _ = saved
+    repo_path = tmp_path / "repo"
+    shutil.copytree(path, repo_path)
+    repo = cas_ckpt.open(repo_path)
+    full = expected_full()
+    single = repo.save({"model": {n: full[n] for n in ("r", "w", "z", "h")}, "step": 3,
+                        "opt": {"lr": 0.1, "betas": (0.9, 0.999), "name": "adam"}}, ref="single")
+    assert repo.tree(single) == repo.tree("main")
+    assert repo.last_save is not None and repo.last_save.bytes_written < 4096  # one commit node
+    assert repo.commit("main").tree != repo.tree("main")  # the root links the state and DCP's metadata
 
 
 def test_saving_from_one_process_shares_the_ranks_chunks(

@@ -23,6 +23,7 @@ from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import HistoryLink, Link, Tagged
 from cas_ckpt.commit import Commit
 from cas_ckpt.errors import BlockNotFound, CheckpointExpired, DecodeError, PathNotFound, RefNotFound
+from cas_ckpt.grid import state_root
 from cas_ckpt.maintenance.describe import describe_leaf, jsonable
 from cas_ckpt.maintenance.diff import _leaves_below, _short, leaves
 from cas_ckpt.maintenance.lanes import GraphRow, ancestry, layout
@@ -251,7 +252,7 @@ class Browser:
         commit = self.commit(cid)
         if commit is None and not self.repo.blocks.has(cid):
             raise BlockNotFound(_text(cid))
-        return cid, commit, bytes(commit.tree) if commit else cidlib.to_bytes(cid)
+        return cid, commit, state_root(self._reader(), bytes(commit.tree) if commit else cidlib.to_bytes(cid))
 
     def _leaf_map(self, tree: bytes) -> dict[str, Any]:
         return self._leaves.get(tree, lambda: leaves(self._reader(), Link(tree)))
@@ -321,7 +322,7 @@ class Browser:
         parent = self.commit(commit.parents[0]) if commit and commit.parents else None
         if parent is None or self.repo.expired(parent):
             return None
-        return bytes(parent.tree)
+        return state_root(self._reader(), bytes(parent.tree))
 
     def _reach_of(self, roots: Iterable[bytes]) -> set[bytes]:
         key = frozenset(roots)
