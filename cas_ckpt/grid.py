@@ -4,8 +4,8 @@ A tensor's raw chunks are cut at fixed offsets of the whole tensor's bytes (row-
 ``chunk_size`` each, the last the remainder): the grid :meth:`TreeWriter.write` uses for an
 array saved from one process. When several ranks each hold a box of the tensor (a DCP shard),
 each grid chunk lying inside one rank's bytes is hashed and stored by that rank where it is;
-a chunk across two or more ranks' boxes is assembled by the rank holding its first byte from
-the others' pieces (:class:`Exchange` plans which bytes go where). So the same tensor is the
+a chunk across two or more ranks' boxes is assembled by the rank holding most of its bytes
+(the lowest such rank on a tie) from the others' pieces (:class:`Exchange` plans which bytes go where). So the same tensor is the
 same chunks, whatever the sharding, and a checkpoint written by many ranks loads as one tensor.
 
 :func:`read_region` reads a box of a chunked array, fetching only the chunks it overlaps.
@@ -88,7 +88,7 @@ class _Tensor:
     name: str
     nbytes: int
     chunk_size: int
-    owners: np.ndarray  # rank storing each chunk
+    owners: np.ndarray  # rank storing each chunk (of an assembled one: the rank holding most of it)
     assembled: np.ndarray  # bool per chunk: made of pieces (else inside one run of its owner)
     local_offsets: np.ndarray  # per chunk not assembled: where it starts in its owner's box
     # one row per piece of an assembled chunk, sorted by (chunk, start): chunk, src rank,
@@ -140,6 +140,16 @@ def _plan_tensor(name: str, shape: Sequence[int], itemsize: int, pieces: Sequenc
     segments = segments[np.lexsort((segments[:, 2], segments[:, 0]))]
     assembled = np.zeros(count, bool)
     assembled[segments[:, 0]] = True
+    if len(segments):  # a chunk across boxes goes to the rank holding most of it: least moves
+        width = int(runs[:, 2].max()) + 1
+        key = segments[:, 0] * width + segments[:, 1]
+        order = np.argsort(key, kind="stable")
+        pairs, starts_at = np.unique(key[order], return_index=True)
+        held = np.add.reduceat(segments[order, 3], starts_at)
+        chunk_of, rank_of = pairs // width, pairs % width
+        best = np.lexsort((rank_of, -held, chunk_of))  # by chunk, most bytes first, lowest rank on ties
+        lead = best[np.r_[True, chunk_of[best][1:] != chunk_of[best][:-1]]]
+        owners[chunk_of[lead]] = rank_of[lead]
     return _Tensor(name, nbytes, chunk_size, owners, assembled, local_offsets, segments)
 
 

@@ -261,6 +261,62 @@ def test_saving_from_one_process_shares_the_ranks_chunks(
     assert repo.stats().total_bytes - before < 64 * 1024
 
 
+def test_a_restart_at_another_world_size_stores_nothing_new(tmp_path: Path) -> None:
+    """8 -> 4 -> 2 ranks, and 8 -> 6 (uneven shards), on one unchanged state with shards smaller
+    than a chunk: every save is the same state tree, the re-saves store only their commit and
+    DCP's metadata (far below 5% of the state), and each world size loads back its own shards."""
+    repo_path, out = tmp_path / "repo", tmp_path / "out"
+    out.mkdir()
+    state_bytes = sum(t.nbytes for t in _tensors(worker.fsdp_full()))
+    grown, trees = [], []
+    for world in (8, 4, 2, 6):
+        before = cas_ckpt.open(repo_path).stats().total_bytes if repo_path.exists() else 0
+        assert run_ranks("reshard", world, repo_path, out) == [0] * world
+        ranks = results(out, "reshard", world)
+        assert all(r["loaded"] for r in ranks), world
+        assert len({r["cid"] for r in ranks}) == 1
+        repo = cas_ckpt.open(repo_path)
+        grown.append(repo.stats().total_bytes - before)
+        trees.append(repo.tree(ranks[0]["cid"]))
+        if world == 8:  # dim-0 shards: at most half a chunk per shard edge and tensor moves
+            assert sum(r["moved"] for r in ranks) <= 7 * 5 * MiB // 2
+    assert grown[0] >= state_bytes
+    assert all(g < 0.05 * state_bytes for g in grown[1:]), grown
+    assert len(set(trees)) == 1
+    repo = cas_ckpt.open(repo_path)  # and one process saving the same state shares all of it
+    single = repo.save(worker.fsdp_full(), ref="single")
+    assert repo.tree(single) == trees[0]
+    assert repo.last_save is not None and repo.last_save.bytes_written < 0.05 * state_bytes
+
+
+def test_dim1_shards_and_2d_meshes_store_the_same_chunks(tmp_path: Path) -> None:
+    """Shards that are not one run of a tensor's bytes (dim-1 over 4 ranks, a 2x2 mesh, HSDP's
+    replicas) still make the single-process tree; dim-1 shards move most of their bytes to the
+    ranks that own the chunks. 3 ranks then load it back sharded on dim 1."""
+    repo_path, out = tmp_path / "repo", tmp_path / "out"
+    out.mkdir()
+    assert run_ranks("mesh", 4, repo_path, out) == [0] * 4
+    ranks = results(out, "mesh", 4)
+    full = worker.mesh_full()
+    moved = sum(r["moved"] for r in ranks)
+    # each chunk is stored by the rank holding most of it: 3/4 of "cols" (dim 1 over 4) moves,
+    # at most 3/4 of "grid" (2x2), at most half a chunk at the one edge of "hsdp"
+    cols, grid = full["cols"].nbytes, full["grid"].nbytes
+    assert 0.7 * cols <= moved <= 0.75 * cols + 0.75 * grid + MiB // 2
+    repo = cas_ckpt.open(repo_path)
+    assert repo.tree(repo.save(full, ref="single")) == repo.tree("mesh")
+    assert run_ranks("mesh", 3, repo_path, out, env={"CAS_CKPT_LOAD_ONLY": "1"}) == [0] * 3
+    assert all(r["loaded"] for r in results(out, "mesh", 3))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, list):
+        return [t for v in value for t in _tensors(v)]
+    return [value] if isinstance(value, torch.Tensor) else []
+
+
 # --------------------------------------------------------------------------------------------
 # One process, no process group
 # --------------------------------------------------------------------------------------------
