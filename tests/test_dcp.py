@@ -309,6 +309,43 @@ def test_dim1_shards_and_2d_meshes_store_the_same_chunks(tmp_path: Path) -> None
     assert all(r["loaded"] for r in results(out, "mesh", 3))
 
 
+def test_every_tool_sees_tensors_across_world_sizes(tmp_path: Path) -> None:
+    """4 ranks save, 2 ranks save again with one weight and its moment changed: ls, diff,
+    diff --by-tensor, stats and --find-nonfinite (the installed command) and the browser's
+    checkpoint and diff pages name tensors by their state paths, weights apart from moments."""
+    from cas_ckpt.web.data import Browser
+
+    repo_path, out = tmp_path / "repo", tmp_path / "out"
+    out.mkdir()
+    assert run_ranks("reshard", 4, repo_path, out) == [0] * 4
+    assert run_ranks("reshard", 2, repo_path, out, env={"CAS_CKPT_BUMP": "1"}) == [0] * 2
+    weight, moment = "model.layers.a.weight", "optim.state.layers.a.weight.exp_avg"
+
+    def cas(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(Path(sys.executable).parent / "cas-ckpt"), "--repo", str(repo_path),
+                               *args], capture_output=True, text=True, timeout=120)
+
+    listed = json.loads(cas("ls", "run", "--json").stdout)
+    paths = {row["path"] for row in listed}
+    assert {weight, moment, "model.layers.c.weight", "optim.param_groups.0.lr"} <= paths
+    assert [row["shape"] for row in listed if row["path"] == "model.layers.b.weight"] == [[3000, 300]]
+    diff = cas("diff", "run~1", "run", "--json")
+    assert diff.returncode == 1
+    assert {c["path"] for c in json.loads(diff.stdout)["changed"]} == {weight, moment}
+    by_tensor = json.loads(cas("diff", "run~1", "run", "--by-tensor", "--json").stdout)
+    assert [t["path"] for t in sorted(by_tensor["tensors"], key=lambda t: t["path"])] == [weight, moment]
+    stats = json.loads(cas("stats", "run", "model", "--json").stdout)
+    assert {s["path"] for s in stats} == {f"model.layers.{n}.weight" for n in "abcd"}
+    nonfinite = cas("stats", "run", "--find-nonfinite")
+    assert nonfinite.returncode == 0, nonfinite.stdout + nonfinite.stderr
+    browser = Browser(cas_ckpt.open(repo_path))
+    rows = browser.tree("run")["rows"]
+    assert {weight, moment} <= {r["path"] for r in rows}
+    assert {r["path"] for r in rows if r["changed"]} == {weight, moment}
+    page = browser.diff("run~1", "run")
+    assert {r["path"] for r in page["changed"]} == {weight, moment} and not page["added"]
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors(v)]

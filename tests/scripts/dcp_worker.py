@@ -20,8 +20,8 @@ Run by tests/test_hf_dcp.py:
   ``OUT/torch-one`` (one file) and ``OUT/torch-shards`` (the split of :func:`hf_split`);
 * ``hfbig``: 2 ranks save ``CAS_CKPT_HF_MIB`` MiB of fp32 (:func:`big_layout`) to ``main``.
 * ``reshard``: WORLD ranks save the FSDP-style state of :func:`fsdp_full` (dim-0 shards, some
-  smaller than a chunk, one below the inline limit) to ``run`` at step WORLD, then load it back
-  into their own shards;
+  smaller than a chunk, one below the inline limit; ``CAS_CKPT_BUMP`` adds 1 to one weight and
+  its moment) to ``run`` at step WORLD, then load it back into their own shards;
 * ``mesh``: 4 ranks save :func:`mesh_full` with dim-1 shards, a 2-D mesh (dim 0 and dim 1) and
   replicas over a mesh dimension (HSDP), reporting the edge bytes each rank sent; 3 ranks
   (``CAS_CKPT_LOAD_ONLY``) load it back sharded on dim 1.
@@ -295,7 +295,11 @@ def _locals_equal(loaded: Any, expected: Any) -> bool:
 def scenario_reshard(repo: cas_ckpt.Repository, mesh: Any, rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.tensor import Shard
 
-    state = _sharded(fsdp_full(), mesh, [Shard(0)])
+    full = fsdp_full()
+    if os.environ.get("CAS_CKPT_BUMP"):  # one weight and its moment change
+        full["model"]["layers.a.weight"] += 1
+        full["optim"]["state"]["layers.a.weight"]["exp_avg"] += 1
+    state = _sharded(full, mesh, [Shard(0)])
     writer = Writer(repo, "run", step=world)
     cid = dcp.save(state, storage_writer=writer).storage_meta.checkpoint_id
     target = _blank(state)
