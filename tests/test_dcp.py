@@ -421,6 +421,26 @@ def test_round_trip_in_one_process(tmp_path: Path, location: str) -> None:
     assert _equal(_str_keys(state), load_full(repo))
 
 
+def test_mmap_maps_a_tensor_one_rank_wrote_and_path_reads_only_its_chunks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from helpers import CountingStore
+
+    repo = cas_ckpt.open(tmp_path / "r")
+    g = torch.Generator().manual_seed(1)
+    state = {"model": {"w": torch.randn(1000, 1000, generator=g), "b": torch.randn(300_000, generator=g)}}
+    dcp.save(state, storage_writer=Writer(repo, "main"))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cas_ckpt"):
+        mapped = repo.load("main", mmap=True)
+    assert not [r for r in caplog.records if r.name == "cas_ckpt"]  # nothing copied instead of mapped
+    assert same_bits(mapped["model"]["w"], state["model"]["w"])
+    store = CountingStore(cas_ckpt.blocks.LocalStore(tmp_path / "r"))
+    repo = cas_ckpt.Repository(store, cas_ckpt.refs.LocalRefStore(tmp_path / "r"))
+    assert same_bits(repo.load("main", path="model.b"), state["model"]["b"])
+    assert len(store.reads) <= 2 + 3 + 2  # commit, root, state, model node; b's 2 chunks
+
+
 def test_no_pickle_is_stored_and_objects_are_refused(tmp_path: Path) -> None:
     repo = cas_ckpt.open(tmp_path / "r")
     dcp.save(_state(), storage_writer=Writer(repo, "main"))

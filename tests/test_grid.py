@@ -56,7 +56,7 @@ def play(grid: Exchange, data: list[dict[str, np.ndarray]]) -> dict[tuple[int, i
     for round_ in grid.rounds:
         sent = [grid.outgoing(rank, round_, data[rank]) for rank in range(grid.world)]
         for src in range(grid.world):
-            assert [p.nbytes for p in sent[src]] == list(round_.send[src]), "send sizes disagree with the plan"
+            assert [p.nbytes for p in sent[src]] == list(round_.send[src]), "sizes disagree with the plan"
         for rank in range(grid.world):
             received = grid.incoming(rank, round_, [sent[src][rank] for src in range(grid.world)])
             for t, ks, chunks, _views in grid.stored(rank, round_, data[rank], received):
@@ -92,7 +92,7 @@ def test_every_chunk_is_stored_once_whole_whatever_the_sharding(
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 5000), st.integers(1, 12), st.sampled_from([1, 2, 4]), st.integers(16, 512))
-def test_dim0_shards_move_less_than_a_chunk_per_edge(rows: int, world: int, itemsize: int, chunk: int) -> None:
+def test_dim0_shards_move_half_a_chunk_per_edge(rows: int, world: int, itemsize: int, chunk: int) -> None:
     """FSDP's dim-0 shards (torch.chunk's split, trailing ones empty): each shard edge moves at
     most half a chunk (the rank holding most of a chunk stores it), and a chunk inside a shard
     never moves."""
@@ -154,8 +154,8 @@ def arrays_and_boxes(draw: Any) -> tuple[np.ndarray, tuple[int, ...], tuple[int,
     shape = draw(st.lists(st.integers(1, 40), min_size=1, max_size=3))
     if draw(st.booleans()):
         shape[0] *= 60  # large enough to be chunked on the grid
-    array = np.random.default_rng(len(shape)).integers(0, 100, size=shape).astype(parse_dtype(dtype)
-                                                                               if dtype == "bfloat16" else dtype)
+    numpy_dtype = parse_dtype(dtype) if dtype == "bfloat16" else np.dtype(dtype)
+    array = np.random.default_rng(len(shape)).integers(0, 100, size=shape).astype(numpy_dtype)
     offsets, sizes = [], []
     for n in shape:
         a = draw(st.integers(0, n))

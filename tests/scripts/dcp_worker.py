@@ -245,8 +245,8 @@ def fsdp_full() -> dict[str, Any]:
     shapes = {"a": (1000, 1000), "b": (3000, 300), "c": (37, 1000), "d": (5000,)}
     model = {f"layers.{n}.weight": torch.randn(*shape, generator=g) for n, shape in shapes.items()}
     model["layers.d.weight"] = model["layers.d.weight"].to(torch.bfloat16)  # 10 KB: inline
-    moments = {k: {"exp_avg": torch.randn(v.shape, generator=g).to(v.dtype), "step": 7} for k, v in model.items()
-               if k != "layers.b.weight"}
+    moments = {k: {"exp_avg": torch.randn(v.shape, generator=g).to(v.dtype), "step": 7}
+               for k, v in model.items() if k != "layers.b.weight"}
     return {"model": model, "optim": {"state": moments, "param_groups": [{"lr": 0.01, "betas": (0.9, 0.95)}]}}
 
 
@@ -284,7 +284,8 @@ def _locals_equal(loaded: Any, expected: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     if isinstance(expected, dict):
-        return loaded.keys() == expected.keys() and all(_locals_equal(loaded[k], v) for k, v in expected.items())
+        return loaded.keys() == expected.keys() and all(
+            _locals_equal(loaded[k], v) for k, v in expected.items())
     if isinstance(expected, list):
         return len(loaded) == len(expected) and all(map(_locals_equal, loaded, expected))
     if isinstance(expected, DTensor):
