@@ -14,6 +14,10 @@ writes (``docs/format.md``, "safetensors imports")::
      "safetensors": {"version": 1, "prefix": prefix, "folder": bool,
                      "files": [{"path": "model.safetensors", "header": bytes}, ...],
                      "blobs": {"config.json": bytes, ...}}}
+
+:func:`export` with ``model=True`` writes any checkpoint (a training state, a DCP checkpoint of
+many ranks) as a Hugging Face model folder: its tensors only, streamed a window of chunks at a
+time.
 """
 
 from __future__ import annotations
@@ -434,6 +438,9 @@ class SafetensorsReport:
     bytes: int = 0
     exact: bool = False  # the imported file or folder re-created byte for byte
     seconds: float = 0.0
+    # A model folder (``model=True``): the values left out as not tensors, by state path
+    # (the outermost map or list holding no tensor, e.g. ``optim.param_groups``), in state order.
+    skipped: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -458,20 +465,36 @@ class _Exporter:
 
     # -- reading the state -----------------------------------------------------------------------
     def leaves(self, value: Any, path: str, base: str, tensors: list[_Tensor],
-               metadata: dict[str, str]) -> None:
-        """Collect the tensors below ``value`` by dotted name, and its strings as metadata."""
+               metadata: dict[str, str], skipped: list[str] | None = None) -> bool:
+        """Collect the tensors below ``value`` by dotted name, and its strings as metadata; True
+        if it holds a tensor. With ``skipped`` (a model folder), every other value (strings too)
+        is left out and its path listed there instead: the outermost map or list below ``value``
+        that holds no tensor as one path. Only the nodes of maps and lists are read for this,
+        never an array's chunks."""
         value = self.reader.resolve(value)
+        items: Any = None
         if isinstance(value, dict):
-            for key, item in value.items():
-                self.leaves(item, _join(path, key), _join(base, key), tensors, metadata)
+            items = value.items()
         elif isinstance(value, list) or (isinstance(value, Tagged) and value.code == TUPLE):
             items = value if isinstance(value, list) else value.value
             if not isinstance(items, list):
                 raise DecodeError("malformed tuple: expected a list", path=base)
-            for i, item in enumerate(items):
-                self.leaves(item, _join(path, i), _join(base, i), tensors, metadata)
-        elif isinstance(value, Tagged) and value.code == NDARRAY:
+            items = enumerate(items)
+        if items is not None:
+            mark = len(skipped) if skipped is not None else 0
+            found = False
+            for key, item in items:
+                found |= self.leaves(item, _join(path, key), _join(base, key), tensors, metadata,
+                                     skipped)
+            if skipped is not None and not found and path:  # one path for a subtree of values
+                del skipped[mark:]
+                skipped.append(base)
+            return found
+        if isinstance(value, Tagged) and value.code == NDARRAY:
             tensors.append(self.tensor(value, path, base))
+            return True
+        if skipped is not None:
+            skipped.append(base or "(root)")
         elif isinstance(value, str) or (isinstance(value, Tagged) and value.code == BLOB
                                         and isinstance(value.value, dict) and value.value.get("str")):
             metadata[path] = value if isinstance(value, str) else self.reader.load(value)
@@ -480,6 +503,7 @@ class _Exporter:
             raise StateTypeError(base or "(root)", f"a value of type {kind} is neither a tensor "
                                  "nor a str: safetensors holds tensors, and strings as __metadata__ "
                                  "(export only the tensors below a path: path=, --path)")
+        return False
 
     def tensor(self, value: Tagged, name: str, path: str) -> _Tensor:
         if not name:
@@ -606,7 +630,7 @@ def _join(path: str, key: object) -> str:
 def export(
     store: BlockStore, pool: Executor, tree: bytes, out: str | os.PathLike[str], *,
     path: str | None = None, max_shard_size: int | str | None = None, tied: bool = False,
-    verify: bool | None = None,
+    verify: bool | None = None, model: bool = False,
 ) -> SafetensorsReport:
     """Write the checkpoint whose state tree is ``tree`` as safetensors (see the module docstring).
 
@@ -615,13 +639,19 @@ def export(
     save_file writes them; ``out`` ending in ``.safetensors`` is a file, anything else a folder.
     ``tied``: tensors with identical stored contents are written once, as save_model writes tied
     weights (each dropped name recorded in ``__metadata__`` as ``dropped: kept``).
+
+    ``model``: ``out`` is a Hugging Face model folder whatever its name: ``model.safetensors``,
+    or with ``max_shard_size`` ``model-0000i-of-0000n.safetensors`` shards and
+    ``model.safetensors.index.json``; every value that is not a tensor (ints, floats, lists of
+    them, strings, bytes, None) is left out and listed in the report's ``skipped``, and each
+    file's ``__metadata__`` is ``{"format": "pt"}``, as ``save_pretrained`` writes it.
     """
     started = time.perf_counter()
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     target = Path(out)
     exporter = _Exporter(store, pool, verify, str(target))
     try:
-        _export(exporter, tree, target, path, limit, tied)
+        _export(exporter, tree, target, path, limit, tied, model)
         exporter.staged.commit()
     except BaseException:
         exporter.staged.abort()
@@ -631,13 +661,13 @@ def export(
 
 
 def _export(exporter: _Exporter, tree: bytes, target: Path, path: str | None, limit: int | None,
-            tied: bool) -> None:
+            tied: bool, model: bool = False) -> None:
     """Everything :func:`export` does but putting the files in place."""
     reader = exporter.reader
     root = reader.resolve(Link(tree))
     layout = _layout(reader, root) if path is None else None
     if layout is not None and limit is None:
-        _export_layout(exporter, root, layout, target)
+        _export_layout(exporter, root, layout, target, model)
     else:
         value, base = root, ""
         if path is not None:
@@ -655,10 +685,17 @@ def _export(exporter: _Exporter, tree: bytes, target: Path, path: str | None, li
             value = root[layout["prefix"]]
             blobs = {k: v for k, v in layout["blobs"].items() if k != INDEX}
             metadata = _common_metadata(layout)
-        exporter.leaves(value, "", base, tensors, metadata)
+        skipped = exporter.report.skipped if model and layout is None else None
+        exporter.leaves(value, "", base, tensors, metadata, skipped)
+        if model and not tensors:
+            raise StateTypeError(base or "(root)", "holds no tensor: a model folder holds tensors "
+                                 "(name the model's part of the state: path=, --path)")
+        if model and layout is None:
+            metadata = {"format": "pt"}  # as save_pretrained writes; the state's strings are skipped
         if tied:
             tensors = _untie(tensors, metadata)
-        _export_tensors(exporter, tensors, metadata or None, target, limit, blobs)
+        _export_tensors(exporter, tensors, metadata or None, target, limit, blobs,
+                        folder=model, reserved=() if model else metadata)
 
 
 def _layout(reader: TreeReader, root: Any) -> dict[str, Any] | None:
@@ -710,13 +747,14 @@ def _common_metadata(layout: dict[str, Any]) -> dict[str, str]:
 
 
 def _export_layout(exporter: _Exporter, root: dict[Any, Any], layout: dict[str, Any],
-                   target: Path) -> None:
-    """Re-create the imported file or folder exactly."""
+                   target: Path, model: bool = False) -> None:
+    """Re-create the imported file or folder exactly (a file imported alone, as a model folder:
+    the same bytes as ``model.safetensors`` in ``target``)."""
     stored = exporter.reader.resolve(root[layout["prefix"]])
     if not isinstance(stored, dict):
         raise SafetensorsError(layout["prefix"], "the imported tensors are not a map")
     files = layout["files"]
-    single = target.name.endswith(SUFFIX)
+    single = target.name.endswith(SUFFIX) and not model
     if single and (layout["folder"] or len(files) != 1):
         raise SafetensorsError(str(target), "this checkpoint is a folder: export it to a directory")
     for record in files:
@@ -730,9 +768,10 @@ def _export_layout(exporter: _Exporter, root: dict[Any, Any], layout: dict[str, 
                 raise SafetensorsError(rel, "the checkpoint lacks this tensor", tensor=entry.name)
             value = exporter.reader.resolve(stored[key])
             tensors.append(_check_entry(exporter, value, entry, f"{layout['prefix']}.{key}", rel))
-        exporter.staged.write(target if single else target / rel,
-                              lambda f, raw=raw, tensors=tensors: exporter.write_file(f, raw, tensors))
-        exporter.report.files.append(str(target if single else target / rel))
+        place = target if single else target / (
+            "model.safetensors" if model and not layout["folder"] else rel)
+        exporter.staged.write(place, lambda f, raw=raw, tensors=tensors: exporter.write_file(f, raw, tensors))
+        exporter.report.files.append(str(place))
     if not single:
         for rel, data in layout["blobs"].items():
             exporter.staged.write(target / _safe_relative(rel),
@@ -756,18 +795,24 @@ def _check_entry(exporter: _Exporter, value: Any, entry: Entry, path: str, rel: 
 
 
 def _export_tensors(exporter: _Exporter, tensors: list[_Tensor], metadata: dict[str, str] | None,
-                    target: Path, limit: int | None, blobs: dict[str, bytes | Tagged]) -> None:
-    """Write tensors as save_file does: one file, or shards and an index as transformers does."""
+                    target: Path, limit: int | None, blobs: dict[str, bytes | Tagged], *,
+                    folder: bool = False, reserved: Any = None) -> None:
+    """Write tensors as save_file does: one file, or shards and an index as transformers does.
+
+    ``folder``: ``target`` is a folder whatever its name. ``reserved``: names no tensor may have
+    (the state's strings, written as ``__metadata__``); ``metadata``'s keys if None."""
+    if reserved is None:
+        reserved = metadata or {}
     seen: dict[str, str] = {}
     for tensor in tensors:
         if tensor.name in seen:
             raise StateTypeError(tensor.path, f"two tensors are named {tensor.name!r} "
                                  f"({seen[tensor.name]} and {tensor.path})")
-        if tensor.name == "__metadata__" or (metadata and tensor.name in metadata):
+        if tensor.name == "__metadata__" or tensor.name in reserved:
             raise StateTypeError(tensor.path, f"tensor name {tensor.name!r} clashes with __metadata__")
         seen[tensor.name] = tensor.path
     shards = _shards(tensors, limit) if limit is not None else [tensors]
-    single = target.name.endswith(SUFFIX)
+    single = target.name.endswith(SUFFIX) and not folder
     if single and (len(shards) > 1 or blobs):
         raise SafetensorsError(str(target), "this export is a folder (shards or other files): "
                                "export it to a directory")
