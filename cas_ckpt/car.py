@@ -28,6 +28,7 @@ from multiformats import CID
 from cas_ckpt import cid as cidlib
 from cas_ckpt import codec
 from cas_ckpt.blocks.base import MAX_BLOCK, BlockStore, BlockWriter, size_limit
+from cas_ckpt.carv1 import CID_TAG, car_header, encode_header, encode_varint, section_prefix  # noqa: F401 - car.py's API too
 from cas_ckpt.codec import Link
 from cas_ckpt.errors import CarError, CasCkptError, InvalidCID
 from cas_ckpt.maintenance.walk import child_links, data_blocks, float_chunks
@@ -36,7 +37,6 @@ from cas_ckpt.maintenance.walk import child_links, data_blocks, float_chunks
 MAX_SECTION = MAX_BLOCK + 64
 MAX_HEADER = 1024 * 1024
 MAX_ROOTS = 1024
-CID_TAG = 42
 _MAX_VARINT_BYTES = 9  # unsigned-varint spec: at most 63 bits
 
 Progress = Callable[[int, int], None]  # (blocks so far, bytes so far)
@@ -62,19 +62,6 @@ class CarReport:
 # --------------------------------------------------------------------------------------------
 # Varints and the header
 # --------------------------------------------------------------------------------------------
-def encode_varint(value: int) -> bytes:
-    """Unsigned LEB128 (multiformats unsigned-varint)."""
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
 def _varint_at(data: bytes, pos: int, what: str) -> tuple[int, int]:
     """Decode a minimal varint at ``data[pos:]``; return (value, position after it)."""
     value = shift = 0
@@ -89,26 +76,6 @@ def _varint_at(data: bytes, pos: int, what: str) -> tuple[int, int]:
                 raise CarError(f"non-minimal varint in {what}")
             return value, pos + i + 1
     raise CarError(f"varint in {what} is longer than {_MAX_VARINT_BYTES} bytes")
-
-
-def _cbor_head(major: int, value: int) -> bytes:
-    if value < 24:
-        return bytes([major << 5 | value])
-    for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
-        if value < 1 << (8 * size):
-            return bytes([major << 5 | info]) + value.to_bytes(size, "big")
-    raise ValueError("CBOR argument too large")
-
-
-def encode_header(roots: list[bytes]) -> bytes:
-    """The DAG-CBOR header ``{"roots": [...], "version": 1}`` (keys in DAG-CBOR order)."""
-    out = bytearray(_cbor_head(5, 2))
-    out += _cbor_head(3, 5) + b"roots" + _cbor_head(4, len(roots))
-    for root in roots:
-        payload = b"\x00" + root  # tag 42 holds the identity multibase prefix, then the CID
-        out += _cbor_head(6, CID_TAG) + _cbor_head(2, len(payload)) + payload
-    out += _cbor_head(3, 7) + b"version" + _cbor_head(0, 1)
-    return bytes(out)
 
 
 class _CborReader:
@@ -312,6 +279,14 @@ def _iter_blocks(src: _Stream) -> Iterator[tuple[bytes, bytes, int]]:
         yield cid, data, offset
 
 
+def sections(stream: BinaryIO) -> tuple[list[bytes], Iterator[tuple[bytes, bytes, int]]]:
+    """A CAR v1 stream's roots, and its blocks as (CID, data, offset) as they are read: each
+    hashed against its CID, none repeated, none over its size bound (:class:`CarError`). Nothing
+    is checked of what the roots reach: a push sends only the blocks the other side lacks."""
+    roots, src = _read_header(stream)
+    return roots, _iter_blocks(src)
+
+
 # --------------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------------
@@ -343,17 +318,6 @@ def write_car(
             tmp.unlink(missing_ok=True)
     report.seconds = time.perf_counter() - started
     return report
-
-
-def car_header(roots: list[bytes]) -> bytes:
-    """The start of a CAR v1 file with these roots: the header and its length."""
-    header = encode_header(roots)
-    return encode_varint(len(header)) + header
-
-
-def section_prefix(cid: bytes, data: bytes | memoryview) -> bytes:
-    """What goes before a block's bytes in a CAR v1 file: the section's length and the CID."""
-    return encode_varint(len(cid) + memoryview(data).nbytes) + cid
 
 
 def _write_car(

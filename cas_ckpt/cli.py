@@ -40,7 +40,7 @@ from cas_ckpt.errors import (
     RefNotFound,
     RepositoryError,
 )
-from cas_ckpt.http import DEFAULT_PORT, ENV_TOKEN, MAX_STREAMS, STREAM_WAIT
+from cas_ckpt.http import DEFAULT_PORT, ENV_TOKEN, ENV_WRITE_TOKEN, MAX_STREAMS, MAX_UPLOAD, STREAM_WAIT
 from cas_ckpt.maintenance.describe import describe_leaf, jsonable
 from cas_ckpt.maintenance.diff import DiffReport, leaves
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
@@ -231,11 +231,14 @@ def _register_maintenance(sub: Any, json_flag: Any) -> None:
 
 
 def _register_car(sub: Any, json_flag: Any) -> None:
-    p = _add(sub, "export", cmd_export, "write a checkpoint as a CAR v1 file, a .safetensors file "
-             "or a model folder", json_flag)
+    p = _add(sub, "export", cmd_export, "write a checkpoint as a CAR v1 file, a .safetensors file, "
+             "a folder, or a Hugging Face model folder", json_flag)
     p.add_argument("target", metavar="TARGET", help="ref or CID")
-    p.add_argument("-o", "--output", required=True, metavar="OUT",
-                   help="FILE.car ('-' for stdout), FILE.safetensors, or a folder")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("-o", "--output", metavar="OUT",
+                     help="FILE.car ('-' for stdout), FILE.safetensors, or a folder")
+    out.add_argument("--hf", metavar="OUT", help="a Hugging Face model folder: the tensors only "
+                     "(a DCP checkpoint's whole tensors), other values skipped")
     p.add_argument("--path", metavar="PATH", help="safetensors: only the tensors below this path")
     p.add_argument("--max-shard-size", metavar="SIZE", type=_size,
                    help="safetensors: shards of at most SIZE (5GB, 500MiB) and an index")
@@ -324,6 +327,11 @@ def _register_http(sub: Any, json_flag: Any) -> None:
     p.add_argument("--max-streams", type=_positive_int, default=MAX_STREAMS, metavar="N",
                    help=f"block and CAR bodies sent at once (default {MAX_STREAMS}); a request over "
                         f"the cap waits up to {STREAM_WAIT:.0f} s, then gets 503 with Retry-After")
+    p.add_argument("--write-token", metavar="TOKEN",
+                   help=f"accept pushes from requests carrying Authorization: Bearer TOKEN (default: "
+                        f"${ENV_WRITE_TOKEN}; without one the server is read-only)")
+    p.add_argument("--max-upload", type=_size, default=MAX_UPLOAD, metavar="SIZE",
+                   help="bytes one push may send (default 64GiB; 500MiB, 10GB...); over it: 413")
     p = _add(sub, "fetch", cmd_fetch, "fetch a checkpoint by CID from an IPFS trustless gateway, "
              "verifying every block", json_flag)
     p.add_argument("cid", metavar="CID", help="root CID of the checkpoint")
@@ -1075,6 +1083,8 @@ def _is_car(output: str) -> bool:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.hf is not None:
+        return _export_model(args)
     if not _is_car(args.output):
         return _export_safetensors(args)
     if args.path is not None or args.max_shard_size is not None or args.tied:
@@ -1105,6 +1115,24 @@ def _export_safetensors(args: argparse.Namespace) -> int:
         how = "re-created" if report.exact else "wrote"
         _print(f"{how} {_count(len(report.files), 'file')}, {report.tensors} tensors, {human(report.bytes)} "
                f"to {args.output}")
+    return EXIT_OK
+
+
+def _export_model(args: argparse.Namespace) -> int:
+    with open_repo(args) as repo:
+        report = repo.export_safetensors(resolve_live(repo, args.target), args.hf, path=args.path,
+                                         max_shard_size=args.max_shard_size, tied=args.tied, model=True)
+    if args.json:
+        _print_json(report)
+        return EXIT_OK
+    how = "re-created" if report.exact else "wrote"
+    _print(f"{how} {_count(len(report.files), 'file')}, {report.tensors} tensors, {human(report.bytes)} "
+           f"to {args.hf}")
+    if report.skipped:
+        shown = ", ".join(report.skipped[:6]) + (f" and {len(report.skipped) - 6} more"
+                                                 if len(report.skipped) > 6 else "")
+        print(f"{PROG}: note: left out {_count(len(report.skipped), 'value')} holding no tensor: "
+              f"{shown}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -1215,10 +1243,16 @@ def cmd_clone(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     location = _location(args.path) if args.path else (repo_path(args) or Path.cwd())
     token = args.token if args.token is not None else os.environ.get(ENV_TOKEN) or None
-    with cas_ckpt.open(location, create=False, read_only=True) as repo:
+    write_token = args.write_token if args.write_token is not None else (
+        os.environ.get(ENV_WRITE_TOKEN) or None)
+    if write_token is not None and write_token == token:
+        raise CommandError("--write-token must differ from --token: the read token may not push", EXIT_USAGE)
+    with cas_ckpt.open(location, create=False, read_only=write_token is None) as repo:
 
         def ready(url: str) -> None:
-            _print(f"serving {repo.location} read-only at {url} (Ctrl-C stops)")
+            how = "read-only" if write_token is None else (
+                f"taking pushes (up to {human(args.max_upload)} each)")
+            _print(f"serving {repo.location} {how} at {url} (Ctrl-C stops)")
             _print(f"browse it at {url}/" + ("?token=<token> (once: a session cookie keeps the page open)"
                                              if token else ""))
             sys.stdout.flush()
@@ -1226,7 +1260,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"{PROG}: note: no --token: anyone who can reach {url} can read every checkpoint",
                       file=sys.stderr)
 
-        cas_ckpt.serve(repo, args.host, args.port, token=token, max_streams=args.max_streams, ready=ready)
+        cas_ckpt.serve(repo, args.host, args.port, token=token, max_streams=args.max_streams, ready=ready,
+                       write_token=write_token, max_upload=args.max_upload)
     return EXIT_OK
 
 

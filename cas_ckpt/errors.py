@@ -337,6 +337,7 @@ class CheckpointExpired(CasCkptError):
             else f"checkpoint {cid} is in the history but retention expired it"
         )
         self.cid = str(cid)
+        self.missing = None if missing is None else str(missing)
 
 
 class StateTypeError(CasCkptError, TypeError):

@@ -5,8 +5,9 @@ A tensor's raw chunks are cut at fixed offsets of the whole tensor's bytes (row-
 array saved from one process. When several ranks each hold a box of the tensor (a DCP shard),
 each grid chunk lying inside one rank's bytes is hashed and stored by that rank where it is;
 a chunk across two or more ranks' boxes is assembled by the rank holding most of its bytes
-(the lowest such rank on a tie) from the others' pieces (:class:`Exchange` plans which bytes go where). So the same tensor is the
-same chunks, whatever the sharding, and a checkpoint written by many ranks loads as one tensor.
+(the lowest such rank on a tie) from the others' pieces (:class:`Exchange` plans which bytes
+go where). So the same tensor is the same chunks, whatever the sharding, and a checkpoint
+written by many ranks loads as one tensor.
 
 :func:`read_region` reads a box of a chunked array, fetching only the chunks it overlaps.
 :func:`state_root` sees through the root node of a sharded save (``docs/format.md``, "Sharded

@@ -163,7 +163,9 @@ def transfer(
                     and not _descends(nodes, update.new, old):
                 raise RefDiverged(update.ref, report.destination, cidlib.to_str(old),
                                   cidlib.to_str(update.new))
-        plan = _plan(nodes, [u.new for u in updates] + list(roots), writer.has, dst.blocks.size)
+        # skipped blocks are sized where that is cheap: the same CID is the same bytes on both sides
+        sizes = dst.blocks.sizes if dst.blocks.sizes_known else src.blocks.sizes
+        plan = _plan(nodes, [u.new for u in updates] + list(roots), writer, sizes)
         report.blocks_skipped, report.bytes_skipped = plan.skipped_blocks, plan.skipped_bytes
         report.commits_sent = plan.commits
         floats: dict[bytes, int] = {}  # chunks of float arrays, for a compressing destination
@@ -243,43 +245,42 @@ class _Plan:
 
 
 def _plan(
-    nodes: _NodeCache, heads: list[bytes], has: Callable[[bytes], bool], size_here: Callable[[bytes], int]
+    nodes: _NodeCache, heads: list[bytes], writer: BlockWriter, sizes: Callable[[list[bytes]], list[int]]
 ) -> _Plan:
     """The blocks the destination lacks: the heads' data, children before parents (an array's
     chunks in order, back to back), then their history's commit nodes, oldest first.
 
-    ``size_here`` sizes a block the destination has; the source is asked for the others' sizes
+    The destination is asked about the heads' data all at once (``writer.has_many``: a remote
+    one in a few requests); ``sizes`` sizes the blocks it has, and the source sizes the others
     all at once (a remote source answers them in parallel)."""
     plan = _Plan()
     planned: set[bytes] = set()
-    missing: list[bytes] = []
-
-    def take(cid: bytes) -> None:
-        planned.add(cid)
-        if has(cid):
-            plan.skipped_blocks += 1
-            plan.skipped_bytes += size_here(cid)
-        else:
-            missing.append(cid)
-
+    data = [cid for head in heads for cid in _post_order(nodes, head, planned)]
+    present = writer.has_many(data)
+    skipped = [cid for cid, here in zip(data, present, strict=True) if here]
+    missing = [cid for cid, here in zip(data, present, strict=True) if not here]
     for head in heads:
-        for cid in _post_order(nodes, head, planned):
-            take(cid)
-    for head in heads:
-        for cid in _history(nodes, head, planned, has):
-            take(cid)
+        for cid in _history(nodes, head, planned, writer.has):
+            planned.add(cid)
             plan.commits += 1
+            if writer.has(cid):
+                skipped.append(cid)
+            else:
+                missing.append(cid)
+    plan.skipped_blocks, plan.skipped_bytes = len(skipped), sum(sizes(skipped))
     plan.send = list(zip(missing, nodes.blocks.sizes(missing), strict=True))
     return plan
 
 
 def _post_order(nodes: _NodeCache, root: bytes, done: set[bytes]) -> Iterator[bytes]:
-    """Blocks strongly reachable from ``root``, not in ``done``, each after its children."""
+    """Blocks strongly reachable from ``root``, not in ``done``, each after its children (and
+    added to ``done`` as it is given)."""
     seen: set[bytes] = set()
     stack: list[tuple[bytes, bool]] = [(root, False)]
     while stack:
         cid, expanded = stack.pop()
         if expanded:
+            done.add(cid)
             yield cid
             continue
         if cid in seen or cid in done:

@@ -704,7 +704,7 @@ class Repository:
             raise RefError(f"ref {ref!r} exists (it holds {cidlib.to_str(current)}): only a "
                            "deleted ref is restored")
         with self._writing(), self.refs_store.lock(exclusive=False):  # GC cannot sweep in between
-            self._check_complete(held)
+            self.check_complete(held)
             self._move_ref(ref, None, held, f"restore {cidlib.to_str(held)}")
         return cidlib.to_cid(held)
 
@@ -725,7 +725,7 @@ class Repository:
         """Point ``ref`` at ``target`` (compare-and-swap against ``expected`` when given)."""
         new = self._resolve(target)
         with self._writing(), self.refs_store.lock(exclusive=False):  # GC cannot sweep in between
-            self._check_complete(new)  # never point a ref at a partial checkpoint
+            self.check_complete(new)  # never point a ref at a partial checkpoint
             old = self._resolve(expected) if expected is not None else self.refs_store.get(ref)
             self._move_ref(ref, old, new, f"set to {cidlib.to_str(new)}")
         return cidlib.to_cid(new)
@@ -792,7 +792,7 @@ class Repository:
         """
         new = self._resolve(source)
         with self._writing(), self.refs_store.lock(exclusive=False):
-            self._check_complete(new)
+            self.check_complete(new)
             self._move_ref(check_ref_name(ref), None, new, f"fork from {source}")
         return cidlib.to_cid(new)
 
@@ -801,12 +801,13 @@ class Repository:
         """Keep ``target`` and everything it reaches through GC, without a ref."""
         cid = self._resolve(target)
         with self._writing(), self.refs_store.lock(exclusive=False):
-            self._check_complete(cid)
+            self.check_complete(cid)
             self.refs_store.pin(cid)
         return cidlib.to_cid(cid)
 
-    def _check_complete(self, cid: bytes) -> None:
-        """Raise unless every block ``cid`` needs is stored and sound.
+    def check_complete(self, cid: bytes) -> None:
+        """Raise unless every block checkpoint ``cid`` needs is stored and sound (nodes read and
+        hashed, chunks looked up): :class:`CheckpointExpired` naming a missing block.
 
         A ref or pin at a partial checkpoint (say, a commit from the history whose data GC removed)
         would not load, and would make every later GC refuse to run. Call with the save lock held.
@@ -1000,23 +1001,31 @@ class Repository:
     def push(
         self, remote: Repository | str | os.PathLike[str], ref: str = "main", *,
         remote_ref: str | None = None, force: bool = False, head_only: bool = False,
-        progress: replication.Progress | None = None,
+        progress: replication.Progress | None = None, storage_options: Mapping[str, Any] | None = None,
     ) -> TransferReport:
         """Send ``ref``'s checkpoint and history to ``remote`` and move ``remote_ref`` (default
         ``ref``) there; only the blocks ``remote`` lacks travel. A run moves as a run: its
         checkpoint manager's step refs (``ref.steps/N``) move too, as ``remote_ref.steps/N``,
         unless ``head_only``.
 
-        ``remote`` is a location (a directory, ``s3://bucket/prefix``; created if missing, with
-        this repository's hash) or an open :class:`Repository`. The remote ref moves by
-        compare-and-swap once every block is durable there; :class:`RefDiverged` (before
-        anything is sent) if it holds a commit not in ``ref``'s history, unless ``force``;
-        :class:`RefConflict` if it moved meanwhile. A push that died is simply run again: it
-        sends only what is still missing. See ``docs/scale-out.md``.
+        ``remote`` is a location (a directory, ``s3://bucket/prefix``, created if missing, with
+        this repository's hash; ``http(s)://`` a ``cas-ckpt serve --write-token`` server, its
+        write token in ``storage_options={"token": ...}`` or ``$CAS_CKPT_TOKEN``) or an open
+        :class:`Repository`. The remote ref moves by compare-and-swap once every block is durable
+        there; :class:`RefDiverged` (before anything is sent) if it holds a commit not in ``ref``'s
+        history, unless ``force``; :class:`RefConflict` if it moved meanwhile. A push that died is
+        simply run again: it sends only what is still missing. ``storage_options`` open a remote
+        given by its location, as :func:`open` takes them. See ``docs/scale-out.md``.
         """
         updates = _run_updates(self, ref, remote_ref or ref, force=force, head_only=head_only)
-        with _other(remote, self, create=True) as dst:
-            report = replication.transfer(self, dst, updates, progress=progress)
+        with _other(remote, self, create=True, storage_options=storage_options) as dst:
+            try:
+                report = replication.transfer(self, dst, updates, progress=progress)
+            except CheckpointExpired:
+                if not is_http(dst.location or ""):
+                    raise
+                # the server collected a block it had when asked, before the ref moved: ask again
+                report = replication.transfer(self, dst, updates, progress=progress)
         self._local.last_transfer = report
         return report
 
@@ -1152,6 +1161,7 @@ class Repository:
         path: str | None = None,
         max_shard_size: int | str | None = None,
         tied: bool = False,
+        model: bool = False,
     ) -> hf.SafetensorsReport:
         """Write checkpoint ``target`` as safetensors: ``out`` ending ``.safetensors`` is a file,
         anything else a folder.
@@ -1164,11 +1174,17 @@ class Repository:
         ``safetensors.torch.save_model`` writes tied weights (a checkpoint does not record which
         tensors were tied, only which are equal). Chunks stream from the store: memory stays at a
         few chunks.
+
+        ``model=True`` writes a Hugging Face model folder (``cas-ckpt export --hf``): ``out`` is a
+        folder whatever its name, holding ``model.safetensors`` (or shards and
+        ``model.safetensors.index.json``) with the tensors only; every other value is left out and
+        listed in the report's ``skipped``. A DCP checkpoint saved by many ranks is one state of
+        whole tensors: it is written as one process's save of the same state is.
         """
         root = self._resolve(target)
         reader = self._reader(None, None)
         return hf.export(self.blocks, self.pool, self._tree_of(root, reader), out, path=path,
-                         max_shard_size=max_shard_size, tied=tied)
+                         max_shard_size=max_shard_size, tied=tied, model=model)
 
 
 def _plain(value: Any, path: str) -> Any:
@@ -1343,10 +1359,10 @@ def open(
     location = os.fspath(path)
     if not (location.startswith(S3) or is_http(location)) and storage_options:
         raise ValueError("storage_options apply to s3:// and http(s):// repositories only")
-    if is_http(location):  # a server's repository: read-only, never created from here
-        blocks, refs = _http_stores(location, verify=verify, **(storage_options or {}))
+    if is_http(location):  # a server's repository: never created from here; writes are pushes
+        blocks, refs = _http_stores(location, verify=verify, read_only=read_only, **(storage_options or {}))
         settings = {"create": False, "hash": hash, "chunk_size": chunk_size, "compression": None,
-                    "read_only": True, "upkeep": False}
+                    "read_only": read_only, "upkeep": False}
         return _assemble(blocks, refs, location.rstrip("/"), settings)
     settings = {"create": create and not read_only, "hash": hash, "chunk_size": chunk_size,
                 "compression": compression, "read_only": read_only, "upkeep": policy}
@@ -1421,9 +1437,11 @@ def _s3_stores(
 
 
 def _http_stores(
-    url: str, *, verify: bool = True, cache_dir: str | os.PathLike[str] | None = None, **remote: Any
+    url: str, *, verify: bool = True, cache_dir: str | os.PathLike[str] | None = None,
+    read_only: bool = True, **remote: Any,
 ) -> tuple[BlockStore, RefStore]:
-    """The block and ref stores of the repository ``cas-ckpt serve`` serves at ``url``.
+    """The block and ref stores of the repository ``cas-ckpt serve`` serves at ``url`` (pushing
+    to it unless ``read_only``).
 
     ``remote`` goes to :class:`HttpRemote` (``token``, ``workers``, ``timeout``, ``min_rate``...);
     ``cache_dir`` keeps fetched blocks in a local block store there.
@@ -1436,7 +1454,8 @@ def _http_stores(
         except OSError as exc:
             server.close()
             raise MediumError(f"cannot use {cache_dir} as a block cache", exc) from exc
-    return HttpBlockStore(server, verify=verify, cache=cache), HttpRefStore(server)
+    return (HttpBlockStore(server, verify=verify, cache=cache, read_only=read_only),
+            HttpRefStore(server, read_only=read_only))
 
 
 def gateway_source(

@@ -979,7 +979,10 @@ class TreeReader:
                 cid=cidlib.to_str(cid),
             )
         peeked, self._peeked = self._peeked, None
-        data = peeked[1] if peeked is not None and peeked[0] == cid else self.store.get(cid, verify=self.verify)
+        if peeked is not None and peeked[0] == cid:
+            data = peeked[1]
+        else:
+            data = self.store.get(cid, verify=self.verify)
         if cid not in self._distinct:
             self._distinct.add(cid)
             self.stored_bytes += len(data)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 # Lowest first; each entry names modules or sub-packages of the package (docs/architecture.md).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", ("errors", "cid", "codec", "_fs", "_memory")),
+    ("foundation", ("errors", "cid", "codec", "carv1", "_fs", "_memory")),
     ("media", ("backends",)),
     ("blocks", ("blocks", "stores")),
     ("refs", ("refs",)),

@@ -293,8 +293,12 @@ def test_a_damaged_block_is_never_sent(tmp_path: Path, http: urllib3.PoolManager
 # --------------------------------------------------------------------------------------------
 def test_a_served_repository_opens_by_url(served: Any, tmp_path: Path) -> None:
     _, url, roots = served
+    with cas_ckpt.open(url + "/", read_only=True) as remote:
+        assert remote.read_only
+        with pytest.raises(RepositoryError, match="read-only"):
+            remote.save({"x": 1})  # refused here
     with cas_ckpt.open(url + "/") as remote:
-        assert remote.read_only and remote.location == url
+        assert not remote.read_only and remote.location == url  # saves are pushes: the server decides
         assert_state_equal(state(2), remote.load("main"))
         assert_state_equal(state(1), remote.load("main~1"))
         assert [c.step for c in remote.log("main")] == [2, 1]
@@ -305,8 +309,8 @@ def test_a_served_repository_opens_by_url(served: Any, tmp_path: Path) -> None:
         assert {c.path for c in diff.changed} == {"model.w", "opt.m", "step"}
         report = remote.export_safetensors("main", tmp_path / "m.safetensors", path="model")
         assert report.tensors == 2
-        with pytest.raises(RepositoryError, match="read-only"):
-            remote.save({"x": 1})
+        with pytest.raises(RepositoryError, match="this server is read-only"):
+            remote.save({"x": 1})  # refused by a server without --write-token
         with pytest.raises(RepositoryError, match="cannot list"):
             remote.resolve(str(roots["c2"])[:12])
         with pytest.raises(cas_ckpt.errors.RefNotFound):

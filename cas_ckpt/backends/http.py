@@ -52,6 +52,7 @@ DRAIN_LIMIT = 64 * 1024  # an unread rest up to this is read, to keep the connec
 MAX_BODY = 8 * 1024 * 1024  # the largest body a caller takes without saying more (CAR sections)
 _T = TypeVar("_T")
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+_OK = frozenset({200})
 _MAX_RETRY_AFTER = 5.0
 
 
@@ -221,18 +222,41 @@ class HttpRemote:
                         check=lambda body: parsed.append(parse(body)))
         return None if data is None else parsed[-1]
 
+    def post_json(self, path: str, payload: Any, *, answers: frozenset[int] = _OK) -> tuple[int, Any]:
+        """POST ``payload`` as JSON: the answer's status (one of ``answers``) and its JSON; None
+        and 404 where the server has no such route. Retried as a GET is: every write route of
+        ``cas-ckpt serve`` gives the same answer to the same request made twice."""
+        body = json.dumps(payload).encode()
+        found = self._request("POST", path, "application/json", _json_answer, None, body=body,
+                              content_type="application/json", answers=answers)
+        return (404, None) if found is None else found
+
+    def post_stream(self, path: str, chunks: Iterator[bytes], *, content_type: str,
+                    answers: frozenset[int] = _OK) -> tuple[int, Any]:
+        """POST a body streamed from ``chunks`` (chunked transfer coding), once: a stream cannot
+        be sent again. The status (one of ``answers``) and the JSON answer; (404, None) where the
+        server has no such route. No deadline for the whole request (an upload may take long):
+        each send and receive is bounded by the read timeout."""
+        found = self._request("POST", path, "application/json", _json_answer, None, body=chunks,
+                              content_type=content_type, answers=answers, attempts=1, timeout=math.inf)
+        return (404, None) if found is None else found
+
     def _request(
         self, method: str, path: str, accept: str | None, read: Callable[[Any, _Body], Any],
-        cid: str | None,
+        cid: str | None, *, body: bytes | Iterator[bytes] | None = None, content_type: str | None = None,
+        answers: frozenset[int] | None = None, attempts: int | None = None, timeout: float | None = None,
     ) -> Any:
         """Attempts of one request until one answers, within the deadline."""
         url = self.where(path)
         headers = dict(self.headers)
         if accept:
             headers["Accept"] = accept
-        deadline = _Deadline(self.timeout)
+        if content_type:
+            headers["Content-Type"] = content_type
+        deadline = _Deadline(self.timeout if timeout is None else timeout)
         last = _Retry("")
-        for attempt in range(self.attempts):
+        attempts = self.attempts if attempts is None else attempts
+        for attempt in range(attempts):
             if attempt:
                 wait = _retry_wait(attempt - 1, last.wait)
                 if wait >= deadline.left():  # a deadline failure is never retried past it
@@ -240,16 +264,19 @@ class HttpRemote:
                                                                     f"start {wait:.1f} s later)"), cid=cid)
                 time.sleep(wait)
             try:
-                return self._attempt(method, url, headers, read, cid, deadline)
+                return self._attempt(method, url, headers, read, cid, deadline, body, answers)
             except _Retry as exc:
                 last = exc
             if deadline.left() <= 0:
                 raise RemoteError(url, deadline.reached(attempt + 1, str(last)), cid=cid)
-        raise RemoteError(url, f"failed after {self.attempts} attempts: {last}", cid=cid)
+        if attempts == 1:
+            raise RemoteError(url, str(last), cid=cid)
+        raise RemoteError(url, f"failed after {attempts} attempts: {last}", cid=cid)
 
     def _attempt(
         self, method: str, url: str, headers: dict[str, str], read: Callable[[Any, _Body], Any],
-        cid: str | None, deadline: _Deadline,
+        cid: str | None, deadline: _Deadline, body: bytes | Iterator[bytes] | None = None,
+        answers: frozenset[int] | None = None,
     ) -> Any:
         """One try: the answer read by ``read``, None on 404; :class:`_Retry` if it may pass."""
         import urllib3
@@ -259,37 +286,43 @@ class HttpRemote:
             try:
                 response = self.http.request(
                     method, url, headers=headers, preload_content=False, redirect=False, retries=False,
+                    body=body, chunked=body is not None and not isinstance(body, bytes),
                     pool_timeout=_finite(left),
                     timeout=urllib3.Timeout(connect=_finite(min(self.connect_timeout, left)),
                                             read=_finite(min(self.read_timeout, left))))
             except urllib3.exceptions.HTTPError as exc:  # refused, reset, timed out, TLS...
                 raise _Retry("no answer" if deadline.left() <= 0 else _describe(exc)) from None
-            body = _Body(response, method, deadline, self.read_timeout, self.min_rate)
+            answer = _Body(response, method, deadline, self.read_timeout, self.min_rate)
             try:
-                result = self._answer(response, body, url, read, cid)
+                result = self._answer(response, answer, url, read, cid, answers)
                 if watch.fired:  # the socket was shut under the read: nothing it gave is kept
-                    raise BadAnswer(f"no whole answer ({body.where()})")
+                    raise BadAnswer(f"no whole answer ({answer.where()})")
                 return result
             except (BadAnswer, urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as exc:
                 response.close()  # never reuse a connection whose answer was not read whole
                 if deadline.left() > 0:
                     raise _Retry(_describe(exc)) from None
-                cut = watch.fired and not body.pace.total  # the headers may have been cut short
-                raise _Retry("no whole answer" if cut else body.where()) from None
+                cut = watch.fired and not answer.pace.total  # the headers may have been cut short
+                raise _Retry("no whole answer" if cut else answer.where()) from None
             finally:
-                _finish(response, body, watch.fired)
+                _finish(response, answer, watch.fired)
 
     def _answer(self, response: Any, body: _Body, url: str, read: Callable[[Any, _Body], Any],
-                cid: str | None) -> Any:
-        """What an answer means: None (404), the body read by ``read`` (200), or an error."""
+                cid: str | None, answers: frozenset[int] | None = None) -> Any:
+        """What an answer means: None (404), the body read by ``read`` (200; with ``answers``,
+        a status among them and the body), or an error."""
         status = response.status
         if status == 404:
             return None
+        if answers is not None and status in answers:
+            return status, read(response, body)
         if status in _RETRY_STATUS:
             raise _Retry(f"HTTP {status} {_text(body)}", _retry_after(response.headers.get("Retry-After")))
         if status in (401, 403):
             raise RemoteError(url, f"HTTP {status}: {_text(body) or 'refused'} (the server "
                               f"needs a token: pass token= or set ${ENV_TOKEN})", cid=cid)
+        if status == 413:
+            raise RemoteError(url, f"HTTP 413: {_text(body) or 'too large'}", cid=cid)
         if status != 200:
             raise RemoteError(url, f"HTTP {status}: {_text(body)}", cid=cid)
         return read(response, body)
@@ -616,6 +649,14 @@ def _describe(exc: BaseException) -> str:
     if "IncompleteRead" in text:
         return f"body cut short ({type(exc).__name__}: {text})"
     return f"{type(exc).__name__}: {text}"
+
+
+def _json_answer(response: Any, body: _Body) -> Any:
+    _check_type(response, "application/json")
+    try:
+        return json.loads(body.read_bytes(MAX_BODY))
+    except ValueError as exc:
+        raise BadAnswer(f"not JSON: {exc}") from None
 
 
 def _text(body: _Body, limit: int = 300) -> str:

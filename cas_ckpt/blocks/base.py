@@ -86,6 +86,7 @@ class Layout:
     uncovered: int  # what an open reads besides the snapshot: packs' own indexes, or journals
     damaged_indexes: int  # index files found damaged (rebuilt from the packs)
     unreadable_indexes: int = 0  # of those, the ones the medium could not read: maybe no file at all
+    uncovered_rows: int = 0  # block copies of the packs ``uncovered`` names (what the open reads there)
 
 
 class Stored(NamedTuple):
@@ -210,6 +211,12 @@ class BlockWriter(ABC):
         """True if the block is stored or already in this batch."""
         with self._lock:
             return cid in self._pending or self._stored(cid)
+
+    def has_many(self, cids: list[bytes]) -> list[bool]:
+        """:meth:`has` of each of ``cids``, all at once (a remote store asks in batches)."""
+        with self._lock:
+            return [cid in self._pending or known for cid, known in zip(cids, self._stored_many(cids),
+                                                                        strict=True)]
 
     def _stored(self, cid: bytes) -> bool:
         """Whether ``put`` may reuse the stored copy instead of writing the block."""

@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 8080  # the port IPFS gateways listen on by default
 MAX_STREAMS = 32  # block and CAR bodies in flight at once: 2 clients at their 16 parallel reads
 STREAM_WAIT = 5.0  # seconds a request over the cap waits before its 503
-__all__ = ["DEFAULT_PORT", "ENV_TOKEN", "MAX_STREAMS", "STREAM_WAIT", "serve"]
+ENV_WRITE_TOKEN = "CAS_CKPT_WRITE_TOKEN"  # the token a server takes pushes from (serve --write-token)
+MAX_UPLOAD = 64 * 1024**3  # bytes one push may send, unless serve --max-upload says
+__all__ = ["DEFAULT_PORT", "ENV_TOKEN", "ENV_WRITE_TOKEN", "MAX_STREAMS", "MAX_UPLOAD", "STREAM_WAIT",
+           "serve"]
 
 
 def serve(
@@ -30,9 +33,13 @@ def serve(
     token: str | None = None,
     max_streams: int = MAX_STREAMS,
     ready: Callable[[str], None] | None = None,
+    write_token: str | None = None,
+    max_upload: int = MAX_UPLOAD,
 ) -> None:
-    """Serve ``repo`` (an open repository or its location, opened read-only) over HTTP until
-    interrupted (SIGINT or SIGTERM). Read-only, always: no route writes anything.
+    """Serve ``repo`` (an open repository or its location) over HTTP until interrupted (SIGINT
+    or SIGTERM). Read-only unless ``write_token``: then requests carrying it may push (blocks in,
+    verified and durable, then refs by compare-and-swap; ``max_upload`` bytes a push), and a
+    location is opened for writing. No other route writes anything.
 
     Bound to 127.0.0.1 unless ``host`` says otherwise; with ``token`` every request needs
     ``Authorization: Bearer <token>`` (a browser's ``/?token=<token>`` is exchanged for a session
@@ -49,4 +56,5 @@ def serve(
         raise RepositoryError(
             f"serving needs aiohttp: pip install 'cas_ckpt[http]' ({exc})"
         ) from None
-    server.run(repo, host, port, token=token, max_streams=max_streams, ready=ready)
+    server.run(repo, host, port, token=token, max_streams=max_streams, ready=ready,
+               write_token=write_token, max_upload=max_upload)

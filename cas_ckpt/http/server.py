@@ -62,6 +62,7 @@ from cas_ckpt.errors import (
     RefNotFound,
 )
 from cas_ckpt.http import MAX_STREAMS, STREAM_WAIT
+from cas_ckpt.http.push import MAX_UPLOAD, add_push_routes, is_write_route
 from cas_ckpt.http.sessions import (
     LANDINGS,
     SESSIONS,
@@ -101,15 +102,20 @@ T = TypeVar("T")
 
 
 def make_app(
-    repo: Repository, *, token: str | None = None, max_streams: int = MAX_STREAMS
+    repo: Repository, *, token: str | None = None, max_streams: int = MAX_STREAMS,
+    write_token: str | None = None, max_upload: int = MAX_UPLOAD,
 ) -> web.Application:
-    """The server's application for ``repo``: the gateway, the JSON API and the browser view.
-    With ``token`` every route (added here or later by other modules) answers 401 unless the
-    request presents it (see :func:`authorized`). ``max_streams``: block and CAR bodies in
-    flight at once."""
+    """The server's application for ``repo``: the gateway, the JSON API, the browser view and,
+    with ``write_token``, pushes (:mod:`cas_ckpt.http.push`: only requests presenting the write
+    token reach them; without it they answer 403, the server read-only).
+    With ``token`` every other route (added here or later by other modules) answers 401 unless
+    the request presents it or the write token (see :func:`_require_token`). ``max_streams``:
+    block and CAR bodies in flight at once. ``max_upload``: bytes of one push's blocks."""
     if max_streams < 1:
         raise ValueError(f"max_streams must be at least 1, not {max_streams}")
-    middlewares = [_json_errors] + ([_require_token(token)] if token else [])
+    if write_token is not None and write_token == token:
+        raise ValueError("the write token must differ from the read token")
+    middlewares = [_json_errors, _require_token(token, write_token)]
     app = web.Application(middlewares=middlewares)
     app[REPO] = repo
     app[READS] = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="cas_ckpt-serve")
@@ -127,6 +133,7 @@ def make_app(
     app.router.add_get(r"/reflog/{name:.+}", reflog)
     app.router.add_get("/pins", pins)
     app.router.add_get("/config", config)
+    add_push_routes(app, repo, max_upload=max_upload)
     add_browser_routes(app, repo)
     return app
 
@@ -138,19 +145,34 @@ async def _stop_reads(app: web.Application) -> None:
 # --------------------------------------------------------------------------------------------
 # Who may ask: the API token, or on the browser's routes a session (cas_ckpt.http.sessions)
 # --------------------------------------------------------------------------------------------
-def _require_token(token: str) -> Any:
-    """The one check, for every route: the token in ``Authorization`` (constant-time compare),
-    or on the browser's routes a live session; on a landing page the token in the query (a
-    browser's first visit, exchanged there for a session)."""
-    expected = token.encode()
+def _require_token(token: str | None, write_token: str | None) -> Any:
+    """The one check, for every route. A write route (a push) needs the write token: 401 without
+    a token, 403 with another (the read token may not write), 403 on a server without one. Any
+    other route is open without ``token``; with it, it needs ``token`` or the write token in
+    ``Authorization`` (constant-time compares), or on the browser's routes a live session; on a
+    landing page the token in the query (a browser's first visit, exchanged there for a
+    session)."""
+    expected = token.encode() if token else None
+    writes = write_token.encode() if write_token else None
 
-    def matches(given: str | None) -> bool:
-        return given is not None and hmac.compare_digest(raw_bytes(given), expected)
+    def matches(given: str | None, key: bytes | None) -> bool:
+        return given is not None and key is not None and hmac.compare_digest(raw_bytes(given), key)
 
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-        if matches(bearer_token(request)):
+        given = bearer_token(request)
+        if is_write_route(request):
+            if writes is None:
+                raise _error(web.HTTPForbidden, "this server is read-only: pushes need cas-ckpt serve "
+                             "--write-token")
+            if matches(given, writes):
+                return await handler(request)
+            if given is None:
+                raise _error(web.HTTPUnauthorized, "a push needs the write token: Authorization: Bearer "
+                             "<write token>", **{"WWW-Authenticate": CHALLENGE})
+            raise _error(web.HTTPForbidden, "this token may not push: a push needs the write token")
+        if expected is None or matches(given, expected) or matches(given, writes):
             return await handler(request)
         if is_browser_route(request):
             if request.path == "/" and "token" not in request.query:
@@ -158,7 +180,7 @@ def _require_token(token: str) -> Any:
             if request.app[SESSIONS].valid(request.cookies.get(session_cookie(request))):
                 return await handler(request)
             landing = request.match_info.handler in request.app[LANDINGS]
-            if landing and matches(request.query.get("token")):
+            if landing and matches(request.query.get("token"), expected):
                 return await handler(request)
         raise _error(web.HTTPUnauthorized, "this server needs a token: Authorization: Bearer <token> "
                      "(a browser: open /?token=<token> once)", **{"WWW-Authenticate": CHALLENGE})
@@ -669,22 +691,26 @@ def dag_json(value: Any) -> Any:
 def run(
     repo: Repository | str | os.PathLike[str], host: str, port: int, *, token: str | None = None,
     max_streams: int = MAX_STREAMS, ready: Callable[[str], None] | None = None,
+    write_token: str | None = None, max_upload: int = MAX_UPLOAD,
 ) -> None:
-    """Serve until SIGINT or SIGTERM (see :func:`cas_ckpt.serve`)."""
+    """Serve until SIGINT or SIGTERM (see :func:`cas_ckpt.serve`). A location is opened
+    read-only, unless ``write_token`` lets pushes in."""
     _memory.return_freed_buffers()
+    options = {"token": token, "max_streams": max_streams, "write_token": write_token,
+               "max_upload": max_upload}
     if isinstance(repo, Repository):
-        asyncio.run(_serve(repo, host, port, token, max_streams, ready))
+        asyncio.run(_serve(repo, host, port, options, ready))
         return
-    with open_repository(repo, create=False, read_only=True) as opened:
-        asyncio.run(_serve(opened, host, port, token, max_streams, ready))
+    with open_repository(repo, create=False, read_only=write_token is None) as opened:
+        asyncio.run(_serve(opened, host, port, options, ready))
 
 
 async def _start(
-    repo: Repository, host: str, port: int, token: str | None, max_streams: int = MAX_STREAMS
+    repo: Repository, host: str, port: int, options: dict[str, Any]
 ) -> tuple[web.AppRunner, str]:
-    """The server listening; its runner and URL."""
+    """The server listening (``options``: :func:`make_app`'s); its runner and URL."""
     _quiet_client_faults()
-    runner = web.AppRunner(make_app(repo, token=token, max_streams=max_streams), access_log=None,
+    runner = web.AppRunner(make_app(repo, **options), access_log=None,
                            handle_signals=False, shutdown_timeout=5, keepalive_timeout=IDLE_CLOSE)
     await runner.setup()
     try:
@@ -698,10 +724,9 @@ async def _start(
 
 
 async def _serve(
-    repo: Repository, host: str, port: int, token: str | None, max_streams: int,
-    ready: Callable[[str], None] | None,
+    repo: Repository, host: str, port: int, options: dict[str, Any], ready: Callable[[str], None] | None,
 ) -> None:
-    runner, url = await _start(repo, host, port, token, max_streams)
+    runner, url = await _start(repo, host, port, options)
     try:
         if ready is not None:
             ready(url)
@@ -718,16 +743,18 @@ async def _serve(
 @contextlib.contextmanager
 def serving(
     repo: Repository, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-    max_streams: int = MAX_STREAMS,
+    max_streams: int = MAX_STREAMS, write_token: str | None = None, max_upload: int = MAX_UPLOAD,
 ) -> Iterator[str]:
-    """Serve ``repo`` on a thread of this process (a training job sharing what it saves) while
-    the ``with`` block runs; yields the URL (``port=0``: a free port)."""
+    """Serve ``repo`` on a thread of this process (a training job sharing what it saves, a peer
+    taking pushes with ``write_token``) while the ``with`` block runs; yields the URL
+    (``port=0``: a free port)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="cas_ckpt-serve", daemon=True)
     thread.start()
     try:
-        started = _start(repo, host, port, token, max_streams)
-        runner, url = asyncio.run_coroutine_threadsafe(started, loop).result()
+        options = {"token": token, "max_streams": max_streams, "write_token": write_token,
+                   "max_upload": max_upload}
+        runner, url = asyncio.run_coroutine_threadsafe(_start(repo, host, port, options), loop).result()
         try:
             yield url
         finally:

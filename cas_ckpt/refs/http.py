@@ -1,9 +1,14 @@
-"""Refs of a repository served over HTTP (``cas-ckpt serve``), read-only, from its JSON API.
+"""Refs of a repository served over HTTP (``cas-ckpt serve``), from its JSON API.
 
 ``GET /refs`` lists them, ``/refs/{name}`` reads one, ``/reflog/{name}``, ``/pins`` and
 ``/config`` the rest (``docs/format.md``, "HTTP"). A ref only names a root: every block it leads
 to is fetched and verified by the block store, so nothing here needs to be trusted beyond which
-checkpoint a name points at. Every change (a ref move, a pin, the save lock) is refused.
+checkpoint a name points at.
+
+Opened for writing, a ref moves by compare-and-swap on the server (``POST /api/v0/refs/{name}``,
+the write token's): it moves only if it still holds the old value and every block the new one
+needs is stored there. The save lock is the server's own, taken for each move; every other change
+(a delete, a pin, the config, leases) is refused: those belong to whoever runs the server.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any, NoReturn
 
 from cas_ckpt import cid as cidlib
 from cas_ckpt.backends.http import HttpRemote
-from cas_ckpt.errors import InvalidCID, RemoteError, RepositoryError
+from cas_ckpt.errors import CheckpointExpired, InvalidCID, RemoteError, RepositoryError
 from cas_ckpt.refs.base import Lease, ReflogEntry, RefStore, check_ref_name, listed_name
 
 
@@ -23,10 +28,12 @@ def _quoted(name: str) -> str:
 
 
 class HttpRefStore(RefStore):
-    """The refs, reflogs, pins and config of the repository served at ``remote``; read-only."""
+    """The refs, reflogs, pins and config of the repository served at ``remote``; refs move
+    there unless ``read_only``."""
 
-    def __init__(self, remote: HttpRemote) -> None:
+    def __init__(self, remote: HttpRemote, *, read_only: bool = True) -> None:
         self.remote = remote
+        self.read_only = read_only
 
     def _cid(self, text: Any, what: str) -> bytes:
         try:
@@ -84,12 +91,41 @@ class HttpRefStore(RefStore):
             raise RemoteError(self.remote.where("/config"), "did not answer with a config map")
         return found
 
-    # -- every change is refused ---------------------------------------------------------------
-    def _refuse(self) -> NoReturn:
-        raise RepositoryError(f"{self.remote.url} is read-only: refs cannot change over HTTP")
+    # -- ref moves: pushes; every other change is refused -------------------------------------
+    def _refuse(self, what: str = "refs cannot change") -> NoReturn:
+        how = "was opened read-only" if self.read_only else "takes only ref moves (pushes)"
+        raise RepositoryError(f"{self.remote.url} {how}: {what} over HTTP")
+
+    def set_if_equals(self, name: str, old: bytes | None, new: bytes, *, message: str = "") -> bool:
+        if old is None:
+            self._refuse("a ref cannot be set without knowing what it held")
+        return self._move(check_ref_name(name), old, new, message)
+
+    def add_if_new(self, name: str, new: bytes, *, message: str = "") -> bool:
+        return self._move(check_ref_name(name), None, new, message)
+
+    def _move(self, name: str, old: bytes | None, new: bytes, message: str) -> bool:
+        """POST the move: True once the ref holds ``new``, False if it held something else."""
+        if self.read_only:
+            self._refuse()
+        path = f"/api/v0/refs/{_quoted(name)}"
+        status, answer = self.remote.post_json(
+            path, {"old": cidlib.to_str(old) if old else None, "new": cidlib.to_str(new), "message": message},
+            answers=frozenset({200, 409, 412}))
+        if status == 404:
+            raise RemoteError(self.remote.where(path), "this server takes no pushes")
+        if status == 412:  # a block the server had when asked was collected before the move
+            missing = answer.get("missing") if isinstance(answer, dict) else None
+            raise CheckpointExpired(cidlib.to_str(new), (missing or ["?"])[0])
+        return status == 200
 
     def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
-        self._refuse()
+        self._refuse("refs cannot be deleted")
+
+    def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        if exclusive or self.read_only:
+            self._refuse("the repository's lock cannot be taken")
+        return contextlib.nullcontext()  # the server takes it for each move
 
     def drop_reflog(self, name: str, *, older_than: float | None = None) -> bool:
         self._refuse()
@@ -104,9 +140,6 @@ class HttpRefStore(RefStore):
         self._refuse()
 
     def update_config(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-        self._refuse()
-
-    def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         self._refuse()
 
     def lease(self, name: str, *, takeover: bool = False) -> Lease:
