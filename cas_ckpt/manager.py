@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,7 +59,7 @@ from cas_ckpt.refs import check_ref_name
 from cas_ckpt.refs.base import Lease, step_ref
 from cas_ckpt.repository import Commit, RepoOrPath, Repository, SaveReport, Target, ensure_open
 from cas_ckpt.tree import MAX_DEPTH, dtype_name, is_tensor, join_path
-from cas_ckpt.two_tier import ReplicationLag, Replicator, Retention, best_of, steps_of
+from cas_ckpt.two_tier import ReplicationLag, Replicator, RestoreReport, Retention, best_of, recover, steps_of
 
 __all__ = ["CheckpointManager", "snapshot"]
 
@@ -164,7 +165,9 @@ class CheckpointManager:
         self._handlers: dict[int, Any] = {}  # signal -> the handler installed before ours
         self.preempted_at: int | None = None  # the step at which reached_preemption said True
         self._lease: Lease | None = None
-        self._replicator: Replicator | None = None
+        self._replicators: list[Replicator] = []
+        self._tiered = isinstance(replicate_to, (list, tuple))  # a list: replication_lag is a list
+        self.last_restore: RestoreReport | None = None  # where the run's bytes last came from
         # A location is opened here and closed by close(); a Repository stays its caller's.
         self.repo, self._owns_repo = ensure_open(repo, storage_options)
         with contextlib.ExitStack() as undo:  # a manager that fails to start gives everything back
@@ -177,14 +180,15 @@ class CheckpointManager:
                 self._release_lease = weakref.finalize(self, self._lease.release)
                 undo.callback(self._release_lease)
             if replicate_to is not None and self._lease is not None:  # the run's writer replicates
-                self._replicator = self._start_replication(replicate_to, replicate_every, remote_retention,
-                                                           remote_storage_options)
-                undo.callback(self._replicator.stop)
+                self._replicators = self._start_replication(_tiers(replicate_to), replicate_every,
+                                                            remote_retention, remote_storage_options)
+                for replicator in self._replicators:
+                    undo.callback(replicator.stop)
             if fork_from is not None and self.repo.refs_store.get(self.ref) is None:
                 self._fork(fork_from)
             self._reconcile()
-            if self._replicator is not None:  # before any retention: what a dead manager left
-                self._replicator.queue_unsent()
+            for replicator in self._replicators:  # before any retention: what a dead manager left
+                replicator.queue_unsent()
             if preemption:
                 self._install_handlers(tuple(preemption_signals))
             undo.pop_all()
@@ -254,14 +258,14 @@ class CheckpointManager:
             raise ValueError(f"mode must be 'min' or 'max', not {mode!r}")
         self._drain()
         steps = {step: (self.repo, cid) for step, cid in self._step_refs().items()}
-        if self._replicator is not None:
+        for replicator in self._replicators:
             try:
-                remote = self._replicator.remote()
+                remote = replicator.remote()
                 for step, cid in steps_of(remote.refs_store, self._prefix).items():
                     steps.setdefault(step, (remote, cid))
             except (CasCkptError, OSError) as exc:
                 _log.warning("ranking the steps of %r without %s, out of reach (%s: %s)", self.ref,
-                             self._replicator.where, type(exc).__name__, exc)
+                             replicator.where, type(exc).__name__, exc)
 
         def metrics(step: int) -> Any:
             repo, cid = steps[step]
@@ -317,8 +321,8 @@ class CheckpointManager:
         """Block until the save in flight is durable (and, with ``replicate_to``, replicated:
         :class:`ReplicationFailed` if that keeps failing); return the CID of this manager's last save."""
         self._drain()
-        if self._replicator is not None:
-            self._replicator.wait()
+        for replicator in self._replicators:
+            replicator.wait()
         return self._last_cid
 
     def close(self) -> None:
@@ -329,9 +333,9 @@ class CheckpointManager:
             self._drain()
         finally:
             try:
-                if self._replicator is not None:
+                if self._replicators:
                     try:
-                        self._replicator.close()
+                        _close_all(self._replicators)
                     finally:
                         self._retain()  # steps retention kept while they were on their way
             finally:
@@ -354,9 +358,9 @@ class CheckpointManager:
         if dry_run:
             return found
         self._check_lease()
-        if self._replicator is not None:
-            self._replicator.stop()
-            self._replicator = None
+        for replicator in self._replicators:
+            replicator.stop()
+        self._replicators = []
         try:
             if found:
                 self.repo.delete_run(self.ref)
@@ -507,7 +511,8 @@ class CheckpointManager:
         try:
             target = self._target(step)
         except (StepNotFound, CheckpointExpired):
-            if self._replicator is None or (fetched := self._replicator.fetch(step)) is None:
+            fetched = self._fetch(step)
+            if fetched is None:
                 raise
             target = fetched
 
@@ -517,14 +522,30 @@ class CheckpointManager:
 
         try:
             return read()
-        except (CorruptBlock, BlockNotFound) as exc:  # local damage: the remote has a good copy
-            if self._replicator is None:
+        except (CorruptBlock, BlockNotFound) as exc:  # local damage: a tier has a good copy
+            if not self._replicators:
                 raise
-            _log.warning("restoring %s of %r: the local copy failed (%s); fetching it from %s",
-                         step, self.ref, exc, self._replicator.where)
-            if self._replicator.fetch(self._commit(target).step, repair=True) is None:
+            _log.warning("restoring %s of %r: the local copy failed (%s); fetching it from the first "
+                         "tier that holds a good one", step, self.ref, exc)
+            if self._fetch(self._commit(target).step, repair=True) is None:
                 raise
             return read()
+
+    def _fetch(self, step: int | None, *, repair: bool = False) -> bytes | None:
+        """Copy ``step`` (the latest when None) from the first tier, in list order, that holds
+        it and answers with verified blocks (recorded in :attr:`last_restore`); None if none."""
+        for replicator in self._replicators:
+            started = time.perf_counter()
+            try:
+                found = replicator.fetch(step, repair=repair)
+            except (CasCkptError, OSError) as exc:
+                _log.warning("cannot restore %s of %r from %s (%s: %s): trying the next tier", step,
+                             self.ref, replicator.where, type(exc).__name__, exc)
+                continue
+            if found is not None:
+                self.last_restore = RestoreReport.of(replicator, found, time.perf_counter() - started)
+                return found
+        return None
 
     def rewind(self, step: int) -> CID:
         """Make retained ``step`` the latest again: later steps leave :meth:`steps` (their commits
@@ -625,31 +646,45 @@ class CheckpointManager:
     def _replicate(self, step: int, cid: CID, written: int) -> None:
         """Queue a finished save (``written`` new bytes here) for the remote; a save after a
         preemption signal always."""
-        if self._replicator is not None:
-            self._replicator.saved(step, bytes(cid), written, now=self._preempted is not None)
+        for replicator in self._replicators:
+            replicator.saved(step, bytes(cid), written, now=self._preempted is not None)
 
     def _start_replication(
-        self, remote: Repository | str | os.PathLike[str], every: int | None,
-        rules: Mapping[str, Any] | None, storage_options: Mapping[str, Any] | None = None,
-    ) -> Replicator:
-        """The background replicator; first pulls the run if the remote is ahead of this side."""
-        retention = self._retention if rules is None else Retention.parse(
-            rules, best_metric=self._metric, best_mode=self.best_mode)
-        replicator = Replicator(self.repo, self.ref, remote, step_ref=self.step_ref, every=every,
-                                retention=retention, on_replicated=self._retain,
-                                storage_options=storage_options)
+        self, tiers: list[Repository | str | os.PathLike[str]], every: int | None,
+        rules: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None,
+        options: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None,
+    ) -> list[Replicator]:
+        """A background replicator per tier; first the run is brought up to the newest step any
+        tier holds, from the first tier (in list order) that holds it (:attr:`last_restore`)."""
+        replicators: list[Replicator] = []
         try:
-            replicator.resume()
+            settings = zip(tiers, _per_tier(rules, len(tiers), "remote_retention"),
+                           _per_tier(options, len(tiers), "remote_storage_options"), strict=True)
+            for tier, tier_rules, tier_options in settings:
+                retention = self._retention if tier_rules is None else Retention.parse(
+                    tier_rules, best_metric=self._metric, best_mode=self.best_mode)
+                replicators.append(Replicator(self.repo, self.ref, tier, step_ref=self.step_ref, every=every,
+                                              retention=retention, on_replicated=self._retain,
+                                              storage_options=tier_options))
+            if self._tiered:
+                self.last_restore = recover(self.repo, self.ref, replicators, self.step_ref)
+            for replicator in replicators:
+                replicator.resume(tolerant=self._tiered)
         except BaseException:
-            replicator.stop()
+            for replicator in replicators:
+                replicator.stop()
             raise
         _finish_at_exit(self)  # a script that ends without close() still replicates its last save
-        return replicator
+        return replicators
 
     @property
-    def replication_lag(self) -> ReplicationLag | None:
-        """How far the remote is behind (None without ``replicate_to``)."""
-        return None if self._replicator is None else self._replicator.lag
+    def replication_lag(self) -> ReplicationLag | list[ReplicationLag] | None:
+        """How far each tier is behind: one :class:`ReplicationLag` for a ``replicate_to`` given
+        alone, a list (in tier order) for a list; None without ``replicate_to``."""
+        if not self._replicators:
+            return None
+        lags = [replicator.lag for replicator in self._replicators]
+        return lags if self._tiered else lags[0]
 
     def _drain(self) -> None:
         """Wait for the save in flight; raise its failure as :class:`SaveFailed`, once.
@@ -682,8 +717,8 @@ class CheckpointManager:
             if self.keep_best is not None:
                 self._read_commits(steps.values())
             keep = self._retention.keep(steps, head, lambda cid: self._commit(cid).metadata.get("metrics"))
-            if self._replicator is not None:  # a step on its way to the remote stays until it is there
-                keep |= self._replicator.pending()
+            for replicator in self._replicators:  # a step on its way to a tier stays until it is there
+                keep |= replicator.pending()
             expired = sorted(set(steps) - keep)
             for step in expired:
                 self.repo.delete_ref(self.step_ref(step), expected=steps[step])
@@ -750,13 +785,15 @@ def _finish_saves() -> None:
     failures = []
     lost = False
     managers = [m for m in list(_ASYNC_MANAGERS)
-                if m._future is not None or (m._replicator is not None and not m._closed)]
+                if m._future is not None or (m._replicators and not m._closed)]
     for i, manager in enumerate(managers):
         try:
             manager._drain()
-            if manager._replicator is not None and not manager._closed:
-                manager._replicator.finish()  # the run's last save reaches the remote too
-                manager._replicator.wait()
+            if manager._replicators and not manager._closed:
+                for replicator in manager._replicators:
+                    replicator.finish()  # the run's last save reaches every tier too
+                for replicator in manager._replicators:
+                    replicator.wait()
         except SaveFailed as exc:
             failures.append(f"{exc}; the checkpoint was not saved")
             lost = True
@@ -815,6 +852,36 @@ class _FailingFlush:
             self._stream.flush()
         if sys.is_finalizing():
             raise RepositoryError("an async save failed at exit (reported above)")
+
+
+def _tiers(replicate_to: Any) -> list[Any]:
+    tiers = list(replicate_to) if isinstance(replicate_to, (list, tuple)) else [replicate_to]
+    if not tiers:
+        raise ValueError("replicate_to is an empty list: give at least one tier, or None")
+    return tiers
+
+
+def _per_tier(value: Any, count: int, name: str) -> list[Any]:
+    """One setting for every tier (a mapping or None), or a list with one per tier."""
+    if value is None or isinstance(value, Mapping):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"{name} lists {len(values)} settings for {count} tiers")
+    return values
+
+
+def _close_all(replicators: list[Replicator]) -> None:
+    """Close every tier's replicator (each waits for its queue); the first failure is raised
+    once all are closed: a dead tier does not stop the others' last pushes."""
+    failure: BaseException | None = None
+    for replicator in replicators:
+        try:
+            replicator.close()
+        except BaseException as exc:  # raised below, once every tier was closed
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 def _as_step(step: Any) -> int:

@@ -849,6 +849,10 @@ class Repository:
         ``grace`` seconds ago are kept. Waits for saves in progress and blocks new ones while it
         runs. See ``docs/gc.md``.
         """
+        if isinstance(self.refs_store, HttpRefStore) and not dry_run:  # the server collects its own
+            self._check_writable()
+            found = self.refs_store.collect(list(expire_reflogs))
+            return GCReport(**{k: v for k, v in found.items() if k in GCReport.__dataclass_fields__})
         with contextlib.nullcontext() if dry_run else self._writing():
             if not dry_run:
                 self._ensure_format()

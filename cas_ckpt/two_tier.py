@@ -1,11 +1,14 @@
-"""The two-tier CheckpointManager's parts: retention rules, and the background replicator.
+"""The tiered CheckpointManager's parts: retention rules, the background replicators, recovery.
 
-A manager with ``replicate_to`` saves to its (fast, local) repository first; the training loop
-waits only for that. A :class:`Replicator` thread then pushes each due checkpoint to the remote
-(durable object storage): its step ref and the run's ref, in one transfer that sends only the
-blocks the remote lacks (:mod:`cas_ckpt.replication`), then applies the remote's own retention.
-A failed push is logged, counted in :attr:`Replicator.lag` and retried with backoff; nothing is
-dropped: :meth:`Replicator.wait` raises :class:`ReplicationFailed` if it cannot catch up.
+A manager with ``replicate_to`` saves to its (fast, local: a disk, or RAM as a tmpfs folder)
+repository first; the training loop waits only for that. A :class:`Replicator` thread per tier
+(a peer's ``cas-ckpt serve``, a disk, object storage) then pushes each due checkpoint there: its
+step ref and the run's ref, in one transfer that sends only the blocks the tier lacks
+(:mod:`cas_ckpt.replication`), then applies the tier's own retention. Tiers never wait for each
+other. A failed push is logged, counted in :attr:`Replicator.lag` and retried with backoff;
+nothing is dropped: :meth:`Replicator.wait` raises :class:`ReplicationFailed` if it cannot catch
+up. :func:`recover` brings a new manager's run up to the newest step any tier holds, from the
+first tier in list order that holds it.
 """
 
 from __future__ import annotations
@@ -120,7 +123,64 @@ class ReplicationLag:
     replicated_step: int | None
     failures: int
     error: str | None
+    tier: str = ""  # where the tier is (its location)
 
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """Where a run's latest checkpoint came from when a manager started (or a restore fetched
+    one): the tier (``"local"``: its own repository had it), the step and commit, the blocks and
+    bytes fetched (only those the local repository lacked), and the seconds it took."""
+
+    tier: str
+    step: int | None
+    cid: bytes | None
+    blocks: int
+    bytes: int
+    seconds: float
+
+    __repr__ = cidlib.readable_repr
+
+    @classmethod
+    def of(cls, replicator: Replicator, cid: bytes, seconds: float) -> RestoreReport:
+        report = replicator.last_report
+        return cls(replicator.where, replicator.remote().commit(cid).step, cid,
+                   report.blocks_sent if report else 0, report.bytes_sent if report else 0, seconds)
+
+
+def recover(repo: Repository, ref: str, replicators: list[Replicator], step_ref: Callable[[int], str]
+            ) -> RestoreReport:
+    """Bring ``ref`` up to the newest step any tier holds, from the first tier in list order that
+    holds it and answers with blocks that pass verification (only the blocks ``repo`` lacks
+    travel). A tier out of reach, or whose blocks fail, is skipped with a warning, never trusted."""
+    started = time.perf_counter()
+    local = repo.refs_store.get(ref)
+    local_step = repo.commit(local).step if local is not None else None
+    heads: list[tuple[int, Replicator, bytes]] = []
+    for replicator in replicators:
+        try:
+            remote = replicator.remote()
+            head = remote.refs_store.get(ref)
+            step = remote.commit(head).step if head is not None else None
+        except (CasCkptError, OSError) as exc:
+            _log.warning("tier %s is out of reach (%s: %s): skipped", replicator.where,
+                         type(exc).__name__, exc)
+            continue
+        newer = local_step is None or (step is not None and step > local_step)
+        if head is not None and step is not None and head != local and newer:
+            heads.append((step, replicator, head))
+    newest = max((step for step, _, _ in heads), default=None)
+    for step, replicator, head in heads:
+        if step != newest:
+            continue
+        try:
+            replicator.pull(head, step)
+        except (CasCkptError, OSError) as exc:
+            _log.warning("restoring step %s of %r from %s failed (%s: %s): trying the next tier", step, ref,
+                         replicator.where, type(exc).__name__, exc)
+            continue
+        return RestoreReport.of(replicator, head, time.perf_counter() - started)
+    return RestoreReport("local", local_step, local, 0, 0, time.perf_counter() - started)
 
 class Replicator:
     """Pushes a run's due checkpoints to ``remote`` in a background thread (see the module)."""
@@ -168,16 +228,17 @@ class Replicator:
                 )
             return self._remote
 
-    def resume(self) -> None:
+    def resume(self, *, tolerant: bool = False) -> None:
         """Bring the local run up to the remote's before the first save, when the remote is
         ahead: a new node with an empty disk, or a disk older than what was replicated. A remote
-        that cannot be reached is an error only when the local repository lacks the run."""
+        that cannot be reached is an error only when the local repository lacks the run (and
+        never ``tolerant``: one tier of several)."""
         local = self.repo.refs_store.get(self.ref)
         try:
             remote = self.remote()
             head = remote.refs_store.get(self.ref)
         except (CasCkptError, OSError) as exc:
-            if local is None:
+            if local is None and not tolerant:
                 raise
             _log.warning("cannot reach %s to compare %r (%s: %s); replicating when it can",
                          self.where, self.ref, type(exc).__name__, exc)
@@ -185,12 +246,17 @@ class Replicator:
         if head is None or head == local or (local is not None and descends(self.repo, local, head)):
             self._remote_head = (head,)  # nothing there, or this side is ahead: pushes catch up
             return
-        step = remote.commit(head).step
-        # A fast-forward of the local ref (RefDiverged if the two hold different histories).
+        self.pull(head, remote.commit(head).step)
+
+    def pull(self, head: bytes, step: int | None) -> None:
+        """Fast-forward the local run to ``head`` (step ``step``) of the remote, its step ref too
+        (RefDiverged if the two hold different histories); only the missing blocks travel, each
+        verified."""
+        local = self.repo.refs_store.get(self.ref)
         updates = [Update(self.ref, head, force=local is None, expect=(None,) if local is None else None)]
         if step is not None:
             updates.append(Update(self.step_ref(step), head, force=True))
-        self.last_report = transfer(remote, self.repo, updates)
+        self.last_report = transfer(self.remote(), self.repo, updates)
         self._remote_head = (head,)
         self._replicated = step
 
@@ -276,6 +342,7 @@ class Replicator:
                 steps=len(self._pending), bytes=sum(n for _, n in self._pending.values()),
                 replicated_step=self._replicated, failures=self._failures,
                 error=None if self._error is None else f"{type(self._error).__name__}: {self._error}",
+                tier=self.where,
             )
 
     def wait(self) -> None:

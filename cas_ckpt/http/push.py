@@ -9,16 +9,21 @@ A client pushes in three kinds of request (``docs/format.md``, "Pushing over HTT
    block is hashed against its CID as it arrives, and all of them are durable before the 200;
    a stream over ``max_upload`` bytes gets 413, a malformed, corrupt or cut one 400, and then
    nothing of it is published (what a full pack of it left is unreferenced: GC's);
-3. ``POST /api/v0/refs/{name}`` ``{"old": cid | null, "new": cid, "message": str}`` moves one ref
-   by compare-and-swap once every block ``new`` needs is stored, GC held off meanwhile: 200
-   (also when the ref already holds ``new``: a retried request), 409 when it holds something
+3. ``POST /api/v0/refs/{name}`` ``{"old": cid | null, "new": cid | null, "message": str}`` moves
+   one ref by compare-and-swap once every block ``new`` needs is stored, GC held off meanwhile:
+   200 (also when the ref already holds ``new``: a retried request), 409 when it holds something
    other than ``old`` (``current`` says what), 412 when blocks are missing (a GC between the
-   upload and the move; the client uploads again). The reflog entry names the push's peer.
+   upload and the move; the client uploads again). ``new`` null deletes the ref if it holds
+   ``old`` (a pusher's retention). The reflog entry names the push's peer.
+
+``POST /api/v0/gc`` ``{"expire_reflogs": [ref or prefix, ...]}`` runs the repository's GC (a
+pusher's retention: what its deleted step refs held) and answers its report.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -62,11 +67,12 @@ def add_push_routes(app: web.Application, repo: Repository, *, max_upload: int =
     app[PUSH_REPO] = repo
     app[LIMIT] = max_upload
     app[WRITERS] = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="cas_ckpt-push")
-    app[WRITE_ROUTES] = {upload, move_ref}
+    app[WRITE_ROUTES] = {upload, move_ref, collect}
     app.on_cleanup.append(_stop_writers)
     app.router.add_post("/api/v0/blocks/missing", missing)
     app.router.add_post("/api/v0/blocks", upload)
     app.router.add_post(r"/api/v0/refs/{name:.+}", move_ref)
+    app.router.add_post("/api/v0/gc", collect)
 
 
 async def _stop_writers(app: web.Application) -> None:
@@ -212,7 +218,9 @@ async def move_ref(request: web.Request) -> web.Response:
     if not isinstance(payload, dict):
         raise _bad('expected {"old": CID or null, "new": CID, "message": text}')
     old = None if payload.get("old") is None else _cid(payload.get("old"), "old")
-    new = _cid(payload.get("new"), "new")
+    new = None if payload.get("new") is None else _cid(payload.get("new"), "new")
+    if new is None and old is None:
+        raise _bad("a delete names the value the ref must hold: old")
     message = payload.get("message") or "push"
     if not isinstance(message, str) or len(message) > 1000:
         raise _bad("message must be a string of at most 1000 characters")
@@ -227,12 +235,13 @@ async def move_ref(request: web.Request) -> web.Response:
         text = (f"{cidlib.to_str(new)} is not complete here: block {gone} is missing (upload it, then "
                 "move the ref again)")
         return _answer({"error": text, "missing": [gone]}, 412)
-    return _answer({"name": name, "cid": cidlib.to_str(new), "moved": moved})
+    return _answer({"name": name, "cid": cidlib.to_str(new) if new else None, "moved": moved})
 
 
-def _move(repo: Repository, name: str, old: bytes | None, new: bytes, message: str) -> bool:
-    """Move ``name`` from ``old`` to ``new`` if it still holds ``old`` and ``new`` is complete
-    here; False if it already held ``new``. GC waits meanwhile (the save lock, shared)."""
+def _move(repo: Repository, name: str, old: bytes | None, new: bytes | None, message: str) -> bool:
+    """Move ``name`` from ``old`` to ``new`` (None: delete it) if it still holds ``old`` and
+    ``new`` is complete here; False if it already held ``new``. GC waits meanwhile (the save
+    lock, shared)."""
     with repo.refs_store.lock(exclusive=False):
         current = repo.refs_store.get(name)
         if current == new:
@@ -240,12 +249,26 @@ def _move(repo: Repository, name: str, old: bytes | None, new: bytes, message: s
         if current != old:
             raise RefConflict(name, cidlib.to_str(old) if old else None,
                               cidlib.to_str(current) if current else None)
-        repo.check_complete(new)
-        moved = (repo.refs_store.add_if_new(name, new, message=message) if old is None
-                 else repo.refs_store.set_if_equals(name, old, new, message=message))
+        if new is None:
+            moved = repo.refs_store.remove_if_equals(name, old, message=message)
+        else:
+            repo.check_complete(new)
+            moved = (repo.refs_store.add_if_new(name, new, message=message) if old is None
+                     else repo.refs_store.set_if_equals(name, old, new, message=message))
         if not moved:
             current = repo.refs_store.get(name)
             raise RefConflict(name, cidlib.to_str(old) if old else None,
                               cidlib.to_str(current) if current else None)
-    repo.history.saved([new], {})
+    if new is not None:
+        repo.history.saved([new], {})
     return True
+
+
+async def collect(request: web.Request) -> web.Response:
+    payload = await _json_body(request)
+    expire = payload.get("expire_reflogs", []) if isinstance(payload, dict) else None
+    if not isinstance(expire, list) or not all(isinstance(e, str) for e in expire):
+        raise _bad('expected {"expire_reflogs": [ref or prefix, ...]}')
+    repo = request.app[PUSH_REPO]
+    report = await _on_writer(request, lambda: repo.gc(expire_reflogs=expire))
+    return _answer({k: v for k, v in dataclasses.asdict(report).items() if k != "unreachable"})

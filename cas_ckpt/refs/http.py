@@ -104,23 +104,38 @@ class HttpRefStore(RefStore):
     def add_if_new(self, name: str, new: bytes, *, message: str = "") -> bool:
         return self._move(check_ref_name(name), None, new, message)
 
-    def _move(self, name: str, old: bytes | None, new: bytes, message: str) -> bool:
-        """POST the move: True once the ref holds ``new``, False if it held something else."""
+    def remove_if_equals(self, name: str, old: bytes | None, *, message: str = "") -> bool:
+        if old is None:
+            self._refuse("a ref cannot be deleted without knowing what it holds")
+        return self._move(check_ref_name(name), old, None, message)
+
+    def _move(self, name: str, old: bytes | None, new: bytes | None, message: str) -> bool:
+        """POST the move (``new`` None: the delete): True once the ref holds ``new``, False if it
+        held something else."""
         if self.read_only:
             self._refuse()
         path = f"/api/v0/refs/{_quoted(name)}"
         status, answer = self.remote.post_json(
-            path, {"old": cidlib.to_str(old) if old else None, "new": cidlib.to_str(new), "message": message},
-            answers=frozenset({200, 409, 412}))
+            path, {"old": cidlib.to_str(old) if old else None, "new": cidlib.to_str(new) if new else None,
+                   "message": message}, answers=frozenset({200, 409, 412}))
         if status == 404:
             raise RemoteError(self.remote.where(path), "this server takes no pushes")
         if status == 412:  # a block the server had when asked was collected before the move
             missing = answer.get("missing") if isinstance(answer, dict) else None
-            raise CheckpointExpired(cidlib.to_str(new), (missing or ["?"])[0])
+            raise CheckpointExpired(cidlib.to_str(new or b""), (missing or ["?"])[0])
         return status == 200
 
+    def collect(self, expire_reflogs: list[str]) -> dict[str, Any]:
+        """Run GC on the server (``POST /api/v0/gc``): its report's fields."""
+        if self.read_only:
+            self._refuse("GC cannot run")
+        status, answer = self.remote.post_json("/api/v0/gc", {"expire_reflogs": expire_reflogs})
+        if status == 404 or not isinstance(answer, dict):
+            raise RemoteError(self.remote.where("/api/v0/gc"), "this server takes no pushes")
+        return answer
+
     def _swap(self, name: str, check: Any, new: bytes | None, message: str) -> bool:
-        self._refuse("refs cannot be deleted")
+        self._refuse("a ref cannot change but by compare-and-swap")
 
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         if exclusive or self.read_only:
