@@ -103,6 +103,14 @@ class CheckpointManager:
     or holds an older checkpoint of it than the remote, first pulls it from there (a new node
     resumes from object storage); :meth:`restore` fetches a step only the remote holds, or whose
     local copy fails verification. See ``docs/scale-out.md``.
+    ``replicate_to`` may be a list of tiers (``["http://peer:9000", "/nvme/ckpts", "s3://..."]``:
+    a peer's ``cas-ckpt serve --write-token``, disks, object storage), each pushed to by a thread
+    of its own (a slow or dead tier delays no other); ``remote_retention`` and
+    ``remote_storage_options`` are then one setting for all or a list with one per tier,
+    :attr:`replication_lag` a list, and a new manager first restores the newest step any tier
+    holds from the first tier (in list order) that holds it and passes verification, fetching
+    only what its repository lacks (:attr:`last_restore` says from where). See
+    ``docs/scale-out.md``, "Tiers".
     ``storage_options`` / ``remote_storage_options``: how ``repo`` / ``replicate_to``, when given
     as a location, are opened (as :func:`cas_ckpt.open` takes them: an S3 ``cache_dir``, an HTTP
     server's ``token``, ``timeout`` and ``min_rate``...).
