@@ -16,6 +16,7 @@ checkpoints") to the state it holds. No torch here: ``cas_ckpt.dcp`` builds on t
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ SHARDED_LAYOUT = 2  # its "version": 1 kept each rank's shard as an array of its
 # The encoded start of a layout-2 root node, a map of 4 whose first key is "format": a root that
 # starts otherwise is the state itself and is never decoded twice.
 _ROOT_PREFIX = b"\x84\xa6format"
-WINDOW = 64 * 1024 * 1024  # bytes one exchange round moves to or from a rank, and a region read holds
+WINDOW = 16 * 1024 * 1024  # bytes one exchange round moves to or from a rank, and a region read holds
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,33 +202,57 @@ class Exchange:
         self.rounds = self._rounds(window)
 
     def _rounds(self, window: int) -> list[Round]:
+        """Cut the transfers, in (tensor, chunk) order, into rounds: a round ends before the
+        chunk that would take some rank past ``window`` bytes sent or received (a round holds
+        at least one chunk)."""
         rounds: list[Round] = []
         start = (0, 0)
+        sent, got = [0] * self.world, [0] * self.world
         send = np.zeros((self.world, self.world), np.int64)
         picked: list[list[np.ndarray]] = [[] for _ in self.tensors]
+
+        def close(stop: tuple[int, int]) -> None:
+            segments = [np.concatenate(p) if p else np.zeros((0, 5), np.int64) for p in picked]
+            rounds.append(Round(start, stop, send.copy(), segments))
+
         for t, tensor in enumerate(self.tensors):
             segs = tensor.segments
             if not len(segs):
                 continue
-            dst = tensor.owners[segs[:, 0]]
-            moving = segs[:, 1] != dst
-            bounds = np.flatnonzero(np.diff(segs[:, 0])) + 1
-            for group in np.split(np.arange(len(segs)), bounds):
-                extra = np.zeros_like(send)
-                np.add.at(extra, (segs[group, 1][moving[group]], dst[group][moving[group]]),
-                          segs[group, 3][moving[group]])
-                total = send + extra
-                if send.any() and (total.sum(0).max() > window or total.sum(1).max() > window):
-                    stop = (t, int(segs[group[0], 0]))
-                    rounds.append(Round(start, stop, send, [np.concatenate(p) if p else segs[:0]
-                                                             for p in picked]))
-                    start, send = stop, np.zeros_like(send)
+            moving = segs[tensor.owners[segs[:, 0]] != segs[:, 1]]
+            if not len(moving):
+                picked[t].append(segs)
+                continue
+            chunk_of = moving[:, 0].tolist()
+            src_of, size_of = moving[:, 1].tolist(), moving[:, 3].tolist()
+            dst_of = tensor.owners[moving[:, 0]].tolist()
+            bounds = [0, *(np.flatnonzero(np.diff(moving[:, 0])) + 1).tolist(), len(moving)]
+            first_row = 0  # rows of segs (moving or not) not yet in a round
+            for a, b in itertools.pairwise(bounds):
+                extra_sent: dict[int, int] = {}
+                extra_got: dict[int, int] = {}
+                for i in range(a, b):
+                    extra_sent[src_of[i]] = extra_sent.get(src_of[i], 0) + size_of[i]
+                    extra_got[dst_of[i]] = extra_got.get(dst_of[i], 0) + size_of[i]
+                over = any(sent[r] + n > window for r, n in extra_sent.items()) or \
+                    any(got[r] + n > window for r, n in extra_got.items())
+                if over and send.any():
+                    stop = (t, chunk_of[a])
+                    cut = int(np.searchsorted(segs[:, 0], chunk_of[a]))
+                    picked[t].append(segs[first_row:cut])
+                    first_row = cut
+                    close(stop)
+                    start, sent, got = stop, [0] * self.world, [0] * self.world
+                    send[:] = 0
                     picked = [[] for _ in self.tensors]
-                    total = extra
-                send = total
-                picked[t].append(segs[group])
-        rounds.append(Round(start, (len(self.tensors), 0), send,
-                            [np.concatenate(p) if p else np.zeros((0, 5), np.int64) for p in picked]))
+                for i in range(a, b):
+                    send[src_of[i], dst_of[i]] += size_of[i]
+                for r, n in extra_sent.items():
+                    sent[r] += n
+                for r, n in extra_got.items():
+                    got[r] += n
+            picked[t].append(segs[first_row:])
+        close((len(self.tensors), 0))
         return rounds
 
     def chunks_in(self, t: int, round_: Round) -> range:

@@ -9,7 +9,7 @@ Saving: every rank learns every rank's shards (one small all-gather), and stores
 each tensor's grid (:mod:`cas_ckpt.grid`: the 1 MiB grid a single-process save cuts) that start
 in its shard, into a pack of its own, durable before ``write_data`` returns. A chunk across
 shards is assembled from its neighbours' edge bytes, sent over ``process_group`` in rounds of at
-most 64 MiB a rank. The coordinator then writes the state (each tensor's node from its chunks'
+most 16 MiB a rank. The coordinator then writes the state (each tensor's node from its chunks'
 CIDs: byte for byte the node ``repo.save`` writes for that tensor), DCP's metadata beside it,
 one commit, and moves the ref by compare-and-swap in ``finish``. Nothing is pickled on disk.
 
@@ -263,8 +263,8 @@ class Writer(StorageWriter):
             save = _RankSave(txn.tree, group, planner, plan.items, grid, dtypes)
             chunks = save.run()
             self.moved_bytes = save.moved
-            results = [self._result(txn.tree, item, planner, chunks, save.data, _key(item.index) in held)
-                       for item in plan.items]
+            results = [self._result(txn.tree, item, planner, chunks, save.data, _key(item.index) in held,
+                                    item.index.fqn in dtypes) for item in plan.items]
         self.stats.add(txn.stats)
         receipt = txn.blocks.receipt()
         if results and receipt:
@@ -276,7 +276,11 @@ class Writer(StorageWriter):
         return future
 
     def _result(self, tree: TreeWriter, item: WriteItem, planner: SavePlanner,
-                chunks: dict[str, dict[int, bytes]], data: dict[str, np.ndarray], held: bool) -> WriteResult:
+                chunks: dict[str, dict[int, bytes]], data: dict[str, np.ndarray], held: bool,
+                gridded: bool) -> WriteResult:
+        """What the coordinator learns of ``item``: the grid chunks this rank stored of a
+        ``gridded`` tensor (none, where its shard holds no chunk's most bytes), a small tensor's
+        bytes, or a value."""
         fqn = item.index.fqn
         if item.type == WriteItemType.BYTE_IO:
             value = _item_value(item, planner)
@@ -286,8 +290,8 @@ class Writer(StorageWriter):
             return WriteResult(item.index, 0, _Stored("value", value, fingerprint if held else None))
         raw = data[fqn]
         fingerprint = hashlib.sha256(raw).digest() if held else None
-        if fqn in chunks:
-            return WriteResult(item.index, raw.nbytes, _Stored("chunks", chunks[fqn], fingerprint))
+        if gridded:
+            return WriteResult(item.index, raw.nbytes, _Stored("chunks", chunks.get(fqn, {}), fingerprint))
         return WriteResult(item.index, raw.nbytes, _Stored("bytes", raw.tobytes(), fingerprint))
 
     def _replicas(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
