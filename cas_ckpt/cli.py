@@ -42,7 +42,7 @@ from cas_ckpt.errors import (
 )
 from cas_ckpt.http import DEFAULT_PORT, ENV_TOKEN, ENV_WRITE_TOKEN, MAX_STREAMS, MAX_UPLOAD, STREAM_WAIT
 from cas_ckpt.maintenance.describe import describe_leaf, jsonable
-from cas_ckpt.maintenance.diff import DiffReport, leaves
+from cas_ckpt.maintenance.diff import DiffReport, leaves, value_group
 from cas_ckpt.maintenance.gc import DEFAULT_REFLOG_EXPIRY
 from cas_ckpt.maintenance.lanes import GraphRow, passing
 from cas_ckpt.maintenance.tensors import TensorStats
@@ -198,7 +198,10 @@ def _register_reading(sub: Any, json_flag: Any) -> None:
     p.add_argument("path", nargs="?", metavar="PATH", help="only values below this dotted path")
     p.add_argument("--stat", action="store_true", help="print only the counts")
     p.add_argument("--by-tensor", action="store_true",
-                   help="the relative change ||a-b||/||a|| of each changed tensor, largest first")
+                   help="the relative change ||a-b||/||a|| of each changed tensor: model weights, "
+                        "optimizer state, other values, each largest first")
+    p.add_argument("--model-only", action="store_true",
+                   help="only model weights (not optimizer state, step counters, RNG states...)")
     p = _add(sub, "stats", cmd_stats, "per-tensor statistics (min, max, mean, std, L2 norm, NaN and "
              "Inf counts), streamed", json_flag)
     p.add_argument("target", metavar="TARGET", help="ref or CID")
@@ -981,6 +984,8 @@ def _table(header: list[str], rows: list[list[str]]) -> None:
 def cmd_diff(args: argparse.Namespace) -> int:
     with open_repo(args) as repo:
         report = repo.diff(resolve_live(repo, args.a), resolve_live(repo, args.b), path=args.path)
+    if args.model_only:
+        report = report.model_only()
     if args.by_tensor:
         return _diff_by_tensor(args, report)
     if args.json:
@@ -1008,18 +1013,27 @@ def _diff_by_tensor(args: argparse.Namespace, report: DiffReport) -> int:
     others = len(report.changed) - len(tensors)
     if args.json:
         _print_json({"identical": report.identical, "tensors": [
-            {"path": c.path, "relative": c.relative, "l2": c.l2, "a_norm": c.a_norm, "max_abs": c.max_abs}
+            {"path": c.path, "group": value_group(c.path), "relative": c.relative, "l2": c.l2,
+             "a_norm": c.a_norm, "max_abs": c.max_abs}
             for c in tensors], "added": report.added, "removed": report.removed,
             "other_changes": others, "unchanged": report.unchanged})
     else:
         width = max([len("PATH"), *(len(c.path) for c in tensors)])
         _print(f"{'RELATIVE':>10}  {'PATH':<{width}}  {'||A-B||':>10}  {'||A||':>10}  {'MAX |A-B|':>10}")
+        shown = None
         for c in tensors:
+            group = value_group(c.path)
+            if group != shown:  # model weights, then optimizer state, then the rest
+                _print(f"{_GROUP_TITLES[group]}:")
+                shown = group
             _print(f"{_number(c.relative):>10}  {c.path:<{width}}  {_number(c.l2):>10}  "
                    f"{_number(c.a_norm):>10}  {_number(c.max_abs):>10}")
         _print(f"{_count(len(tensors), 'tensor')} changed, {others} other values changed, "
                f"{len(report.added)} added, {len(report.removed)} removed, {report.unchanged} unchanged")
     return EXIT_OK if report.identical else EXIT_CHECK
+
+
+_GROUP_TITLES = {"model": "model weights", "optimizer": "optimizer state", "other": "other values"}
 
 
 def _number(value: float | int | None) -> str:

@@ -9,7 +9,9 @@ has drawn, fail on any console error.
 
 ``small_repository``: a few runs made by CheckpointManager (a base run with expired steps, a
 fine-tune forked from it that changes known tensors, a run with a NaN planted at one step, a
-merge, and a long run to page through). ``large_repository``: 2,000 commits of 10,000 tensors
+merge, a long run to page through, and an Adam-like run whose state holds optimizer moments, a
+step and RNG state beside the weights (one of them at a long path) and whose loss diverges to
+Inf and NaN). ``large_repository``: 2,000 commits of 10,000 tensors
 each (and a fork), written through one transaction: each commit re-encodes only the layer it
 changes and links the others, so it takes seconds, not the hours 2,000 full saves would.
 """
@@ -104,6 +106,13 @@ FINE_TUNED = ["model.layers.2.weight", "model.layers.2.bias", "head.weight"]  # 
 NAN_STEP = 7  # the step at which runs/unstable first holds a NaN
 LONG_COMMITS = 230  # more than one page of the history graph (200 rows)
 LAYERS = 75  # 2 tensors each: 150 values plus head and step, two pages of the tree (100 rows)
+ADAM_STEPS = 6  # runs/adam: loss finite up to step 4, Inf at 5, NaN at 6; lr 0 at step 1
+ADAM_INF_STEP, ADAM_NAN_STEP = 5, 6
+# a weight at a long path (the checkpoint page must still fit 1,400 px)
+LONG_KEY = ("transformer_encoder_stack_with_a_rather_long_descriptive_name.layer_000."
+            "multi_head_self_attention_projection.query_key_value_weight_matrix_parameters")
+ADAM_MODEL = ["model.embed.weight", "model.proj.weight", f"model.{LONG_KEY}"]
+ADAM_OPTIMIZER = [f"optim.state.{i}.{m}" for i in range(3) for m in ("exp_avg", "exp_avg_sq")]
 
 
 @dataclass
@@ -169,7 +178,36 @@ def small_repository(path: Path) -> Facts:
                                         metadata={"metrics": {"loss": 1.0 / step}}, message=None)
             assert parent is not None
             txn.move_ref("runs/long", None, parent, "generated")
+        adam_run(repo, rng)
     return facts
+
+
+def adam_run(repo: cas_ckpt.Repository, rng: np.random.Generator) -> None:
+    """runs/adam: weights that move a little each step, optimizer moments and RNG state that
+    change wholly (relative change near 1 or more), a step counter; the loss goes to Inf, then NaN."""
+    def nested(path: str, value: object) -> dict[str, object]:
+        for key in reversed(path.split(".")):
+            value = {key: value}
+        return value  # type: ignore[return-value]
+
+    weights = {"embed": {"weight": rng.standard_normal((32, 8)).astype(np.float32)},
+               "proj": {"weight": rng.standard_normal((8, 8)).astype(np.float32)},
+               **nested(LONG_KEY, rng.standard_normal((4, 4)).astype(np.float32))}
+    with cas_ckpt.CheckpointManager(repo, "runs/adam", keep_last=ADAM_STEPS) as adam:
+        for step in range(1, ADAM_STEPS + 1):
+            weights = {k: _scaled(v, 1.001) for k, v in weights.items()}
+            moments = {str(i): {"exp_avg": rng.standard_normal(64).astype(np.float32),
+                                "exp_avg_sq": rng.random(64).astype(np.float32)} for i in range(3)}
+            state = {"model": weights, "optim": {"state": moments, "param_groups": [{"lr": 1e-3}]},
+                     "step": step, "rng": rng.integers(0, 2**32, 16, dtype=np.uint32)}
+            loss = {ADAM_INF_STEP: float("inf"), ADAM_NAN_STEP: float("nan")}.get(step, 2.0 / step)
+            adam.save(step, state, metrics={"loss": loss, "lr": 0.0 if step == 1 else 1e-3})
+
+
+def _scaled(value: object, factor: float) -> object:
+    if isinstance(value, dict):
+        return {k: _scaled(v, factor) for k, v in value.items()}
+    return value * np.float32(factor)  # type: ignore[operator]
 
 
 def large_repository(path: Path, *, commits: int = 2000, tensors: int = 10_000, fork_commits: int = 300,

@@ -24,7 +24,13 @@ from urllib.parse import quote
 
 import pytest
 from browsing import (
+    ADAM_INF_STEP,
+    ADAM_MODEL,
+    ADAM_NAN_STEP,
+    ADAM_OPTIMIZER,
+    ADAM_STEPS,
     FINE_TUNED,
+    LONG_KEY,
     NAN_STEP,
     Facts,
     chromium,
@@ -75,13 +81,51 @@ def attribute_values(driver: Any, css: str, name: str) -> list[str]:
     return [row.get_attribute(name) for row in rows(driver, css)]
 
 
+def chart(driver: Any, metric: str) -> Any:
+    return driver.find_element("css selector", f"svg.chart[data-metric={metric}]")
+
+
+def series_colors(driver: Any, metric: str) -> dict[str, str]:
+    return {g.get_attribute("data-ref"): g.get_attribute("data-color")
+            for g in rows(driver, f"svg.chart[data-metric={metric}] g.series")}
+
+
+def legend(driver: Any, metric: str) -> list[str]:
+    box = chart(driver, metric).find_element("xpath", "..")
+    return [span.get_attribute("data-ref") for span in box.find_elements("css selector", ".legend > span")]
+
+
+def tick(driver: Any, step: int) -> None:
+    driver.find_element("css selector", f"#graph tr[data-step='{step}'] input.pick").click()
+
+
+def open_diff(driver: Any) -> None:
+    driver.find_element("id", "diff-picked").click()
+    wait_for(driver, "document.body.dataset.ready === 'diff'")
+    wait_for(driver, "document.getElementById('changed').dataset.state === 'done'")
+    no_console_errors(driver)
+
+
+def side(driver: Any, which: str) -> dict[str, str]:
+    found = driver.find_element("id", f"side-{which}")
+    return {key: found.get_attribute(f"data-{key}") for key in ("run", "step", "cid")}
+
+
 # -- runs ------------------------------------------------------------------------------------------
 def test_runs_page_lists_every_run_filters_and_shows_storage(driver: Any, server: str, facts: Facts) -> None:
     visit(driver, f"{server}/", "runs")  # / leads to the runs page
     runs = attribute_values(driver, "#runs tbody tr", "data-ref")
-    assert runs == ["runs/base", "runs/ft", "runs/long", "runs/merged", "runs/unstable"]
+    assert runs == ["runs/adam", "runs/base", "runs/ft", "runs/long", "runs/merged", "runs/unstable"]
     steps = [row.find_elements("css selector", "td")[2].text for row in rows(driver, "#runs tbody tr")]
-    assert steps == ["12", "11", str(facts.long_commits), "13", "10"]
+    assert steps == [str(ADAM_STEPS), "12", "11", str(facts.long_commits), "13", "10"]
+    # each run's parent and fork step: the fine-tune forked from base at step 8, the merge
+    # continued base from its head (step 12); the others started on their own
+    forks = {row.get_attribute("data-ref"): (row.find_element("css selector", ".parent").text,
+                                             row.find_element("css selector", ".fork-step").text)
+             for row in rows(driver, "#runs tbody tr")}
+    alone = ("", "")
+    assert forks == {"runs/adam": alone, "runs/base": alone, "runs/long": alone, "runs/unstable": alone,
+                     "runs/ft": ("runs/base", str(facts.fork_step)), "runs/merged": ("runs/base", "12")}
     wait_for(driver, "document.getElementById('runs').dataset.storage === 'done'")
     with cas_ckpt.open(facts.path, read_only=True) as repo:
         report = {r.run: r for r in repo.stats().runs}
@@ -107,13 +151,19 @@ def test_runs_compared_on_one_chart(driver: Any, server: str) -> None:
     driver.find_element("id", "compare").click()
     wait_for(driver, "document.body.dataset.ready === 'run'")
     no_console_errors(driver)
-    series = attribute_values(driver, "svg.chart[data-metric=loss] g.series", "data-ref")
-    assert series == ["runs/long", "runs/unstable"]
+    assert legend(driver, "loss") == ["runs/long", "runs/unstable"]
+    drawn = attribute_values(driver, "svg.chart[data-metric=loss] g.series", "data-ref")
+    assert drawn == ["runs/unstable", "runs/long"]  # the first drawn last: on top
 
 
 # -- a run's history ----------------------------------------------------------------------------
 def test_run_page_draws_the_graph_and_the_charts(driver: Any, server: str, facts: Facts) -> None:
     visit(driver, f"{server}/ui/run?ref=runs/base", "run")
+    # the history table holds runs/base's own history; the related runs behind a toggle
+    steps = [int(s) for s in attribute_values(driver, "#graph tbody tr", "data-step")]
+    assert steps == facts.base_steps[::-1]
+    driver.find_element("id", "related").click()
+    wait_for(driver, "document.getElementById('graph').dataset.related === '1'")
     # runs/base, and the runs that share history with it: the fine-tune forked from it, the merge
     expected_commits = len(facts.base_steps) + len(facts.ft_steps) + 1
     wait_for(driver, "!document.getElementById('more') || document.getElementById('more').hidden")
@@ -137,6 +187,75 @@ def test_run_page_draws_the_graph_and_the_charts(driver: Any, server: str, facts
     assert points == {("loss", "runs/base"): 12, ("loss", "runs/ft"): facts.fork_step + 3,
                       ("loss", "runs/merged"): 12, ("lr", "runs/base"): 12, ("lr", "runs/ft"): lr_in_ft,
                       ("lr", "runs/merged"): 12}
+
+
+def test_the_viewed_run_is_on_top_first_and_keeps_its_colour(driver: Any, server: str, facts: Facts) -> None:
+    with cas_ckpt.open(facts.path, read_only=True) as repo:
+        own = [str(c.cid) for c in repo.log("runs/ft")]
+    visit(driver, f"{server}/ui/run?ref=runs/ft", "run")
+    colors = {}
+    for metric in ("loss", "lr"):
+        drawn = attribute_values(driver, f"svg.chart[data-metric={metric}] g.series", "data-ref")
+        assert drawn[-1] == "runs/ft" and legend(driver, metric)[0] == "runs/ft", (metric, drawn)
+        colors[metric] = series_colors(driver, metric)
+    assert colors["loss"] == colors["lr"] and len(set(colors["loss"].values())) == 3
+    ft = colors["loss"]["runs/ft"]
+    # the history table: runs/ft's history, newest first; no other run's commit before it
+    assert attribute_values(driver, "#graph tbody tr", "data-cid") == own
+    lanes = {c.get_attribute("stroke") for c in rows(driver, "#graph tbody tr:first-child circle.commit")}
+    assert lanes == {ft}
+    visit(driver, f"{server}/ui/run?ref=runs/base", "run")  # the same colours on another run's page
+    assert attribute_values(driver, "svg.chart[data-metric=loss] g.series", "data-ref")[-1] == "runs/base"
+    assert series_colors(driver, "loss") == colors["loss"]
+    visit(driver, f"{server}/ui/runs", "runs")
+    assert driver.find_element("css selector", "#runs tr[data-ref='runs/ft'] .swatch").get_attribute(
+        "data-color") == ft
+
+
+def test_charts_mark_nonfinite_values_zoom_and_log_scale(driver: Any, server: str) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.support.ui import Select
+
+    visit(driver, f"{server}/ui/run?ref=runs/adam", "run")
+    loss = chart(driver, "loss")
+    # NaN and Inf are marked at the top edge, not dropped; the finite values are points
+    marks = [(m.get_attribute("data-step"), m.get_attribute("data-value"))
+             for m in loss.find_elements("css selector", "path.nonfinite")]
+    assert marks == [(str(ADAM_INF_STEP), "Inf"), (str(ADAM_NAN_STEP), "NaN")]
+    title = loss.find_element("css selector", f"path.nonfinite[data-step='{ADAM_NAN_STEP}'] title")
+    assert title.get_attribute("textContent") == f"runs/adam: loss NaN at step {ADAM_NAN_STEP}"
+    assert len(loss.find_elements("css selector", "circle.point")) == ADAM_STEPS - 2
+    # drag across steps 1.5..4.5: the x range narrows; a double click puts it back, opening nothing
+    full = (loss.get_attribute("data-x0"), loss.get_attribute("data-x1"))
+    assert full == ("1", str(ADAM_STEPS))
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", loss)
+    width = loss.size["width"]  # 560: the plot runs from x=56 to x=548
+    ActionChains(driver).move_to_element_with_offset(loss, 56 + 492 * 0.1 - width / 2, 0).click_and_hold() \
+        .move_by_offset(int(492 * 0.6), 0).release().perform()
+    wait_for(driver, "document.querySelector('svg.chart[data-metric=loss]').dataset.zoomed === '1'")
+    x0, x1 = float(loss.get_attribute("data-x0")), float(loss.get_attribute("data-x1"))
+    assert 1.3 < x0 < 1.7 and 4.3 < x1 < 4.7, (x0, x1)
+    assert len(loss.find_elements("css selector", "circle.point")) == 3  # steps 2, 3 and 4
+    assert len(loss.find_elements("css selector", "path.nonfinite")) == 0
+    page = driver.current_url
+    ActionChains(driver).double_click(loss).perform()
+    wait_for(driver, "document.querySelector('svg.chart[data-metric=loss]').dataset.zoomed === ''")
+    assert (loss.get_attribute("data-x0"), loss.get_attribute("data-x1")) == full
+    driver.execute_script("return new Promise((done) => setTimeout(done, 600))")
+    assert driver.current_url == page and driver.execute_script("return document.body.dataset.ready") == "run"
+    # log scale: every chart; a value <= 0 (lr 0 at step 1) is left out and the chart says so
+    driver.find_element("id", "log-scale").click()
+    assert loss.get_attribute("data-log") == "1" == chart(driver, "lr").get_attribute("data-log")
+    lr_box = chart(driver, "lr").find_element("xpath", "..")
+    note = lr_box.find_element("css selector", ".chart-note").text
+    assert note == "1 value ≤ 0 not drawn on the log scale."
+    assert len(chart(driver, "lr").find_elements("css selector", "circle.point")) == ADAM_STEPS - 1
+    # smoothing (off by default): a smoothed line over the raw one
+    assert not loss.find_elements("css selector", "polyline.smoothed")
+    Select(driver.find_element("id", "smoothing")).select_by_visible_text("0.9")
+    assert loss.get_attribute("data-smooth") == "0.9"
+    assert len(loss.find_elements("css selector", "polyline.smoothed")) == 1
+    no_console_errors(driver)
 
 
 def test_history_pages_load_lazily(driver: Any, server: str, facts: Facts) -> None:
@@ -227,28 +346,92 @@ def test_diff_page_lists_exactly_the_fine_tuned_tensors(driver: Any, server: str
         fork = str(repo.resolve("runs/base.steps/000000000008"))
         report = repo.diff(fork, "runs/ft")
     visit(driver, f"{server}/ui/run?ref=runs/ft", "run")
-    for step in (str(facts.fork_step), str(facts.ft_steps[-1])):
-        driver.find_element("css selector", f"#graph tr[data-step='{step}'] input.pick").click()
-    driver.find_element("id", "diff-picked").click()
-    wait_for(driver, "document.body.dataset.ready === 'diff'")
-    wait_for(driver, "document.getElementById('changed').dataset.state === 'done'")
-    no_console_errors(driver)
-    listed = attribute_values(driver, "#changed tbody tr", "data-path")
+    for step in (facts.fork_step, facts.ft_steps[-1]):
+        tick(driver, step)
+    open_diff(driver)
+    assert side(driver, "a") == {"run": "runs/base", "step": str(facts.fork_step), "cid": fork}
+    assert side(driver, "b")["run"] == "runs/ft" and side(driver, "b")["step"] == str(facts.ft_steps[-1])
+    listed = attribute_values(driver, "#changed tbody tr[data-path]", "data-path")
     assert sorted(listed) == sorted(FINE_TUNED)
     relative = {c.path: c.relative for c in report.changed if c.relative is not None}
-    assert listed == sorted(relative, key=lambda p: -relative[p])  # largest change first
+    model = [p for p in FINE_TUNED if p.startswith("model.")]  # head.weight is no model.* path: other
+    assert listed == [*sorted(model, key=lambda p: -relative[p]), "head.weight"]  # largest change first
     shown = {r.get_attribute("data-path"): float(r.get_attribute("data-relative"))
-             for r in rows(driver, "#changed tbody tr")}
+             for r in rows(driver, "#changed tbody tr[data-path]")}
     assert shown == pytest.approx(relative, rel=1e-12)
     assert [li.text for li in rows(driver, "#other-changes li")] == ["step: 8 -> 11"]
     layers = attribute_values(driver, "#layers rect.layer", "data-layer")
     assert sorted(layers) == ["head", "model.layers.2"]
-    sides = driver.find_elements("css selector", "#changed tbody tr:first-child a")
+    sides = driver.find_elements("css selector", "#changed tbody tr[data-path] a")[:2]
     assert [a.text for a in sides] == ["A", "B"]
     sides[1].click()
     wait_for(driver, "document.body.dataset.ready === 'checkpoint'")
     assert driver.find_element("id", "cid").text == str(report and cas_ckpt.open(facts.path, read_only=True)
                                                          .resolve("runs/ft"))
+
+
+def test_diff_direction_sides_swap_and_groups(driver: Any, server: str, facts: Facts) -> None:
+    with cas_ckpt.open(facts.path, read_only=True) as repo:
+        cids = {c.step: str(c.cid) for c in repo.log("runs/adam")}
+    for ticked in ((ADAM_STEPS, 2), (2, ADAM_STEPS)):  # either order: from the older to the newer
+        visit(driver, f"{server}/ui/run?ref=runs/adam", "run")
+        for step in ticked:
+            tick(driver, step)
+        open_diff(driver)
+        assert side(driver, "a") == {"run": "runs/adam", "step": "2", "cid": cids[2]}, ticked
+        assert side(driver, "b") == {"run": "runs/adam", "step": str(ADAM_STEPS), "cid": cids[ADAM_STEPS]}
+        assert driver.find_element("id", "direction").text == "From A to B: older → newer"
+        assert cids[2] in driver.find_element("id", "side-a").text  # the CID written out
+    # model weights first (though the moments and the RNG state changed far more), then the
+    # optimizer state, then the rest
+    groups = {g: attribute_values(driver, f"#changed tbody[data-group={g}] tr[data-path]", "data-path")
+              for g in ("model", "optimizer", "other")}
+    assert sorted(groups["model"]) == sorted(ADAM_MODEL) and f"model.{LONG_KEY}" in groups["model"]
+    assert sorted(groups["optimizer"]) == sorted(ADAM_OPTIMIZER) and groups["other"] == ["rng"]
+    listed = attribute_values(driver, "#changed tbody tr[data-path]", "data-path")
+    assert listed == groups["model"] + groups["optimizer"] + groups["other"]
+    relative = {r.get_attribute("data-path"): float(r.get_attribute("data-relative"))
+                for r in rows(driver, "#changed tbody tr[data-path]")}
+    assert max(relative[p] for p in ADAM_MODEL) < min(relative[p] for p in ADAM_OPTIMIZER)
+    for members in groups.values():
+        assert [relative[p] for p in members] == sorted((relative[p] for p in members), reverse=True)
+    # model only: the optimizer state and the other values (step: 2 -> 6) out of sight
+    assert driver.find_element("id", "other-changes").is_displayed()
+    driver.find_element("id", "model-only").click()
+    shown = [r.get_attribute("data-path") for r in rows(driver, "#changed tbody tr[data-path]")
+             if r.is_displayed()]
+    assert sorted(shown) == sorted(ADAM_MODEL)
+    assert not driver.find_element("id", "other-changes").is_displayed()
+    layers = attribute_values(driver, "#layers rect.layer", "data-layer")
+    assert layers and all(name.startswith("model.") for name in layers)
+    assert "model=1" in driver.current_url
+    # swap: newer -> older, said so
+    driver.find_element("id", "swap").click()
+    wait_for(driver, "document.body.dataset.ready === 'diff' && document.getElementById('side-a')"
+                     f".dataset.step === '{ADAM_STEPS}'")
+    assert side(driver, "b")["step"] == "2"
+    assert driver.find_element("id", "direction").text == "From A to B: newer → older"
+    assert driver.find_element("id", "model-only").is_selected()
+    no_console_errors(driver)
+
+
+# -- layout --------------------------------------------------------------------------------------
+def test_pages_fit_1400_pixels(driver: Any, server: str) -> None:
+    """The checkpoint page (a weight at a long path, CIDs written out) and the diff page fit a
+    1,400 px window: long values wrap, nothing scrolls sideways."""
+    driver.set_window_size(1400, 900)
+    try:
+        for path, page in (("/ui/checkpoint?target=runs/adam&ref=runs/adam", "checkpoint"),
+                           ("/ui/diff?a=runs/adam~4&b=runs/adam", "diff"), ("/ui/runs", "runs")):
+            visit(driver, server + path, page)
+            width, visible = driver.execute_script(
+                "return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+            assert width <= visible <= 1400, (path, width, visible)
+        visit(driver, f"{server}/ui/checkpoint?target=runs/adam&ref=runs/adam", "checkpoint")
+        cell = driver.find_element("css selector", f"#tree tr[data-path='model.{LONG_KEY}'] td.path")
+        assert cell.size["height"] > 30  # wrapped onto a second line
+    finally:
+        driver.set_window_size(1280, 900)
 
 
 # -- health ------------------------------------------------------------------------------------
@@ -330,7 +513,10 @@ def test_a_large_repository_stays_usable(driver: Any, tmp_path: Path) -> None:
         for path, page in pages:
             visit(driver, base + path, page)
         visit(driver, f"{base}/ui/run?ref=runs/big", "run")
-        assert driver.find_element("id", "graph").get_attribute("data-total") == "2300"
+        assert driver.find_element("id", "graph").get_attribute("data-total") == "2000"  # its own history
+        assert len(rows(driver, "#graph circle.commit")) == 200
+        driver.find_element("id", "related").click()  # and the fork's
+        wait_for(driver, "document.getElementById('graph').dataset.total === '2300'")
         assert len(rows(driver, "#graph circle.commit")) == 200
         chart = "svg.chart[data-metric=loss] g.series[data-ref='runs/big']"
         line = driver.find_element("css selector", chart)

@@ -74,7 +74,8 @@ def test_diff_by_tensor_sorts_by_relative_change(repo: Path) -> None:
     lines = done.stdout.splitlines()
     assert lines[0].split() == ["RELATIVE", "PATH", "||A-B||", "||A||", "MAX", "|A-B|"]
     # model.b: -inf at step 3 makes its change infinite; model.a moved by 1.1^2 - 1 = 21%
-    assert [line.split()[:2] for line in lines[1:3]] == [["inf", "model.b"], ["0.21", "model.a"]]
+    assert lines[1] == "model weights:"
+    assert [line.split()[:2] for line in lines[2:4]] == [["inf", "model.b"], ["0.21", "model.a"]]
     assert lines[-1] == "2 tensors changed, 1 other values changed, 0 added, 0 removed, 1 unchanged"
     report = json.loads(cas(repo, "diff", "run~3", "run~2", "--by-tensor", "--json").stdout)
     assert [t["path"] for t in report["tensors"]] == ["model.a", "model.b"]
@@ -84,3 +85,31 @@ def test_diff_by_tensor_sorts_by_relative_change(repo: Path) -> None:
         {k: v for k, v in relative.items() if v is not None}, rel=1e-15)
     same = cas(repo, "diff", "run", "run", "--by-tensor")
     assert same.returncode == 0
+
+
+def test_diff_by_tensor_groups_weights_before_optimizer_state_and_the_rest(tmp_path: Path) -> None:
+    """Adam's moments, a step counter and RNG bytes change entirely (relative 1.0) while the
+    weights move a little: the weights still come first, and --model-only keeps only them."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal(5000).astype(np.float32)
+
+    def state(bump: float, seed: int) -> dict[str, object]:
+        moments = np.random.default_rng(seed).standard_normal(5000).astype(np.float32)
+        step = np.array([seed], np.float32)
+        rng_state = np.random.default_rng(seed).integers(0, 255, 4096, dtype=np.uint8).astype(np.float32)
+        return {"model": {"layer.weight": w * bump},
+                "optim": {"state": {"layer.weight": {"exp_avg": moments, "step": step}}}, "rng": rng_state}
+
+    with cas_ckpt.open(tmp_path / "r") as repo:
+        repo.save(state(1.0, 1), ref="run")
+        repo.save(state(1.01, 2), ref="run")
+    report = json.loads(cas(tmp_path / "r", "diff", "run~1", "run", "--by-tensor", "--json").stdout)
+    assert [(t["group"], t["path"]) for t in report["tensors"]] == [
+        ("model", "model.layer.weight"), ("optimizer", "optim.state.layer.weight.exp_avg"),
+        ("optimizer", "optim.state.layer.weight.step"), ("other", "rng")]
+    text = cas(tmp_path / "r", "diff", "run~1", "run", "--by-tensor").stdout.splitlines()
+    assert [line for line in text if line.endswith(":")] == [
+        "model weights:", "optimizer state:", "other values:"]
+    only = json.loads(cas(tmp_path / "r", "diff", "run~1", "run", "--by-tensor", "--model-only",
+                          "--json").stdout)
+    assert [t["path"] for t in only["tensors"]] == ["model.layer.weight"] and only["other_changes"] == 0

@@ -14,9 +14,10 @@ from typing import Any
 from urllib.parse import urlencode
 
 import pytest
-from browsing import Facts, served, small_repository
+from browsing import ADAM_INF_STEP, ADAM_MODEL, ADAM_NAN_STEP, ADAM_OPTIMIZER, Facts, served, small_repository
 
 import cas_ckpt
+from cas_ckpt.maintenance.describe import value_group
 from cas_ckpt.web.routes import ASSETS, STATIC
 
 
@@ -67,6 +68,7 @@ def test_browsing_everything_writes_nothing(facts: Facts) -> None:
                  ("tree", {"target": "runs/ft", "changed": 1}),
                  ("stats", {"target": "runs/ft", "path": "head.weight"}),
                  ("diff", {"a": fork, "b": "runs/ft"}), ("diff/norms", {"a": fork, "b": "runs/ft"}),
+                 ("diff", {"a": "runs/ft", "b": fork, "order": "older"}),
                  ("nonfinite", {"ref": "runs/unstable"}), ("storage", {}),
                  ("checkpoint", {"target": expired})]
         for path, params in calls:
@@ -88,6 +90,7 @@ def test_errors_have_a_status_and_a_message(server: str, facts: Facts) -> None:
         ("checkpoint", {"ref": "runs/ft", "step": 99}, 404, "step 99"),
         ("graph", {"ref": "runs/nothing"}, 404, "runs/nothing"),
         ("diff", {"a": "bafyxx", "b": "runs/ft"}, 400, "neither a ref nor a valid CID"),
+        ("diff", {"a": "runs/ft", "b": "runs/base", "order": "newer"}, 400, "order must be"),
     ]
     for path, params, status, message in cases:
         got, body = api(server, path, **params)
@@ -134,3 +137,60 @@ def test_graph_pages_draw_on_their_own(server: str, facts: Facts) -> None:
     for bad in ({"offset": -4}, {"limit": 0}, {"limit": 100_000}):  # found by tests/test_http_fuzz.py
         status, body = api(server, "graph", ref="runs/long", **bad)
         assert status == 400 and "offset must be >= 0" in body["error"], bad
+
+
+def test_runs_name_their_parent_and_fork_step(server: str, facts: Facts) -> None:
+    _, runs = api(server, "runs")
+    with cas_ckpt.open(facts.path, read_only=True) as repo:
+        fork = str(repo.resolve("runs/base.steps/000000000008"))
+        base_head = str(repo.resolve("runs/base"))
+    found = {r["run"]: (r["parent"], r["fork_step"], r["fork_cid"]) for r in runs["rows"]}
+    assert found == {"runs/adam": (None, None, None), "runs/base": (None, None, None),
+                     "runs/ft": ("runs/base", facts.fork_step, fork), "runs/long": (None, None, None),
+                     "runs/merged": ("runs/base", 12, base_head), "runs/unstable": (None, None, None)}
+    _, every = api(server, "runs", every=1, prefix="runs/ft")  # a step ref's row names none
+    assert {r["ref"]: r["parent"] for r in every["rows"]}["runs/ft.steps/000000000011"] is None
+
+
+def test_metrics_keep_nan_and_infinity(server: str) -> None:
+    _, metrics = api(server, "metrics", ref="runs/adam")
+    [series] = metrics["series"]
+    loss = dict(zip(series["steps"], series["values"]["loss"], strict=True))
+    assert (loss[ADAM_INF_STEP], loss[ADAM_NAN_STEP], loss[1]) == ("inf", "nan", 2.0)
+
+
+def test_diff_orders_older_to_newer_names_sides_and_groups(server: str, facts: Facts) -> None:
+    with cas_ckpt.open(facts.path, read_only=True) as repo:
+        old, new = str(repo.resolve("runs/adam~4")), str(repo.resolve("runs/adam"))
+    _, given = api(server, "diff", a=new, b=old)  # as given: newer to older
+    _, ordered = api(server, "diff", a=new, b=old, order="older")
+    assert (given["a"], given["swapped"]) == (new, False)
+    assert (ordered["a"], ordered["b"], ordered["swapped"]) == (old, new, True)
+    side_a = {k: ordered["side_a"][k] for k in ("cid", "run", "step")}
+    assert side_a == {"cid": old, "run": "runs/adam", "step": 2}
+    assert ordered["side_b"]["step"] == 6 and ordered["side_a"]["time"] < ordered["side_b"]["time"]
+    groups = {c["path"]: c["group"] for c in ordered["changed"]}
+    assert groups == {**dict.fromkeys(ADAM_MODEL, "model"), **dict.fromkeys(ADAM_OPTIMIZER, "optimizer"),
+                      "rng": "other", "step": "other"}
+    _, same = api(server, "diff", a=old, b=new, order="older")  # already older first
+    assert (same["a"], same["swapped"]) == (old, False)
+    # a fork's sides: the fork point is its parent run's checkpoint
+    fork = facts.fork_step
+    _, forked = api(server, "diff", a="runs/ft", b=f"runs/base.steps/{fork:012d}", order="older")
+    assert (forked["side_a"]["run"], forked["side_a"]["step"]) == ("runs/base", fork)
+    assert (forked["side_b"]["run"], forked["side_b"]["step"]) == ("runs/ft", facts.ft_steps[-1])
+
+
+def test_value_group() -> None:
+    cases = {
+        ("optim.state.0.exp_avg", None): "optimizer", ("optimizer.param_groups.0.lr", ""): "optimizer",
+        ("train.optimizer.state.3.momentum_buffer", "float32"): "optimizer",
+        ("train.optimizer.param_groups.0.lr", ""): "other",
+        ("model.layers.0.weight", "float32"): "model", ("module.w", "bfloat16"): "model",
+        ("net.w", None): "model", ("params.w", "float16"): "model", ("weights.w", "float8_e4m3fn"): "model",
+        ("ckpt.state_dict.fc.weight", "float32"): "model",
+        ("model.bn.num_batches_tracked", "int64"): "other", ("model.config.name", ""): "other",
+        ("step", ""): "other", ("rng.state", "uint32"): "other", ("scheduler.last_epoch", ""): "other",
+        ("head.weight", "float32"): "other",
+    }
+    assert {case: value_group(*case) for case in cases} == cases

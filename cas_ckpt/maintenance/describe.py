@@ -14,7 +14,7 @@ from multiformats import CID
 from cas_ckpt import cid as cidlib
 from cas_ckpt.codec import HistoryLink, Link, Tagged
 from cas_ckpt.errors import DecodeError
-from cas_ckpt.maintenance.diff import Folded
+from cas_ckpt.maintenance.diff import Folded, value_group  # noqa: F401 - the browser's import
 from cas_ckpt.tree import BIGINT, BLOB, NDARRAY, PAGES, SCALAR, TUPLE, parse_dtype
 
 

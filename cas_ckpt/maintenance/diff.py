@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,44 @@ class Change:
     l2: float | None = None
     a_norm: float | None = None
     relative: float | None = None
+
+
+GROUPS = ("model", "optimizer", "other")  # the parts of a training state, in the order shown
+_OPTIMIZER_KEYS = frozenset({"optim", "optimizer", "opt", "optimizer_state", "optim_state"})
+_OPTIMIZER_MARKERS = (".exp_avg", ".exp_avg_sq", ".momentum_buffer", ".state.")
+_MODEL_KEYS = frozenset({"model", "module", "net", "params", "weights"})
+
+
+def value_group(path: str, dtype: str | None = None) -> str:
+    """Which part of a training state the value at dotted ``path`` is: ``"optimizer"``,
+    ``"model"`` or ``"other"`` (``diff --by-tensor`` and the browser's diff group by it, in
+    :data:`GROUPS` order).
+
+    ``"optimizer"``: the first key is one of optim, optimizer, opt, optimizer_state,
+    optim_state, or the path holds .exp_avg, .exp_avg_sq, .momentum_buffer or .state. below
+    such a key. ``"model"``: the first key is model, module, net, params or weights, or a key
+    of the path is state_dict, and the value is a float tensor. Anything else (step, RNG
+    states, counters, scheduler values) is ``"other"``. ``dtype``: the value's dtype when it is
+    an array (a non-float one is no weight), any other text (``""``) for a value that is no
+    array; None (not known) counts as a float array, the path alone deciding.
+    """
+    keys = path.split(".")
+    if keys[0] in _OPTIMIZER_KEYS:
+        return "optimizer"
+    for i, key in enumerate(keys[1:-1], 1):
+        if key in _OPTIMIZER_KEYS:
+            below = "." + ".".join(keys[i + 1:])
+            if any(marker in below + "." for marker in _OPTIMIZER_MARKERS):
+                return "optimizer"
+    weight = dtype is None or _float_dtype(dtype)
+    if weight and (keys[0] in _MODEL_KEYS or "state_dict" in keys[:-1]):
+        return "model"
+    return "other"
+
+
+def _float_dtype(dtype: str) -> bool:
+    name = dtype.lower()
+    return name.startswith(("float", "bfloat", "half", "f2", "f4", "f8", "<f", ">f", "=f"))
 
 
 FOLD_AT = 16  # listings show a list or tuple of more plain scalars than this as one value
@@ -87,9 +126,20 @@ class DiffReport:
         return not (self.added or self.removed or self.changed)
 
     def by_tensor(self) -> list[Change]:
-        """The changed arrays that carry norms, largest relative change first (NaN before all)."""
+        """The changed arrays that carry norms: model weights first, then optimizer state, then
+        other values (:func:`value_group`), each largest relative change first (NaN before all)."""
         arrays = [c for c in self.changed if c.relative is not None]
-        return sorted(arrays, key=lambda c: (not math.isnan(c.relative or 0.0), -(c.relative or 0.0)))
+        return sorted(arrays, key=lambda c: (GROUPS.index(value_group(c.path)),
+                                             not math.isnan(c.relative or 0.0), -(c.relative or 0.0)))
+
+    def model_only(self) -> DiffReport:
+        """This report with only the values :func:`value_group` calls model weights."""
+        def model(path: str) -> bool:
+            return value_group(path) == "model"
+
+        return dataclasses.replace(self, added=[p for p in self.added if model(p)],
+                                   removed=[p for p in self.removed if model(p)],
+                                   changed=[c for c in self.changed if model(c.path)])
 
 
 def leaves(reader: TreeReader, value: Any, path: str = "") -> dict[str, Any]:

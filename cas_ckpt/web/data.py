@@ -10,6 +10,8 @@ keyed by the refs it read, so a new save is seen at the next request.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import re
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -22,9 +24,16 @@ from cas_ckpt import codec
 from cas_ckpt.blocks.base import BlockStore
 from cas_ckpt.codec import HistoryLink, Link, Tagged
 from cas_ckpt.commit import Commit
-from cas_ckpt.errors import BlockNotFound, CheckpointExpired, DecodeError, PathNotFound, RefNotFound
+from cas_ckpt.errors import (
+    BlockNotFound,
+    CasCkptError,
+    CheckpointExpired,
+    DecodeError,
+    PathNotFound,
+    RefNotFound,
+)
 from cas_ckpt.grid import state_root
-from cas_ckpt.maintenance.describe import describe_leaf, jsonable
+from cas_ckpt.maintenance.describe import describe_leaf, jsonable, value_group
 from cas_ckpt.maintenance.diff import _leaves_below, _short, leaves
 from cas_ckpt.maintenance.lanes import GraphRow, ancestry, layout
 from cas_ckpt.maintenance.tensors import change_norms, is_array, tensor_stats
@@ -57,6 +66,10 @@ class Browser:
         self._graphs: _Lru[Hashable, list[GraphRow]] = _Lru(8)
         self._related: _Lru[Hashable, list[str]] = _Lru(16)
         self._metrics: _Lru[Hashable, dict[str, Any]] = _Lru(8)
+        self._lineages: _Lru[Hashable, Lineage] = _Lru(4)
+        # each run's first reflog entry (time, message): read once while the run exists (a
+        # reflog grows by a line a save; its first line stays)
+        self._created: dict[str, tuple[float, str] | None] = {}
         self._json: dict[bytes, tuple[bytes, dict[str, Any]]] = {}
         self._diffs: _Lru[Hashable, list[tuple[str, Any, Any]]] = _Lru(8)
         self._storage: tuple[Hashable, Usage] | None = None
@@ -141,20 +154,107 @@ class Browser:
         names = sorted(n for n in (refs if every else members) if n.startswith(prefix))
         report = self._storage_ready(refs)
         by_run = {r.run: r for r in report.runs} if report else {}
+        page = _page(names, offset, limit)
+        lineage = self._lineage_of(refs) if any(run_of(n) == n for n in page) else None
         rows = []
-        for name in _page(names, offset, limit):
+        for name in page:
             run = run_of(name)
             head = refs.get(name) or refs[max(members[run])]
             commit = self.commit(head)
             usage = by_run.get(run) if name == run else None
+            fork = lineage.parents.get(run) if lineage and name == run else None
             rows.append({
                 "ref": name, "run": run, "cid": _text(head),
                 "commit": self._commit_json(commit) if commit else None,
                 "steps_kept": sum(1 for n in members[run] if n != run),
                 "stored_bytes": usage.stored_bytes if usage else None,
                 "exclusive_bytes": usage.exclusive_bytes if usage else None,
+                "parent": fork.run if fork else None,
+                "fork_step": fork.step if fork else None,
+                "fork_cid": _text(fork.cid) if fork else None,
             })
         return {"total": len(names), "offset": offset, "rows": rows, "storage_ready": report is not None}
+
+    # -- which run came from which ----------------------------------------------------------------
+    def _lineage_of(self, refs: dict[str, CID]) -> Lineage:
+        return self._lineages.get(_refs_key(refs), lambda: self._lineage(refs))
+
+    def _lineage(self, refs: dict[str, CID]) -> Lineage:
+        """Each run's parent run and fork point, and the runs whose first-parent line holds
+        each commit. A run's ref created by a fork (its reflog's first entry reads ``fork
+        from SOURCE``) names its parent; else the parent is the run that existed first (the
+        older first reflog entry) among those sharing the newest commit of its line that
+        another run's line holds (a fork's, a merge's or a continued run's parent)."""
+        members: dict[str, list[str]] = collections.defaultdict(list)
+        for name in refs:
+            members[run_of(name)].append(name)
+        heads = {run: refs.get(run) or refs[max(names)] for run, names in members.items()}
+        lines = {run: [bytes(c.cid) for c in self._line(head)] for run, head in sorted(heads.items())}
+        owners: dict[bytes, list[str]] = collections.defaultdict(list)
+        for run, line in lines.items():
+            for key in line:
+                owners[key].append(run)
+        first = self._created
+        for gone in [run for run in list(first) if run not in heads]:  # deleted: made anew, if ever
+            first.pop(gone, None)
+
+        def created(run: str) -> tuple[float, str] | None:  # the first reflog entry: time, message
+            if run not in first:
+                try:
+                    entries = self.repo.refs_store.reflog(run if run in refs else max(members[run]))
+                except (CasCkptError, OSError):  # no reflog to read: history decides
+                    entries = []
+                first[run] = (entries[0].time, entries[0].message) if entries else None
+            return first[run]
+
+        def next_time(run: str, key: bytes) -> float:  # the time of ``run``'s commit after ``key``
+            line = lines[run]
+            at = line.index(key)
+            commit = self.commit(line[at - 1]) if at else None
+            return commit.time if commit is not None else float("-inf")
+
+        def older(other: str, run: str, key: bytes) -> bool:
+            mine, theirs = created(run), created(other)
+            if mine is not None and theirs is not None and mine[0] != theirs[0]:
+                return theirs[0] < mine[0]
+            return (next_time(other, key), other) < (next_time(run, key), run)
+
+        parents: dict[str, Fork] = {}
+        for run, line in lines.items():
+            found = created(run)
+            forked = found is not None and found[1].startswith("fork from ")
+            source = found[1].removeprefix("fork from ") if found and forked else None
+            named = run_of(re.split(r"[~@]", source)[0]) if source else None
+            if named in lines and named != run:  # the fork's own record of where it came from
+                key = next((k for k in line if named in owners[k]), None)
+                if key is not None:
+                    parents[run] = self._fork(named, key)
+                    continue
+            for key in line:
+                candidates = [o for o in owners[key] if o != run and older(o, run, key)]
+                if candidates:
+                    parent = min(candidates, key=lambda o: (created(o) or (float("inf"), ""))[0])
+                    parents[run] = self._fork(parent, key)
+                    break
+        return Lineage(parents, owners)
+
+    def _fork(self, run: str, key: bytes) -> Fork:
+        commit = self.commit(key)
+        return Fork(run, key, commit.step if commit is not None else None)
+
+    def _run_of_commit(self, target: str, cid: CID, refs: dict[str, CID]) -> str | None:
+        """The run a checkpoint belongs to: the run of ``target`` when it names a ref, else the
+        run that wrote it (of the runs whose first-parent line holds it, the one whose parent is
+        not among them: a fork's parent owns the commits before the fork)."""
+        if target in refs:
+            return run_of(target)
+        base = re.split(r"[~@]", target)[0]
+        if base in refs and base != target:
+            return run_of(base)
+        lineage = self._lineage_of(refs)
+        holders = lineage.owners.get(bytes(cid), [])
+        roots = [r for r in holders if r not in lineage.parents or lineage.parents[r].run not in holders]
+        return min(roots or holders, default=None)
 
     # -- history -------------------------------------------------------------------------------
     def heads(self, refs: list[str] | None, run: str | None) -> list[str]:
@@ -214,7 +314,7 @@ class Browser:
     def metrics(self, names: list[str]) -> dict[str, Any]:
         """Every metric the commits of each ref's first-parent history carry, against step,
         oldest first: ``series[i]`` has ``steps`` and, per metric, ``values`` in step with them
-        (None where a commit lacks the metric or holds NaN or an infinity)."""
+        (None where a commit lacks the metric; NaN and infinities as "nan", "inf", "-inf")."""
         known = self._refs()
         for name in names:
             if name not in known:
@@ -230,7 +330,7 @@ class Browser:
             names = sorted({m for v in values for m in v})
             found.update(names)
             series.append({"ref": name, "steps": [c.step for c in line],
-                           "values": {m: [v[m] if m in v and _finite(v[m]) else None for v in values]
+                           "values": {m: [jsonable(v[m]) if m in v else None for v in values]
                                       for m in names}})
         return {"metrics": sorted(found), "series": series}
 
@@ -341,10 +441,20 @@ class Browser:
         return jsonable(tensor_stats(self._reader(), path, leaf))
 
     # -- two checkpoints -----------------------------------------------------------------------
-    def diff(self, a: str, b: str, *, path: str | None = None) -> dict[str, Any]:
+    def diff(self, a: str, b: str, *, path: str | None = None, order: str = "given") -> dict[str, Any]:
         """What changed from ``a`` to ``b``: paths added and removed, values changed (arrays of
-        one shape get norms from :meth:`diff_norms`), and the bytes the two share."""
-        (cid_a, _, tree_a), (cid_b, _, tree_b) = self._live(a), self._live(b)
+        one shape get norms from :meth:`diff_norms`), each with its group (model, optimizer,
+        other: :func:`value_group`), and the bytes the two share. Each side (``side_a``,
+        ``side_b``) with its run, step and time. ``order="older"``: from the older checkpoint
+        to the newer (commit time, then step), whichever was given first (``swapped`` says)."""
+        if order not in ("given", "older"):
+            raise BadRequest("order must be 'given' or 'older'")
+        side_a, side_b = self._live(a), self._live(b)
+        swapped = order == "older" and _newer(side_a[1], side_b[1])
+        if swapped:
+            a, b, side_a, side_b = b, a, side_b, side_a
+        (cid_a, commit_a, tree_a), (cid_b, commit_b, tree_b) = side_a, side_b
+        refs = self._refs()
         changed = self._changed(tree_a, tree_b, path)
         reader = self._reader()
         left, right = self._below(tree_a, path), self._below(tree_b, path)
@@ -356,11 +466,15 @@ class Browser:
                 detail = "array values changed"
                 if old.value.get("dtype") != new.value.get("dtype"):
                     detail = f"array {old.value.get('dtype')} -> {new.value.get('dtype')}"
-                rows.append({"path": where, "tensor": True, "detail": detail})
+                rows.append({"path": where, "tensor": True, "detail": detail,
+                             "group": value_group(where, _dtype_of(where, new))})
             else:
                 rows.append({"path": where, "tensor": False,
+                             "group": value_group(where, _dtype_of(where, new)),
                              "detail": f"{_short(reader, old)} -> {_short(reader, new)}"})
-        return {"a": _text(cid_a), "b": _text(cid_b), "path": path,
+        return {"a": _text(cid_a), "b": _text(cid_b), "path": path, "swapped": swapped,
+                "side_a": self._side(a, cid_a, commit_a, refs),
+                "side_b": self._side(b, cid_b, commit_b, refs),
                 "added": [p for p in right if p not in left],
                 "removed": [p for p in left if p not in right], "changed": rows,
                 "unchanged": sum(1 for p in left if p in right and left[p] == right[p]),
@@ -381,6 +495,10 @@ class Browser:
             rows.append(jsonable({"path": where, "relative": norms.relative, "l2": norms.l2,
                                   "a_norm": norms.a_norm, "max_abs": norms.max_abs}))
         return {"total": len(tensors), "offset": offset, "rows": rows}
+
+    def _side(self, target: str, cid: CID, commit: Commit | None, refs: dict[str, CID]) -> dict[str, Any]:
+        return {"cid": _text(cid), "run": self._run_of_commit(target, cid, refs) if commit else None,
+                "step": commit.step if commit else None, "time": commit.time if commit else None}
 
     def _live(self, target: str) -> tuple[CID, Commit | None, bytes]:
         cid, commit, tree = self._target(target)
@@ -456,8 +574,35 @@ def metrics_of(commit: Commit) -> dict[str, float | int]:
     return {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def _finite(value: float | int) -> bool:
-    return value == value and value not in (float("inf"), float("-inf"))
+def _newer(a: Commit | None, b: Commit | None) -> bool:
+    """True if commit ``a`` is newer than ``b`` (time, then step); False where either is none."""
+    if a is None or b is None:
+        return False
+    return (a.time, a.step if a.step is not None else -1) > (b.time, b.step if b.step is not None else -1)
+
+
+def _dtype_of(path: str, leaf: Any) -> str:
+    """A leaf's dtype for :func:`value_group`: an array's, else "" (no array)."""
+    return str(describe_leaf(path, leaf).get("dtype", "")) if is_array(leaf) else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fork:
+    """Where a run came from: its parent ``run`` and the commit (``cid``, ``step``) it shares
+    last with it."""
+
+    run: str
+    cid: bytes
+    step: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Lineage:
+    """Each run's :class:`Fork` (runs sharing no history with an older run have none) and, for
+    each commit, the runs whose first-parent line holds it."""
+
+    parents: dict[str, Fork]
+    owners: dict[bytes, list[str]]
 
 
 def _comparable(old: Any, new: Any) -> bool:
