@@ -70,7 +70,7 @@ from cas_ckpt.blocks.base import BlockWriter, Stored, WriteStats
 from cas_ckpt.codec import Link, Tagged
 from cas_ckpt.errors import DecodeError, RepositoryError, StateTypeError
 from cas_ckpt.grid import SHARDED_FORMAT, SHARDED_LAYOUT, Exchange, Piece, Round, read_region, state_root
-from cas_ckpt.integrations.torch import numpy_dtype_of, numpy_to_tensor, savable_dtypes
+from cas_ckpt.integrations.torch import numpy_dtype_of, numpy_to_tensor, savable_dtypes, tensor_to_numpy
 from cas_ckpt.refs import check_ref_name
 from cas_ckpt.repository import Repository, Target
 from cas_ckpt.tree import INLINE_LIMIT, NDARRAY, TUPLE, TreeReader, TreeWriter, dtype_name
@@ -442,14 +442,8 @@ class _RankSave:
 
 def _host_bytes(tensor: Any) -> np.ndarray:
     """A tensor's bytes in row-major order, as a flat uint8 array (a view where it can be)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    array, _ = tensor_to_numpy(tensor, "")
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
 def _larger_than(value: Any, limit: int) -> bool:
