@@ -22,6 +22,11 @@ counted inside the child, at botocore's HTTP send (retries included). Measured:
   nodes, in packs of 10,000): ``open`` seconds and the memory it added per block, 10,000 new
   blocks put (each a dedup check against the index), and the peak memory of ``gc()`` with every
   block live;
+* **big saves**: 1, 4, 16 (``--big-saves``) saves of ``--big-save-blocks`` (50,000) 256-byte
+  blocks each, every save one pack (a rank's share of a big model's save): ``open`` seconds and
+  the memory it added per block with the index snapshot of the first save only (the packs after
+  it read by their own indexes: what upkeep by pack count left below 16 packs), with the upkeep
+  each save runs (what is due), and after ``upkeep(force=True)``;
 * **mmap**: ``load(mmap=True)`` of one array of each ``--mmap`` size: the RssAnon it added.
 
 On the after side a repository written block by block gets ``upkeep(force=True)`` before it is
@@ -29,6 +34,7 @@ measured, as its saves would have run it; the history repositories get what thei
 
     .venv/bin/python benchmarks/scale_bench.py --quick --json scale-quick.json
     .venv/bin/python benchmarks/scale_bench.py --base 3327dd7 --json scale.json      # full size
+    .venv/bin/python benchmarks/scale_bench.py --only big-saves --json scale-big-saves.json
 """
 
 from __future__ import annotations
@@ -55,8 +61,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MiB = 1024 * 1024
 FULL = {"saves": [100, 1000, 10000], "ranks": [1, 2, 4, 8], "blocks": [10**4, 10**5, 10**6],
-        "mmap": [256, 1024, 4096], "rank_history": [200]}
-QUICK = {"saves": [20, 100], "ranks": [1, 2], "blocks": [10**4, 10**5], "mmap": [256], "rank_history": [40]}
+        "mmap": [256, 1024, 4096], "rank_history": [200], "big_saves": [1, 4, 16],
+        "big_save_blocks": [50_000]}
+QUICK = {"saves": [20, 100], "ranks": [1, 2], "blocks": [10**4, 10**5], "mmap": [256], "rank_history": [40],
+         "big_saves": [1, 4], "big_save_blocks": [50_000]}
 
 
 # ============================================================================================
@@ -216,6 +224,56 @@ def child_blocks_open(location: str, count: int) -> dict[str, Any]:
     return {"seconds": seconds, "rss_added": added, "bytes_per_block": added / count, "put_10k": put}
 
 
+def child_big_saves(location: str, start: int, stop: int, blocks: int, every: int) -> dict[str, Any]:
+    """Saves ``start`` to ``stop - 1``, each of ``blocks`` raw blocks of 256 bytes in one pack,
+    then the upkeep a save runs (what is due): after each save if ``every``, else after the
+    first only (its index snapshot)."""
+    import cas_ckpt
+
+    began = time.perf_counter()
+    with cas_ckpt.open(location) as repo:  # blocks put through a writer run no upkeep by themselves
+        for save in range(start, stop):
+            with repo.blocks.writer() as writer:
+                for i in range(save * blocks, (save + 1) * blocks):
+                    data = i.to_bytes(8, "little") * 32
+                    writer.put(repo.hasher.raw(data), data)
+            if hasattr(repo, "upkeep") and (every or save == 0):
+                repo.upkeep()
+    return {"seconds": time.perf_counter() - began}
+
+
+def child_upkeep(location: str) -> dict[str, Any]:
+    """``upkeep(force=True)``: packs merged, one index snapshot of everything."""
+    import cas_ckpt
+
+    began = time.perf_counter()
+    with cas_ckpt.open(location) as repo:
+        repo.upkeep(force=True)
+    return {"seconds": time.perf_counter() - began}
+
+
+def child_open_blocks(location: str, count: int) -> dict[str, Any]:
+    """A fresh process's ``open`` of a repository of ``count`` blocks: seconds (and CPU seconds,
+    which other jobs on the machine inflate less), the memory it added per block (resident; and
+    anonymous only, without the pages of code and files it touched first), and how many packs'
+    own indexes it read besides the snapshot."""
+    import numpy as np  # noqa: F401
+
+    import cas_ckpt
+
+    base, anon = rss(), rss_anon()
+    began, cpu = time.perf_counter(), time.process_time()
+    repo = cas_ckpt.open(location, create=False)
+    seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
+    added, anon = rss() - base, rss_anon() - anon
+    with repo:
+        status = repo.upkeep_status() if hasattr(repo, "upkeep_status") else None
+    return {"seconds": seconds, "cpu_seconds": cpu, "rss_added": added, "bytes_per_block": added / count,
+            "anon_bytes_per_block": anon / count,
+            "packs": status.packs if status is not None else None,
+            "uncovered": status.uncovered if status is not None else None}
+
+
 MMAP_LOADER = """
 import json, sys
 import numpy as np
@@ -327,7 +385,8 @@ def child_ranks(location: str, world: int, folder: str, history: int) -> dict[st
 
 
 CHILDREN = {"history": child_history, "open": child_open, "gc": child_gc, "blocks_build": child_blocks_build,
-            "blocks_open": child_blocks_open, "mmap": child_mmap, "ranks": child_ranks}
+            "blocks_open": child_blocks_open, "mmap": child_mmap, "ranks": child_ranks,
+            "big_saves": child_big_saves, "upkeep": child_upkeep, "open_blocks": child_open_blocks}
 
 
 # ============================================================================================
@@ -398,24 +457,57 @@ def history_curve(tree: Path, location: str, points: list[int], env: dict[str, s
     return rows
 
 
+def median_open(tree: Path, location: Path, blocks: int, times: int = 3) -> dict[str, Any]:
+    """The open of median seconds of ``times`` fresh processes (each figure from that one)."""
+    opens = sorted((run_child(tree, "open_blocks", location, blocks) for _ in range(times)),
+                   key=lambda found: found["seconds"])
+    return opens[len(opens) // 2]
+
+
+def big_saves_curve(tree: Path, location: Path, points: list[int], blocks: int,
+                    log: Any) -> list[dict[str, Any]]:
+    """At each point, ``open`` after that many big saves: with the first save's snapshot only,
+    with each save's upkeep, and after ``upkeep(force=True)`` (of a copy: the saves go on)."""
+    rows, done = [], 0
+    kept, forced = (location.with_name(location.name + suffix) for suffix in ("-kept", "-forced"))
+    for point in points:
+        run_child(tree, "big_saves", location, done, point, blocks, 0)
+        run_child(tree, "big_saves", kept, done, point, blocks, 1)
+        done = point
+        shutil.copytree(location, forced)
+        run_child(tree, "upkeep", forced)
+        row = {"saves": point, "blocks": point * blocks,
+               **{at: median_open(tree, where, point * blocks)
+                  for at, where in (("open", location), ("saves_upkeep", kept), ("after_upkeep", forced))}}
+        shutil.rmtree(forced, ignore_errors=True)
+        rows.append(row)
+        log(f"  big saves {point}: {json.dumps(row)}")
+    for folder in (location, kept):
+        shutil.rmtree(folder, ignore_errors=True)
+    return rows
+
+
+CURVES = ("history", "ranks", "blocks", "big-saves", "mmap")
+
+
 def measure_side(tree: Path, sizes: dict[str, list[int]], work: Path, s3_env: dict[str, str],
-                 base: bool, base_s3_max: int, log: Any) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    log("history, directory")
-    found["history_local"] = history_curve(tree, str(work / "history"), sizes["saves"], None, True, log)
-    log("history, S3")
-    s3_points = [p for p in sizes["saves"] if not base or p <= base_s3_max]
-    found["history_s3"] = history_curve(tree, new_bucket(s3_env), s3_points, s3_env, False, log)
-    found["ranks"] = []
-    for world in sizes["ranks"]:
+                 base: bool, base_s3_max: int, log: Any, curves: tuple[str, ...] = CURVES) -> dict[str, Any]:
+    found: dict[str, Any] = {key: [] for key in ("history_local", "history_s3", "ranks", "blocks",
+                                                 "big_saves", "mmap")}
+    if "history" in curves:
+        log("history, directory")
+        found["history_local"] = history_curve(tree, str(work / "history"), sizes["saves"], None, True, log)
+        log("history, S3")
+        s3_points = [p for p in sizes["saves"] if not base or p <= base_s3_max]
+        found["history_s3"] = history_curve(tree, new_bucket(s3_env), s3_points, s3_env, False, log)
+    for world in sizes["ranks"] if "ranks" in curves else []:
         folder = work / f"ranks-{world}"
         folder.mkdir()
         result = run_child(tree, "ranks", new_bucket(s3_env), world, folder, sizes["rank_history"][0],
                            env=s3_env)
         found["ranks"].append({"ranks": world, **result})
         log(f"  ranks {world}: {json.dumps(result)}")
-    found["blocks"] = []
-    for count in sizes["blocks"]:
+    for count in sizes["blocks"] if "blocks" in curves else []:
         location = str(work / f"blocks-{count}")
         build = run_child(tree, "blocks_build", location, count)
         row = {"blocks": count, "build_seconds": build["seconds"],
@@ -424,8 +516,10 @@ def measure_side(tree: Path, sizes: dict[str, list[int]], work: Path, s3_env: di
         found["blocks"].append(row)
         shutil.rmtree(location, ignore_errors=True)
         log(f"  blocks {count}: {json.dumps(row)}")
-    found["mmap"] = []
-    for size in sizes["mmap"]:
+    if "big-saves" in curves:
+        found["big_saves"] = big_saves_curve(tree, work / "big-saves", sizes["big_saves"],
+                                             sizes["big_save_blocks"][0], log)
+    for size in sizes["mmap"] if "mmap" in curves else []:
         folder = work / f"mmap-{size}"
         folder.mkdir()
         result = run_child(tree, "mmap", folder, size)
@@ -441,6 +535,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     out = []
 
     def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+        if not rows:
+            return  # a curve not measured (--only)
         out.append(f"\n{title}\n")
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "---|" * len(header))
@@ -476,6 +572,15 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             for side in sides for r in results[side]["blocks"]]
     table("Blocks", ["side", "blocks", "open s", "open bytes/block", "10k puts s", "gc peak MiB",
                      "live"], rows)
+    rows = [[side, str(r["saves"]), f"{r['blocks']:,}",
+             *(f"{r[at]['seconds']:.3f} s, {r[at]['bytes_per_block']:.0f} B "
+               f"({r[at].get('anon_bytes_per_block', float('nan')):.0f} anon), {r[at]['uncovered']}"
+               for at in ("open", "saves_upkeep", "after_upkeep"))]
+            for side in sides for r in results[side]["big_saves"]]
+    table("Big saves (one pack each): open seconds, resident bytes a block (anonymous), packs read "
+          "by their own index",
+          ["side", "saves", "blocks", "first save's snapshot only", "each save's upkeep",
+           "after upkeep(force=True)"], rows)
     rows = [[side, str(r["mib"]), f"{r['rss_anon_added'] / MiB:.1f}", str(r["mapped"])]
             for side in sides for r in results[side]["mmap"]]
     table("load(mmap=True) of one array", ["side", "MiB", "RssAnon added MiB", "mapped"], rows)
@@ -492,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-s3-max", type=int, default=1000,
                         help="the most saves of the S3 history curve on the base side (default 1000: "
                              "before, each save listed every pack)")
+    parser.add_argument("--only", help=f"comma-separated curves, of {','.join(CURVES)} (default all)")
     parser.add_argument("--workdir", type=Path, help="where repositories go (default a temp folder)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -503,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
     defaults = QUICK if args.quick else FULL
     sizes = {key: [int(v) for v in getattr(args, key).split(",")] if getattr(args, key) else defaults[key]
              for key in FULL}
+    curves = tuple(args.only.split(",")) if args.only else CURVES
+    if not set(curves) <= set(CURVES):
+        parser.error(f"--only takes curves of {', '.join(CURVES)}")
 
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -522,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
             folder = work / side
             folder.mkdir(parents=True, exist_ok=True)
             started = time.perf_counter()
-            results[side] = measure_side(tree, sizes, folder, s3_env, side == "before", args.base_s3_max, log)
+            results[side] = measure_side(tree, sizes, folder, s3_env, side == "before", args.base_s3_max, log,
+                                         curves)
             results[side]["seconds"] = time.perf_counter() - started
     print(render(results))
     if args.json:

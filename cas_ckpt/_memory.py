@@ -184,3 +184,28 @@ def return_freed_buffers() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, FREED_BUFFER))
+
+
+OWN_PAGES = 1024 * 1024  # buffers this large and over, from pages(), are mappings of their own
+
+
+def pages(nbytes: int) -> bytearray | mmap.mmap:
+    """A zeroed, writable buffer of ``nbytes`` that gives its memory back to the system when it
+    is freed: from ``OWN_PAGES`` up, an anonymous mapping of its own (unmapped with its last
+    reference), whatever the allocator's thresholds; a ``bytearray`` below.
+
+    For the large buffers a process builds once and frees soon after (an index's rows, read and
+    sorted at an open): from glibc's heap, once its mmap threshold has grown past them, they
+    stayed the process's after they were freed (an open after big saves kept 20 MiB more)."""
+    if nbytes < OWN_PAGES:
+        return bytearray(nbytes)
+    try:
+        if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: its anonymous maps are private already
+            return mmap.mmap(-1, nbytes)
+        # Anonymous (no file given); its pages made now, in one call, not a fault each (all are
+        # written at once): 11 MB, 2.9 ms against 5.1.
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0))
+    except OSError as exc:
+        if exc.errno == errno.ENOMEM:
+            raise MemoryError(f"no memory for a buffer of {nbytes} bytes") from exc
+        raise

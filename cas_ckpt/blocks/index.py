@@ -12,7 +12,10 @@ as restic's ``indexmap`` and git's multi-pack-index keep theirs:
 Rows are sorted by key (copies of one block adjacent), so one lookup is a bucket from the key's
 first bytes and a ``bytes.find`` inside it, and many lookups are one ``numpy.searchsorted``. The
 index files (:mod:`cas_ckpt.blocks.index_file`) hold the same two columns: opening one is a read
-and a checksum, no parsing per row.
+and a checksum, no parsing per row. A pack's own index comes decoded as arrays
+(:class:`~cas_ckpt.blocks.pack.Columns`) and is sorted in by :func:`table_of_columns`, in
+buffers given back to the system when freed (:func:`~cas_ckpt._memory.pages`): an open after
+big saves holds what it holds after upkeep.
 
 :class:`BlockIndex` keeps a large ``base`` table and a small ``delta`` one that new packs merge
 into, folded into the base when it grows past an eighth of it (so adding a pack costs in
@@ -30,7 +33,8 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 import numpy as np
 
 from cas_ckpt import cid as cidlib
-from cas_ckpt.blocks.pack import Entry, EntryFields, Location
+from cas_ckpt._memory import pages
+from cas_ckpt.blocks.pack import CID_HEADS, Columns, Entry, EntryFields, Location
 
 DIGEST = cidlib.DIGEST_SIZE
 KEY_SIZE = DIGEST + 1
@@ -112,8 +116,7 @@ class Table:
     @classmethod
     def sorted(cls, keys: np.ndarray, locations: np.ndarray) -> Table:
         """A table of these rows in any order (sorted here; copies keep their order)."""
-        order = np.argsort(keys, kind="stable")
-        return cls(keys[order].tobytes(), locations[order].tobytes())
+        return sorted_rows(keys, locations)
 
     @property
     def key_array(self) -> np.ndarray:
@@ -197,7 +200,7 @@ def merge(a: Table, b: Table, keep: np.ndarray | None = None, renumber: np.ndarr
         b_alive = keep[b_locations["pack"]]
         b_keys, b_locations = b_keys[b_alive], b_locations[b_alive]
     n = (a.n if a_alive is None else int(np.count_nonzero(a_alive))) + len(b_keys)
-    buffer = bytearray(n * (KEY_SIZE + LOCATION.size))
+    buffer = pages(n * (KEY_SIZE + LOCATION.size))
     keys = np.frombuffer(buffer, KEY_DTYPE, n)
     locations = np.frombuffer(buffer, LOCATION_DTYPE, n, n * KEY_SIZE)
     if not len(b_keys):  # one table, its rows of dead packs left out: written straight in
@@ -230,6 +233,91 @@ def table_of(packs: Sequence[tuple[str, Sequence[EntryFields]]]) -> Table:
     return Table.sorted(np.frombuffer(keys, KEY_DTYPE), rows)
 
 
+_HEAD_KIND = np.array([KINDS[head] for head in CID_HEADS], np.uint8)  # Columns.heads -> kind byte
+
+
+def table_of_columns(packs: Sequence[Columns], ids: Sequence[int] | None = None,
+                     tables: Sequence[Table] = ()) -> Table:
+    """One table of the rows of ``tables`` and of these packs' entries
+    (:class:`~cas_ckpt.blocks.pack.Columns`: each pack's index as arrays), their pack ids
+    ``ids`` (by default positions in ``packs``); copies of a block in the order given, the
+    tables' first. No object per row (:func:`sorted_rows`)."""
+    ids = range(len(packs)) if ids is None else ids
+    n = sum(t.n for t in tables) + sum(len(c.heads) for c in packs)
+    buffer = pages(n * (KEY_SIZE + LOCATION.size))  # the rows as they come, then sorted
+    keys = np.frombuffer(buffer, np.uint8, n * KEY_SIZE).reshape(n, KEY_SIZE)
+    locations = np.frombuffer(buffer, LOCATION_DTYPE, n, n * KEY_SIZE)
+    at = 0
+    for table in tables:
+        keys[at : at + table.n] = np.frombuffer(table.key_bytes, np.uint8).reshape(table.n, KEY_SIZE)
+        locations[at : at + table.n] = table.location_array
+        at += table.n
+    for pack, columns in zip(ids, packs, strict=True):
+        end = at + len(columns.heads)
+        keys[at:end, :DIGEST] = columns.digests
+        keys[at:end, DIGEST] = _HEAD_KIND[columns.heads]
+        part = locations[at:end]
+        part["pack"], part["offset"], part["length"] = pack, columns.offsets, columns.lengths
+        part["codec"], part["size"] = columns.codecs, columns.sizes
+        at = end
+    return sorted_rows(keys.view(KEY_DTYPE).ravel(), locations)
+
+
+def sorted_rows(keys: np.ndarray, locations: np.ndarray) -> Table:
+    """A table of these rows (keys ``S33``, locations), in any order: sorted by key, copies of a
+    block in the order given.
+
+    Nothing in proportion to the rows comes from the allocator's heap (where an open's
+    temporaries stayed the process's after they were freed): the rows' order and the table are
+    buffers of :func:`~cas_ckpt._memory.pages`, sorted in place and written a piece at a time.
+    The order holds each key's leading bits above the row's number (a digest spreads them: keys
+    alike in those bits are rare, and put in order after)."""
+    n = len(keys)
+    if not n:
+        return EMPTY
+    keys, locations = np.ascontiguousarray(keys), np.ascontiguousarray(locations)
+    bits = n.bit_length()
+    low = np.uint64((1 << bits) - 1)
+    order = np.frombuffer(pages(n * 8), np.uint64, n)
+    leading = np.ndarray((n,), ">u8", keys, 0, (KEY_SIZE,))  # each key's first 8 bytes
+    for at in range(0, n, _ROWS_AT_ONCE):
+        part = leading[at : at + _ROWS_AT_ONCE].astype(np.uint64) >> np.uint64(bits) << np.uint64(bits)
+        order[at : at + len(part)] = part | np.arange(at, at + len(part), dtype=np.uint64)
+    order.sort()  # in place
+    _order_ties(order, bits, keys)
+    buffer = pages(n * (KEY_SIZE + LOCATION.size))
+    out_keys = np.frombuffer(buffer, f"V{KEY_SIZE}", n)
+    out_locations = np.frombuffer(buffer, f"V{LOCATION.size}", n, n * KEY_SIZE)
+    keys, locations = keys.view(f"V{KEY_SIZE}"), locations.view(f"V{LOCATION.size}")
+    for at in range(0, n, _ROWS_AT_ONCE):
+        rows = (order[at : at + _ROWS_AT_ONCE] & low).astype(np.intp)
+        np.take(keys, rows, out=out_keys[at : at + len(rows)], mode="clip")  # clip: no buffered copy
+        np.take(locations, rows, out=out_locations[at : at + len(rows)], mode="clip")
+    return Table(buffer, buffer, n, location_at=n * KEY_SIZE)
+
+
+_ROWS_AT_ONCE = 16384  # rows a table is sorted a piece at a time (sorted_rows)
+
+
+def _order_ties(order: np.ndarray, bits: int, keys: np.ndarray) -> None:
+    """Put rows whose keys' leading bits are alike (in ``order``, sorted: by their numbers) in
+    the order of their whole keys, then of their numbers: copies of one block, or digests alike
+    in their first bytes."""
+    tied = []
+    for at in range(0, len(order), _ROWS_AT_ONCE):
+        top = order[at : at + _ROWS_AT_ONCE + 1] >> np.uint64(bits)
+        same = np.flatnonzero(top[1:] == top[:-1]) + at
+        if len(same):
+            tied += [same, same + 1]
+    if not tied:
+        return
+    places = np.unique(np.concatenate(tied))
+    low = np.uint64((1 << bits) - 1)
+    rows = (order[places] & low).astype(np.intp)
+    ranked = rows[np.lexsort((rows, keys[rows]))].astype(np.uint64)
+    order[places] = (order[places] & ~low) | ranked
+
+
 class BlockIndex:
     """Where every known copy of every block lies: the store's index (see the module docstring).
 
@@ -258,6 +346,25 @@ class BlockIndex:
         fresh = [(name, entries) for name, entries in packs if name not in self.ids]
         if fresh:
             self.add_table(table_of(fresh), [name for name, _ in fresh])
+
+    def add_columns(self, packs: Iterable[tuple[str, Columns]]) -> None:
+        """Index these packs' entries, read as arrays (those already indexed are skipped)."""
+        fresh = {name: columns for name, columns in packs if name not in self.ids}
+        if not fresh:
+            return
+        ids = [self._new_id(name, len(columns.heads)) for name, columns in fresh.items()]
+        columns = list(fresh.values())
+        if self._dead:
+            self._add(table_of_columns(columns, ids))
+            return
+        # Sorted in with the tables they would be merged into (every pack live, numbered as
+        # they stand): no second copy of the rows, nor a merge's temporaries.
+        base, delta, names = self._state
+        if delta.n + sum(len(c.heads) for c in columns) > max(_MERGE_MIN, base.n // 8):
+            self._state = (table_of_columns(columns, ids, (base, delta)), EMPTY, names)
+        else:
+            self._state = (base, table_of_columns(columns, ids, (delta,)), names)
+        self._recent = {}
 
     def add_table(self, table: Table, names: Sequence[str], only: Collection[str] | None = None) -> list[str]:
         """Index a table whose pack ids are positions in ``names`` (an index file's): the packs

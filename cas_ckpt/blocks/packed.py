@@ -46,12 +46,13 @@ from cas_ckpt.blocks.pack import (
     SMALL_PACK,
     SUFFIX,
     VERSIONS,
+    Columns,
     Entry,
     EntryFields,
     Location,
     encode_index,
     index_length,
-    parse_index,
+    parse_index_columns,
 )
 from cas_ckpt.blocks.sweep import RowMarks, plan, rows_by_pack
 from cas_ckpt.errors import BlockNotFound, CorruptBlock, CorruptStore, RepositoryError
@@ -318,10 +319,10 @@ class PackedBlockStore(BlockStore):
         return self._describe_from_packs(infos) or stale
 
     def _describe_from_packs(self, infos: list[ObjectInfo]) -> bool:
-        """Read these packs' own indexes (each from its end) and take them in; True if one of
-        them was gone."""
+        """Read these packs' own indexes (each from its end, as arrays) and take them in; True
+        if one of them was gone."""
         found, gone = [], False
-        with cyclic_gc_paused():  # a few objects per block: see _memory
+        with cyclic_gc_paused():  # a few objects per block where an index needs them: see _memory
             for info, result in zip(infos, self._read_indexes(infos), strict=True):
                 if isinstance(result, str):
                     with self._lock:
@@ -330,7 +331,9 @@ class PackedBlockStore(BlockStore):
                     gone = True
                 else:
                     found.append((info, result))
-            self._add_packs(found)
+            with self._lock:
+                self._blocks.add_columns((info.name, columns) for info, columns in found)
+                self._info.update((info.name, info) for info, _ in found)
             if self.writes_journals:
                 with self._lock:  # no index file names them (yet): see merge_small
                     self._unrecorded.update(info.name for info, _ in found)
@@ -557,6 +560,8 @@ class PackedBlockStore(BlockStore):
             sizes = {name: self._info[name].size for name in self._blocks.ids if name in self._info}
             uncovered = (len(self._journals) if not self.backend.cheap_listing
                          else sum(1 for name in sizes if name not in self._covered))
+            rows = self._blocks.pack_rows
+            uncovered_rows = sum(rows.get(name, 0) for name in sizes if name not in self._covered)
             return Layout(
                 packs=len(sizes), bytes=sum(sizes.values()),
                 small_packs=sum(1 for size in sizes.values() if size < small),
@@ -565,6 +570,7 @@ class PackedBlockStore(BlockStore):
                 damaged_indexes=len(self.corrupt_indexes),
                 unreadable_indexes=len(self._catalog.unreadable.intersection(self.corrupt_indexes))
                 if self._catalog is not None else 0,
+                uncovered_rows=uncovered_rows if self._snapshot else len(self._blocks),
             )
 
     @property
@@ -572,15 +578,15 @@ class PackedBlockStore(BlockStore):
         """Packs under this size are small: upkeep and GC merge them."""
         return min(SMALL_PACK, self.pack_size // 2)
 
-    def _read_indexes(self, infos: list[ObjectInfo]) -> list[list[Entry] | str | None]:
-        """Each pack's entries, read from its end; a reason if damaged; None if it is gone."""
+    def _read_indexes(self, infos: list[ObjectInfo]) -> list[Columns | str | None]:
+        """Each pack's entries as arrays, read from its end; a reason if damaged; None if it is gone."""
         tails = [bytearray(min(info.size, INDEX_READ)) for info in infos]
         heads = [bytearray(len(PACK_MAGIC) if info.size > INDEX_READ else 0) for info in infos]
         reads = [Read(i.name, i.size - len(t), memoryview(t), []) for i, t in zip(infos, tails, strict=True)]
         reads += [Read(i.name, 0, memoryview(h), []) for i, h in zip(infos, heads, strict=True) if h]
         found = iter(self.backend.read_many(reads))
         tail_found = [next(found) for _ in infos]
-        results: list[list[Entry] | str | None] = []
+        results: list[Columns | str | None] = []
         for info, tail, head, ok in zip(infos, tails, heads, tail_found, strict=True):
             head_ok = next(found) if head else ok
             try:
@@ -592,7 +598,7 @@ class PackedBlockStore(BlockStore):
 
     def _parse_tail(
         self, info: ObjectInfo, tail: bytearray, found: bool | CorruptStore, magic: bytes
-    ) -> list[Entry] | None:
+    ) -> Columns | None:
         where = self.backend.where(info.name)
         if isinstance(found, CorruptStore):
             raise found
@@ -606,8 +612,8 @@ class PackedBlockStore(BlockStore):
             longer = self.backend.read(info.name, info.size - need, need)
             if longer is None:
                 return None
-            return parse_index(longer, info.size, where, version)
-        return parse_index(bytes(tail), info.size, where, version)
+            return parse_index_columns(longer, info.size, where, version)
+        return parse_index_columns(tail, info.size, where, version)
 
     def _add_packs(self, packs: Sequence[tuple[ObjectInfo, Sequence[EntryFields]]]) -> None:
         with self._lock:
@@ -667,7 +673,7 @@ class PackedBlockStore(BlockStore):
                 if isinstance(result, str):
                     with self._lock:
                         self.corrupt_packs[info.name] = result
-                elif result is not None and sorted(map(Entry._make, result)) != sorted(indexed[info.name]):
+                elif result is not None and sorted(result.entries()) != sorted(indexed[info.name]):
                     with self._lock:
                         self.corrupt_packs[info.name] = "its index disagrees with the index file"
         return self.damaged()

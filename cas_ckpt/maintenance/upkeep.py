@@ -36,6 +36,10 @@ _log = logging.getLogger("cas_ckpt")
 SMALL_PACKS = 32  # merge once this many packs are small (git's gc.autoPackLimit is 50)
 UNCOVERED = 16  # snapshot once an open reads this many packs' own indexes besides the snapshot
 UNCOVERED_REMOTE = 8  # ...or this many journals, where each is a request (S3)
+# ...or this many block copies outside the snapshot (an eighth of those in it, if more): one big
+# save (a 70B model's is ~700,000 chunks) leaves the next open the snapshot to read, not rows to
+# sort, and a repository of N blocks is rewritten about once per N/8 new ones.
+UNCOVERED_ROWS = 100_000
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class Policy:
     auto: bool = True
     small_packs: int = SMALL_PACKS
     uncovered: int | None = None  # None: UNCOVERED, or UNCOVERED_REMOTE where listing costs requests
+    uncovered_rows: int | None = None  # None: UNCOVERED_ROWS
 
     @classmethod
     def of(cls, setting: bool | Mapping[str, object] | Policy | None) -> Policy:
@@ -114,6 +119,7 @@ class UpkeepStatus:
     uncovered: int  # packs' own indexes (or journals) an open reads besides the snapshot
     damaged_indexes: int
     due: list[str]  # the tasks the next upkeep would run
+    uncovered_rows: int = 0  # the block copies those hold
 
 
 class SetAsideDamaged:
@@ -158,7 +164,8 @@ class MergeSmallPacks:
 
 class ConsolidateIndex:
     """Write an index snapshot once opens read ``policy.uncovered`` files besides the last one,
-    when none exists yet (a new repository, or one 0.2 wrote), or when one was found damaged."""
+    or ``policy.uncovered_rows`` block copies (an eighth of the snapshot's, if more), when none
+    exists yet (a new repository, or one 0.2 wrote), or when one was found damaged."""
 
     name = "consolidate-index"
 
@@ -168,7 +175,10 @@ class ConsolidateIndex:
             return False
         if layout.snapshot is None:
             return layout.packs > 0
-        return layout.damaged_indexes > 0 or layout.uncovered >= max(uncovered_limit(context), 1)
+        rows = UNCOVERED_ROWS if context.policy.uncovered_rows is None else context.policy.uncovered_rows
+        covered = layout.blocks - layout.uncovered_rows
+        return layout.damaged_indexes > 0 or layout.uncovered >= max(uncovered_limit(context), 1) \
+            or bool(rows and layout.uncovered_rows >= max(rows, covered // 8, 1))
 
     def run(self, context: Context) -> None:
         context.report.snapshot = context.blocks.consolidate()
@@ -218,7 +228,7 @@ def status(
     return UpkeepStatus(
         auto=policy.auto, packs=layout.packs, small_packs=layout.small_packs, pack_bytes=layout.bytes,
         snapshot=layout.snapshot, uncovered=layout.uncovered, damaged_indexes=layout.damaged_indexes,
-        due=[task.name for task in TASKS if task.due(context)],
+        due=[task.name for task in TASKS if task.due(context)], uncovered_rows=layout.uncovered_rows,
     )
 
 
