@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cas_ckpt import cid as cidlib
-from cas_ckpt.errors import CasCkptError, ReplicationFailed
+from cas_ckpt.errors import CasCkptError, RefConflict, ReplicationFailed
 from cas_ckpt.refs import RefStore
 from cas_ckpt.replication import TransferReport, Update, descends, transfer
 from cas_ckpt.repository import Repository
@@ -291,12 +291,13 @@ class Replicator:
         self._queue(steps, checked=False)
 
     def _lacking(self, remote: Repository, head: bytes | None, steps: dict[int, bytes]) -> dict[int, bytes]:
-        """Of ``steps`` (step -> commit), those the remote still needs: newer than its run's
-        latest step (older ones it lacks were never due, or its retention expired them), and
+        """Of ``steps`` (step -> commit), those the remote still needs: its run's latest step and
+        newer ones (older ones it lacks were never due, or its retention expired them; the
+        latest lacks its step ref where a push was cut between the run's ref and the step refs),
         without an equal step ref there."""
         after = None if head is None else remote.commit(head).step
         return {step: cid for step, cid in steps.items()
-                if (after is None or step > after) and remote.refs_store.get(self.step_ref(step)) != cid}
+                if (after is None or step >= after) and remote.refs_store.get(self.step_ref(step)) != cid}
 
     def _queue(self, steps: dict[int, bytes], *, checked: bool = True) -> None:
         """Queue checkpoints saved before this manager started (their bytes unknown: 0)."""
@@ -448,12 +449,23 @@ class Replicator:
             self._unchecked -= unchecked
             return
         newest = max(present)
-        updates = [Update(self.step_ref(s), cid, force=True) for s, cid in sorted(present.items())]
+        # The run's ref moves first: a push refused there (another writer's run) moves no step
+        # ref, so it never replaces steps that writer's tier acknowledged.
         if self._remote_head is None:  # first push of this manager: only a fast-forward
-            updates.append(Update(self.ref, present[newest]))
+            updates = [Update(self.ref, present[newest])]
         else:  # the run is this manager's: it may move back (a rewind), but only from what it set
-            updates.append(Update(self.ref, present[newest], force=True, expect=self._remote_head))
-        self.last_report = transfer(self.repo, remote, updates)
+            updates = [Update(self.ref, present[newest], force=True, expect=self._remote_head)]
+        updates += [Update(self.step_ref(s), cid, force=True) for s, cid in sorted(present.items())]
+        try:
+            self.last_report = transfer(self.repo, remote, updates)
+        except RefConflict:
+            # A commit of this run's own history there: an earlier push of ours moved the ref and
+            # its answer was lost (a peer killed before it answered). Expect it from now on.
+            actual = remote.refs_store.get(self.ref)
+            if actual is not None and self._remote_head is not None and actual != self._remote_head[0] \
+                    and descends(self.repo, present[newest], actual):
+                self._remote_head = (actual,)
+            raise
         self._remote_head = (present[newest],)
         self._replicated = newest
         self._unchecked -= unchecked
