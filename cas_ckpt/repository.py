@@ -805,13 +805,14 @@ class Repository:
             self.refs_store.pin(cid)
         return cidlib.to_cid(cid)
 
-    def check_complete(self, cid: bytes) -> None:
-        """Raise unless every block checkpoint ``cid`` needs is stored and sound (nodes read and
-        hashed, chunks looked up): :class:`CheckpointExpired` naming a missing block.
+    def check_complete(self, target: Target) -> None:
+        """Raise unless every block checkpoint ``target`` needs is stored and sound (nodes read
+        and hashed, chunks looked up): :class:`CheckpointExpired` naming a missing block.
 
         A ref or pin at a partial checkpoint (say, a commit from the history whose data GC removed)
         would not load, and would make every later GC refuse to run. Call with the save lock held.
         """
+        cid = self._resolve(target)
         self.blocks.refresh()
         self.blocks.get(cid)  # BlockNotFound / CorruptBlock for the root itself
         lookup = self.history.lookup()

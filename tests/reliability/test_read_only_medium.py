@@ -139,6 +139,7 @@ READS: dict[str, Call] = {
     "diff": lambda r, _: r.diff("main~1", "main"),
     "graph": lambda r, _: r.graph(),
     "find_nonfinite": lambda r, _: r.find_nonfinite("main"),
+    "check_complete": lambda r, _: r.check_complete("main"),
     "push": lambda r, out: r.push(out / "pushed"),
     "export_car": lambda r, out: r.export_car("main", out / "x.car"),
     "export_safetensors": lambda r, out: r.export_safetensors("main", out / "m.safetensors", path="model"),
@@ -151,6 +152,7 @@ READS: dict[str, Call] = {
 WRITES: dict[str, Call] = {
     "save": lambda r, _: r.save({"a": 1}),
     "transaction": lambda r, _: _transaction(r),
+    "commit_tree": lambda r, _: r.commit_tree(lambda tree: tree.write({"a": 1})),
     "set_compression": lambda r, _: r.set_compression("zstd"),
     "set_ref": lambda r, _: r.set_ref("new", "main"),
     "delete_ref": lambda r, _: r.delete_ref("other"),
