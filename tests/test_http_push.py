@@ -237,3 +237,14 @@ def test_the_cli_and_a_manager_push_to_a_peer(peer: Any, tmp_path: Path) -> None
     with cas_ckpt.open(tmp_path / "peer") as there:
         assert same(there.load("runs/b"), state(2, mib=1))
         assert there.commit("runs/b").step == 2
+
+
+def test_a_missing_blocks_query_of_thousands_of_cids_is_read_whole(peer: Any, tmp_path: Path) -> None:
+    """A query's JSON arrives in many reads (16,384 CIDs is about 1 MB): the server reads it to its
+    end, and a push of 4,096 chunks sends them all and moves the ref."""
+    with cas_ckpt.open(tmp_path / "local", chunk_size=4096) as local:
+        cid = local.save({"w": np.random.default_rng(0).random(4 << 20, dtype=np.float32)}, ref="run")
+        report = local.push(peer.url, "run", storage_options=opts())
+    assert report.blocks_sent >= 4096
+    with cas_ckpt.open(tmp_path / "peer") as there:
+        assert there.resolve("run") == cid and there.fsck().ok

@@ -99,9 +99,13 @@ async def _json_body(request: web.Request) -> Any:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_JSON, actual_size=request.content_length,
                                             text=json.dumps({"error": f"over {MAX_JSON} bytes of JSON"}),
                                             content_type="application/json")
-    data = await request.content.read(MAX_JSON + 1)
-    if len(data) > MAX_JSON:
-        raise _bad(f"over {MAX_JSON} bytes of JSON", web.HTTPRequestEntityTooLarge)
+    parts, size = [], 0
+    while chunk := await request.content.read(READ_AHEAD):  # each read gives what has arrived
+        size += len(chunk)
+        if size > MAX_JSON:
+            raise _bad(f"over {MAX_JSON} bytes of JSON", web.HTTPRequestEntityTooLarge)
+        parts.append(chunk)
+    data = b"".join(parts)
     try:
         return json.loads(data)
     except ValueError as exc:
