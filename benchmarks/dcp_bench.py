@@ -52,7 +52,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import re
 import shutil
 import socket
@@ -65,6 +64,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from _context import cpu_of, machine, tree_state
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -203,13 +204,6 @@ def count_requests() -> collections.Counter[str]:
     return counter
 
 
-def cpu_of(pid: str) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
 
 
 class Sampler:
@@ -844,27 +838,8 @@ def _liner(lines: list[str], sides: list[str], hashes: list[str], ratios: dict[s
     return line
 
 
-def tree_state() -> dict[str, Any]:
-    """The commit measured, and the files of cas_ckpt/ changed from it (others edit the tree too)."""
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
-        return done.stdout.strip()
-
-    return {"head": git("rev-parse", "HEAD"), "modified": git("status", "--short", "cas_ckpt").splitlines()}
 
 
-def machine() -> dict[str, Any]:
-    import numpy as np
-    import torch
-
-    cpuinfo, meminfo = Path("/proc/cpuinfo").read_text(), Path("/proc/meminfo").read_text()
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                  if line.startswith("model name")), platform.processor())
-    mem = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemTotal"))
-    load = os.getloadavg()
-    return {"cpu_model": model, "cpus": os.cpu_count(), "mem_total_gib": round(mem / GiB, 1),
-            "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
-            "loadavg_at_start": load}
 
 
 def main(argv: list[str] | None = None) -> int:

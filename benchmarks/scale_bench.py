@@ -57,6 +57,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from _context import cpu_of  # noqa: F401 - the child scripts import it from here
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MiB = 1024 * 1024
@@ -85,14 +87,6 @@ def count_requests() -> collections.Counter[str]:
     return counter
 
 
-def cpu_of(pid: str) -> float:
-    """CPU seconds (user and system) process ``pid`` has used; NaN when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
 
 
 def _status_bytes(field: str) -> int:

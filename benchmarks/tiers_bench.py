@@ -49,7 +49,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -64,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _context import machine, tree_state
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -710,25 +710,8 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def tree_state() -> dict[str, Any]:
-    """The commit measured, and the files of cas_ckpt/ changed from it (others edit the tree too)."""
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
-        return done.stdout.strip()
-
-    return {"head": git("rev-parse", "HEAD"), "modified": git("status", "--short", "cas_ckpt").splitlines()}
 
 
-def machine() -> dict[str, Any]:
-    import torch
-
-    cpuinfo, meminfo = Path("/proc/cpuinfo").read_text(), Path("/proc/meminfo").read_text()
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                  if line.startswith("model name")), platform.processor())
-    mem = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemTotal"))
-    return {"cpu_model": model, "cpus": os.cpu_count(), "mem_total_gib": round(mem / GiB, 1),
-            "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
-            "loadavg_at_start": os.getloadavg()}
 
 
 def main(argv: list[str] | None = None) -> int:
