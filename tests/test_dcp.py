@@ -76,7 +76,7 @@ def run_ranks(
     codes = []
     for proc in procs:
         try:
-            output, _ = proc.communicate(timeout=120)
+            output, _ = proc.communicate(timeout=600)  # 8 ranks on 2 busy cores
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()

@@ -439,7 +439,9 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=30),
+        # 8 ranks on 2 busy cores start (import torch) and hash slowly: a collective may wait
+        # minutes for the last rank; a killed peer is noticed at once (its sockets close)
+        timeout=datetime.timedelta(seconds=30 if scenario == "kill" else 300),
     )
     mesh = init_device_mesh("cpu", (world,))
     repo = cas_ckpt.open(location)
