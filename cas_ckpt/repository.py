@@ -1244,10 +1244,14 @@ def _ensure_config(
         if not create:
             raise RepositoryError(f"no cas_ckpt repository at {location}")
         clash = occupied()
-        if clash:
+        # Another process (a rank of the same job) may have created it between the two looks:
+        # its config is written before anything else lands there.
+        found = refs.read_config() if clash else None
+        if clash and found is None:
             raise RepositoryError(f"{location} {clash} and is not a cas_ckpt repository")
-        found = refs.init_config(_new_config(hash, chunk_size, compression or DEFAULT_COMPRESSION,
-                                             refs.format_version))
+        if found is None:
+            found = refs.init_config(_new_config(hash, chunk_size, compression or DEFAULT_COMPRESSION,
+                                                 refs.format_version))
     config = _check_config(found, location)
     if compression is not None and compression != config.compression:
         if read_only:

@@ -395,3 +395,25 @@ def test_save_expected_makes_read_modify_write_safe(repo: cas_ckpt.Repository) -
 def test_numpy_integer_step_is_accepted(repo: cas_ckpt.Repository) -> None:
     cid = repo.save({"a": 1}, step=np.int64(7))
     assert repo.commit(cid).step == 7
+
+
+def test_a_repository_created_by_another_process_between_two_looks_is_opened(tmp_path: Path) -> None:
+    """Every rank of a job opens the same new repository at once: one that finds no config, then
+    finds the directory filled by the rank that created it meanwhile, opens that repository
+    (it failed with "exists and is not an empty directory", 1 time in 6 with 8 ranks)."""
+    from cas_ckpt.refs import LocalRefStore
+    from cas_ckpt.repository import _ensure_config, _local_occupied
+
+    root = tmp_path / "repo"
+
+    def meanwhile() -> str | None:
+        cas_ckpt.open(root).close()  # the other rank, all the way
+        return _local_occupied(root)
+
+    config = _ensure_config(LocalRefStore(root), str(root), create=True, hash="sha2-256",
+                            chunk_size=1 << 20, occupied=meanwhile)
+    assert config.hash == "sha2-256"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(cas_ckpt.errors.RepositoryError, match="not an empty directory"):
+        cas_ckpt.open(tmp_path / "other")
