@@ -36,6 +36,9 @@ import numpy as np
 
 import cas_ckpt
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reliability"))
+from _support import append_line  # the reliability suite's fsynced log line
+
 MiB = 1 << 20
 FIXED = 2 * MiB  # bytes of the weights that never change (stored once per trainer)
 MOVING = 2 * MiB  # bytes that change every step: what each push sends
@@ -59,15 +62,6 @@ def state(tid: int, step: int, moving: int = MOVING) -> dict[str, Any]:
     }
 
 
-def _append(log: str, line: str) -> None:
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__} {' '.join(str(exc).split())}"
 
@@ -86,33 +80,33 @@ def train(*, repo: str, ref: str, tid: int, tiers: list[str], token: str, async_
             repo, ref, keep_last=keep_last, async_save=async_save, replicate_to=list(tiers),
             remote_retention=[{"keep_last": k} if k else {} for k in keep], remote_storage_options=options)
     except cas_ckpt.CasCkptError as exc:  # a diverged run on a tier (another trainer's): refused
-        _append(log, f"start-failed {tid} {_one_line(exc)}")
+        append_line(log, f"start-failed {tid} {_one_line(exc)}")
         print(f"tid={tid} pid={os.getpid()} the manager refused to start: {_one_line(exc)}",
               file=sys.stderr, flush=True)
         return 0
     report = manager.last_restore
     latest = manager.latest_step()
-    _append(log, f"start {tid} {report.tier if report else 'local'} "
+    append_line(log, f"start {tid} {report.tier if report else 'local'} "
                  f"{'-' if report is None or report.step is None else report.step} "
                  f"{'-' if latest is None else latest}")
     step = 0 if latest is None else latest + 1
     for _ in range(max_steps):
         if stop.is_set():
             break
-        _append(log, f"begin {step}")
+        append_line(log, f"begin {step}")
         manager.save(step, state(tid, step))
-        _append(log, f"saved {step}")
+        append_line(log, f"saved {step}")
         step += 1
         stop.wait(pause)
-    _append(log, "stopping")
+    append_line(log, "stopping")
     try:
         manager.close()
-        _append(log, "closed")
+        append_line(log, "closed")
     except cas_ckpt.CasCkptError as exc:
-        _append(log, f"close-failed {_one_line(exc)}")
+        append_line(log, f"close-failed {_one_line(exc)}")
         print(f"tid={tid} pid={os.getpid()} close failed: {_one_line(exc)}", file=sys.stderr, flush=True)
     for lag in manager.replication_lag or []:
-        _append(log, f"lag {lag.tier} {'-' if lag.replicated_step is None else lag.replicated_step} "
+        append_line(log, f"lag {lag.tier} {'-' if lag.replicated_step is None else lag.replicated_step} "
                      f"{lag.steps} {lag.failures}")
     return 0
 
